@@ -1,0 +1,436 @@
+"""The ``dlprof-agent`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from types import FrameType
+from typing import Any, TextIO
+
+from dlprof_agent import __version__
+from dlprof_agent.agent.errors import (
+    EXIT_CODES_HELP,
+    AgentError,
+    PortUnavailable,
+    TargetNotFound,
+    UsageError,
+)
+from dlprof_agent.agent.sampler import Sampler, Snapshot
+from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
+from dlprof_agent.agent.target import open_target
+
+DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-exporter 9400
+DEFAULT_LISTEN = "127.0.0.1"
+DEFAULT_INTERVAL_SECONDS = 1.0
+DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
+MIN_INTERVAL_SECONDS = 0.05
+
+log = logging.getLogger("dlprof_agent")
+
+
+def _seconds(minimum: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of seconds (e.g. 1 or 0.5)") from None
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: give at least {minimum:g} seconds")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port: use 1-65535, or 0 for any")
+    return value
+
+
+def _pid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a pid: give the number `ps` or `pgrep -f train.py` shows"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a pid: pids are positive")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line, like the rest of the agent."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--children", action=argparse.BooleanOptionalAction, default=True,
+                        help="also read the target's descendants (launcher ranks, data-loader "
+                             "workers), each as its own pid (default: on)")
+    parser.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=True,
+                        help="read GPUs through NVML when a driver is present (default: on)")
+
+
+def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: float | None
+                         ) -> None:
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="ADDRESS",
+                        help=f"address to serve /metrics on (default {DEFAULT_LISTEN}; "
+                             "0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                        help=f"port to serve /metrics on (default {DEFAULT_PORT}; 0 picks a "
+                             "free one)")
+    parser.add_argument("--interval", type=_seconds(MIN_INTERVAL_SECONDS),
+                        default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
+                        help="time between samples (default 1). Scrapes read the latest "
+                             "sample and never trigger one")
+    parser.add_argument("--duration", type=_seconds(MIN_INTERVAL_SECONDS),
+                        default=duration_default, metavar="SECONDS",
+                        help="stop after this long" + (
+                            f" (default {duration_default:g})" if duration_default
+                            else " (default: until Ctrl-C or the target exits)"))
+    parser.add_argument("--grace", type=_seconds(0), default=DEFAULT_GRACE_SECONDS,
+                        metavar="SECONDS",
+                        help="after the target exits, keep serving dlprof_target_up 0 this "
+                             f"long so the last scrape sees it (default {DEFAULT_GRACE_SECONDS:g})")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no live status line and no summary")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="dlprof-agent",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Attach to a running training job and export where its time goes to "
+                    "Prometheus: CPU by mode, memory, threads, context switches, I/O, and "
+                    "GPU utilization, memory, PCIe, power and clocks. The job is not "
+                    "restarted and nothing is injected into it.",
+        epilog="examples:\n"
+               "  dlprof-agent attach $(pgrep -f train.py)     serve on "
+               f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics\n"
+               "  dlprof-agent snapshot 4242 | grep cpu        print the metrics once\n"
+               "  dlprof-agent demo                            see it work on a busy process\n"
+               "\nrun `dlprof-agent COMMAND --help` for each command's options.\n\n"
+               + EXIT_CODES_HELP)
+    parser.add_argument("--version", action="version", version=f"dlprof-agent {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    attach = commands.add_parser(
+        "attach", help="sample a running process and serve its metrics",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Sample the process PID (and its descendants) every --interval seconds "
+                    "and serve the latest sample on /metrics for Prometheus, plus /healthz. "
+                    "On a terminal a status line shows the CPU split, memory, threads and "
+                    "GPU use; on exit a summary is printed.",
+        epilog="examples:\n"
+               "  dlprof-agent attach 4242\n"
+               "  dlprof-agent attach $(pgrep -f train.py) --port 9946 --interval 0.5\n"
+               "  dlprof-agent attach 4242 --listen 0.0.0.0 --no-children --duration 600\n\n"
+               "Prometheus scrape config:\n"
+               "  scrape_configs:\n"
+               "    - job_name: dlprof\n"
+               "      scrape_interval: 1s\n"
+               f"      static_configs: [{{targets: ['localhost:{DEFAULT_PORT}']}}]\n\n"
+               "Reading another user's process needs root or CAP_SYS_PTRACE.\n\n"
+               + EXIT_CODES_HELP)
+    attach.add_argument("pid", type=_pid, metavar="PID", help="the training job's process id")
+    _add_serving_options(attach, duration_default=None)
+    _add_sampling_options(attach)
+
+    snapshot = commands.add_parser(
+        "snapshot", help="print the metrics of a process once and exit",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Take one sample of PID and print it in the Prometheus text format, "
+                    "for scripts and quick checks. Counters are totals since the process "
+                    "started; rates need two snapshots or a Prometheus server.",
+        epilog="examples:\n"
+               "  dlprof-agent snapshot 4242\n"
+               "  dlprof-agent snapshot 4242 | grep dlprof_thread_group\n"
+               "  dlprof-agent snapshot 4242 | promtool check metrics\n\n"
+               + EXIT_CODES_HELP)
+    snapshot.add_argument("pid", type=_pid, metavar="PID", help="the process id")
+    _add_sampling_options(snapshot)
+
+    demo = commands.add_parser(
+        "demo", help="start a busy demo process, attach to it, and show what the agent sees",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start a synthetic busy process (named worker threads plus a child "
+                    "process), attach to it as `attach` would, and after --duration print "
+                    "the summary and a few of the series a Prometheus scrape gets.",
+        epilog="examples:\n"
+               "  dlprof-agent demo\n"
+               "  dlprof-agent demo --duration 60 --threads 8   (then scrape "
+               f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics)\n")
+    demo.add_argument("--threads", type=int, default=3, help="busy worker threads (default 3)")
+    _add_serving_options(demo, duration_default=10.0)
+    _add_sampling_options(demo)
+    return parser
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    listen: str
+    port: int
+    interval: float
+    duration: float | None
+    grace: float
+    quiet: bool
+    children: bool
+    gpu: bool
+
+
+def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
+    from dlprof_agent.collectors.errors import ErrorLog
+    from dlprof_agent.collectors.host import HostCollector
+    from dlprof_agent.collectors.process import ProcessCollector
+
+    errors = ErrorLog()
+    gpu_collector = None
+    if gpu:
+        from dlprof_agent.collectors.gpu import GpuCollector
+        gpu_collector = GpuCollector(errors=errors)
+    try:
+        processes = ProcessCollector(pid, children=children, errors=errors)
+    except Exception as error:  # psutil.NoSuchProcess: gone since the check
+        raise TargetNotFound(f"process {pid} exited while the agent was starting",
+                             "attach to a running job") from error
+    return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
+                   gpu=gpu_collector, errors=errors, interval_seconds=interval)
+
+
+def _first_sample(sampler: Sampler) -> Snapshot:
+    snapshot = sampler.sample_once()
+    if not snapshot.target_up:
+        raise TargetNotFound(f"process {sampler.target_pid} exited while the agent was "
+                             "starting", "attach to a running job")
+    return snapshot
+
+
+def _registry(sampler: Sampler) -> Any:
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from dlprof_agent.exporters.prometheus import SnapshotCollector
+
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: sampler.latest,
+                                        interval_seconds=sampler.interval_seconds))
+    # The agent's own footprint, under its own prefix so it cannot be mistaken
+    # for the target's.
+    ProcessCollector(namespace="dlprof_agent", registry=registry)
+    return registry
+
+
+def _start_server(sampler: Sampler, options: ServeOptions) -> Any:
+    from dlprof_agent.exporters.http import MetricsServer
+
+    def health() -> tuple[bool, dict[str, Any]]:
+        latest = sampler.latest
+        age = None if latest is None else time.monotonic() - latest.monotonic_seconds
+        healthy = age is not None and age < 3 * sampler.interval_seconds + 1
+        return healthy, {"target_pid": sampler.target_pid,
+                         "target_up": bool(latest and latest.target_up),
+                         "last_sample_age_seconds": age}
+
+    try:
+        server = MetricsServer(_registry(sampler), host=options.listen, port=options.port,
+                               health=health)
+    except socket.gaierror:
+        raise UsageError(f"cannot listen on {options.listen!r}: not an address of this "
+                         "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None
+    except OSError as error:
+        where = f"{options.listen}:{options.port}"
+        if error.errno == errno.EADDRINUSE:
+            raise PortUnavailable(f"port {options.port} on {options.listen} is already in use",
+                                  f"pick another with --port, e.g. --port {options.port + 1}"
+                                  ) from None
+        if error.errno == errno.EACCES:
+            raise PortUnavailable(f"no permission to listen on {where}",
+                                  "ports below 1024 need root; use e.g. --port "
+                                  f"{DEFAULT_PORT}") from None
+        raise UsageError(f"cannot listen on {where}: {error.strerror}",
+                         "check --listen and --port") from None
+    server.start()
+    return server
+
+
+def _configure_logging(status: LiveStatus | None) -> None:
+    handler = StatusAwareHandler(sys.stderr, status)
+    handler.setFormatter(logging.Formatter("dlprof-agent: %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop
+
+
+def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
+          before_stop: Callable[[int], None] | None = None) -> int:
+    """Attach to ``pid``, serve until the duration, Ctrl-C, SIGTERM or the target's
+    exit, then print the summary. Returns the exit code.
+
+    ``before_stop`` gets the port while the endpoint still serves, at the end."""
+    open_target(pid)
+    status = LiveStatus(out) if out.isatty() and not options.quiet else None
+    _configure_logging(status)
+    sampler = _make_sampler(pid, interval=options.interval, children=options.children,
+                            gpu=options.gpu)
+    server = _start_server(sampler, options)
+    summary = Summary()
+    try:
+        first = _first_sample(sampler)
+        summary.add(first)
+        log.info("attached to pid %d (%s); serving http://%s:%d/metrics", pid,
+                 first.target.name if first.target else "?", options.listen, server.port)
+
+        stop = threading.Event()
+
+        def on_sample(snapshot: Snapshot) -> None:
+            summary.add(snapshot)
+            if status is not None:
+                status.show(snapshot)
+
+        loop = threading.Thread(target=sampler.run, args=(stop, on_sample),
+                                name="dlprof-sampler", daemon=True)
+        previous_term = signal.signal(signal.SIGTERM, _raise_stop)
+        try:
+            loop.start()
+            deadline = None if options.duration is None else time.monotonic() + options.duration
+            while loop.is_alive():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                loop.join(0.2 if remaining is None else min(0.2, remaining))
+            stop.set()
+            loop.join()
+            exited = not sampler.latest or not sampler.latest.target_up
+            if exited and options.grace > 0:
+                if status is not None:
+                    status.clear()
+                log.info("process %d exited; serving dlprof_target_up 0 for %g s", pid,
+                         options.grace)
+                time.sleep(options.grace)
+        except (KeyboardInterrupt, _Stop):
+            stop.set()
+        finally:
+            signal.signal(signal.SIGTERM, previous_term)
+        if before_stop is not None:
+            before_stop(server.port)
+    finally:
+        server.stop()
+    if status is not None:
+        status.clear()
+    if not options.quiet:
+        latest = sampler.latest
+        print(summary.render(pid, target_exited=bool(latest and not latest.target_up)),
+              file=out)
+    return 0
+
+
+def snapshot_command(pid: int, *, children: bool, gpu: bool, out: TextIO) -> int:
+    from prometheus_client import generate_latest
+
+    open_target(pid)
+    _configure_logging(None)
+    sampler = _make_sampler(pid, interval=DEFAULT_INTERVAL_SECONDS, children=children, gpu=gpu)
+    _first_sample(sampler)
+    out.write(generate_latest(_registry(sampler)).decode())
+    out.flush()
+    return 0
+
+
+DEMO_SERIES = ("dlprof_target_up", "dlprof_process_cpu_seconds_total",
+               "dlprof_process_threads", "dlprof_thread_group_threads",
+               "dlprof_process_resident_memory_peak_bytes", "dlprof_gpu_available")
+
+
+def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -> int:
+    workload = subprocess.Popen(
+        [sys.executable, "-m", "dlprof_agent.workloads.busy", "--threads", str(args.threads),
+         "--children", "1", "--seconds", str((options.duration or 10) + 30)],
+        stdout=subprocess.DEVNULL)
+    exposition: list[str] = []
+
+    def fetch_metrics(port: int) -> None:
+        # Read from the live endpoint, as Prometheus would see it.
+        url = f"http://{options.listen}:{port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                exposition.append(response.read().decode())
+        except OSError as error:
+            log.info("could not read the demo's own endpoint: %s", error)
+
+    try:
+        time.sleep(0.5)  # let the workload start its threads and child
+        print(f"demo: started a busy process, pid {workload.pid}, with {args.threads} "
+              f"worker threads and one child; attaching for {options.duration:g} s", file=out)
+        try:
+            code = serve(workload.pid, options, out=out, before_stop=fetch_metrics)
+        except PortUnavailable:
+            log.info("port %d is in use; the demo takes a free one instead", options.port)
+            options = replace(options, port=0)
+            code = serve(workload.pid, options, out=out, before_stop=fetch_metrics)
+    finally:
+        workload.terminate()
+        workload.wait(5)
+    if exposition:
+        print("\nwhat Prometheus scrapes (a few of the series):", file=out)
+        for line in _demo_lines(exposition[0]):
+            print("  " + line, file=out)
+    return code
+
+
+def _demo_lines(exposition: str) -> list[str]:
+    return [line for line in exposition.splitlines()
+            if line.startswith(DEMO_SERIES)][:24]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "snapshot":
+            return snapshot_command(args.pid, children=args.children, gpu=args.gpu,
+                                    out=sys.stdout)
+        options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
+                               duration=args.duration, grace=args.grace, quiet=args.quiet,
+                               children=args.children, gpu=args.gpu)
+        if args.command == "demo":
+            return demo_command(args, options, sys.stdout)
+        return serve(args.pid, options)
+    except AgentError as error:
+        print(f"dlprof-agent: error: {error.one_line()}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `dlprof-agent snapshot PID | head`: the reader left; that is not a failure.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

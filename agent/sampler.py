@@ -1,0 +1,123 @@
+"""The sampling loop: reads every collector once per interval, on the agent's own
+clock, and publishes one immutable snapshot. Scrapes only read the latest one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.gpu_samples import GpuSample
+from dlprof_agent.collectors.host import HostCollector, HostSample
+from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
+
+log = logging.getLogger("dlprof_agent")
+
+
+_T = TypeVar("_T")
+
+
+class GpuSource(Protocol):
+    """What the sampler needs from the GPU collector."""
+
+    def sample(self, pids: frozenset[int]) -> GpuSample: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    timestamp_seconds: float  # unix time the pass started
+    monotonic_seconds: float
+    target_pid: int
+    target_up: bool
+    processes: tuple[ProcessSample, ...] = ()
+    host: HostSample | None = None
+    gpu: GpuSample | None = None
+    collector_errors: tuple[tuple[str, int], ...] = ()
+    sample_duration_seconds: float = 0.0
+    samples_total: int = 0
+
+    @property
+    def target(self) -> ProcessSample | None:
+        return next((p for p in self.processes if p.is_target), None)
+
+
+@dataclass
+class Sampler:
+    target_pid: int
+    processes: ProcessCollector
+    host: HostCollector
+    gpu: GpuSource | None
+    errors: ErrorLog
+    interval_seconds: float
+    _latest: Snapshot | None = field(default=None, init=False)
+    _samples_total: int = field(default=0, init=False)
+    _target_up: bool = field(default=True, init=False)
+
+    @property
+    def latest(self) -> Snapshot | None:
+        return self._latest
+
+    def sample_once(self) -> Snapshot:
+        """One pass over every collector. A failing collector is counted and
+        its series are left out of this snapshot; the others still publish."""
+        started_wall = time.time()
+        started = time.monotonic()
+        processes: tuple[ProcessSample, ...] = ()
+        if self._target_up:
+            try:
+                processes = self.processes.sample()
+            except TargetGone:
+                self._target_up = False
+            except Exception as error:
+                self.errors.record("process", error)
+        host = self._guarded("host", self.host.sample)
+        gpu = None
+        if self.gpu is not None:
+            pids = frozenset(p.pid for p in processes)
+            gpu_source = self.gpu
+            gpu = self._guarded("gpu", lambda: gpu_source.sample(pids))
+        self._samples_total += 1
+        snapshot = Snapshot(
+            timestamp_seconds=started_wall,
+            monotonic_seconds=started,
+            target_pid=self.target_pid,
+            target_up=self._target_up,
+            processes=processes,
+            host=host,
+            gpu=gpu,
+            collector_errors=tuple(sorted(self.errors.counts().items())),
+            sample_duration_seconds=time.monotonic() - started,
+            samples_total=self._samples_total,
+        )
+        self._latest = snapshot  # one reference swap: readers never see a half-built state
+        return snapshot
+
+    def _guarded(self, collector: str, read: Callable[[], _T]) -> _T | None:
+        try:
+            return read()
+        except Exception as error:
+            self.errors.record(collector, error)
+            return None
+
+    def run(self, stop: threading.Event, on_sample: Callable[[Snapshot], None]) -> None:
+        """Sample every interval until ``stop`` is set or the target exits.
+
+        Deadlines are fixed multiples of the interval, so a slow pass delays
+        the next one without shifting the ones after it.
+        """
+        next_deadline = time.monotonic()
+        while not stop.is_set():
+            snapshot = self.sample_once()
+            on_sample(snapshot)
+            if not snapshot.target_up:
+                return
+            next_deadline += self.interval_seconds
+            now = time.monotonic()
+            if next_deadline < now:  # overran: skip the missed ticks
+                missed = int((now - next_deadline) // self.interval_seconds) + 1
+                next_deadline += missed * self.interval_seconds
+            stop.wait(next_deadline - now)

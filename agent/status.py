@@ -1,0 +1,172 @@
+"""The one-line live status on a terminal, and the summary printed on exit."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TextIO
+
+from dlprof_agent.agent.sampler import Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class TreeTotals:
+    """The target and its descendants, added up."""
+
+    processes: int
+    user_seconds: float
+    system_seconds: float
+    iowait_seconds: float
+    rss_bytes: int
+    threads: int
+    context_switches: int
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> TreeTotals:
+        ps = snapshot.processes
+        return cls(
+            processes=len(ps),
+            user_seconds=sum(p.user_seconds for p in ps),
+            system_seconds=sum(p.system_seconds for p in ps),
+            iowait_seconds=sum(p.iowait_seconds for p in ps),
+            rss_bytes=sum(p.rss_bytes for p in ps),
+            threads=sum(p.threads for p in ps),
+            context_switches=sum(p.voluntary_context_switches
+                                 + p.involuntary_context_switches for p in ps),
+        )
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def _gpu_part(snapshot: Snapshot) -> str:
+    gpu = snapshot.gpu
+    if gpu is None or not gpu.available:
+        return "gpu n/a"
+    utilizations = [d.utilization_ratio for d in gpu.devices if d.utilization_ratio is not None]
+    memory = sum(p.memory_bytes or 0 for p in gpu.processes)
+    mean = f"{100 * sum(utilizations) / len(utilizations):.0f}%" if utilizations else "?"
+    return f"gpu {mean} mem {format_bytes(memory)}"
+
+
+class LiveStatus:
+    """Rewrites one terminal line per sample. Log records clear it first."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._previous: tuple[float, TreeTotals] | None = None
+        self._shown = False
+
+    def show(self, snapshot: Snapshot) -> None:
+        if not snapshot.target_up:
+            return
+        totals = TreeTotals.of(snapshot)
+        previous, self._previous = self._previous, (snapshot.monotonic_seconds, totals)
+        if previous is None:
+            cpu = "cpu …"
+        else:
+            elapsed = max(snapshot.monotonic_seconds - previous[0], 1e-9)
+            last = previous[1]
+            user = 100 * (totals.user_seconds - last.user_seconds) / elapsed
+            system = 100 * (totals.system_seconds - last.system_seconds) / elapsed
+            iowait = 100 * (totals.iowait_seconds - last.iowait_seconds) / elapsed
+            cpu = f"cpu usr {user:.0f}% sys {system:.0f}% io {iowait:.0f}%"
+        procs = f" in {totals.processes} procs" if totals.processes > 1 else ""
+        line = (f"pid {snapshot.target_pid}{procs} | {cpu} | rss "
+                f"{format_bytes(totals.rss_bytes)} | {totals.threads} threads | "
+                f"{_gpu_part(snapshot)}")
+        self._stream.write("\r\x1b[K" + line)
+        self._stream.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self._shown:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._shown = False
+
+
+class StatusAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Clears the live line before a log record, so the two never interleave."""
+
+    def __init__(self, stream: TextIO, status: LiveStatus | None) -> None:
+        super().__init__(stream)
+        self._status = status
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._status is not None:
+            self._status.clear()
+        super().emit(record)
+
+
+class Summary:
+    """What the agent saw between attach and exit."""
+
+    def __init__(self) -> None:
+        self._first: Snapshot | None = None
+        self._last_up: Snapshot | None = None
+        self._first_totals: TreeTotals | None = None
+        self.peak_rss_bytes = 0
+        self.peak_threads = 0
+        self.peak_processes = 0
+        self.peak_gpu_memory_bytes = 0
+        self._gpu_utilization_sum = 0.0
+        self._gpu_utilization_count = 0
+        self.samples = 0
+
+    def add(self, snapshot: Snapshot) -> None:
+        self.samples += 1
+        if not snapshot.target_up:
+            return
+        totals = TreeTotals.of(snapshot)
+        if self._first is None:
+            self._first, self._first_totals = snapshot, totals
+        self._last_up = snapshot
+        self.peak_rss_bytes = max(self.peak_rss_bytes,
+                                  sum(p.rss_peak_bytes for p in snapshot.processes))
+        self.peak_threads = max(self.peak_threads, totals.threads)
+        self.peak_processes = max(self.peak_processes, totals.processes)
+        if snapshot.gpu is not None and snapshot.gpu.available:
+            self.peak_gpu_memory_bytes = max(
+                self.peak_gpu_memory_bytes,
+                sum(p.memory_bytes or 0 for p in snapshot.gpu.processes))
+            for device in snapshot.gpu.devices:
+                if device.utilization_ratio is not None:
+                    self._gpu_utilization_sum += device.utilization_ratio
+                    self._gpu_utilization_count += 1
+
+    def render(self, target_pid: int, *, target_exited: bool) -> str:
+        lines = [f"dlprof-agent summary for pid {target_pid}"
+                 + (" (the process exited)" if target_exited else "")]
+        first, last, first_totals = self._first, self._last_up, self._first_totals
+        if first is None or last is None or first_totals is None:
+            return lines[0] + ": no samples taken"
+        elapsed = last.monotonic_seconds - first.monotonic_seconds
+        totals = TreeTotals.of(last)
+        lines.append(f"  watched      {elapsed:.1f} s, {self.samples} samples")
+        if elapsed > 0:
+            def cores(now: float, then: float) -> str:
+                return f"{(now - then) / elapsed:.2f}"
+            lines.append(
+                "  cpu cores    user " + cores(totals.user_seconds, first_totals.user_seconds)
+                + "  system " + cores(totals.system_seconds, first_totals.system_seconds)
+                + "  iowait " + cores(totals.iowait_seconds, first_totals.iowait_seconds))
+            switches = (totals.context_switches - first_totals.context_switches) / elapsed
+            lines.append(f"  ctx switches {switches:.0f}/s")
+        lines.append(f"  memory       peak rss {format_bytes(self.peak_rss_bytes)}"
+                     f"  (now {format_bytes(totals.rss_bytes)})")
+        lines.append(f"  threads      peak {self.peak_threads}"
+                     + (f" in {self.peak_processes} processes" if self.peak_processes > 1
+                        else ""))
+        if self._gpu_utilization_count:
+            mean = 100 * self._gpu_utilization_sum / self._gpu_utilization_count
+            lines.append(f"  gpu          mean utilization {mean:.0f}%, peak process memory "
+                         f"{format_bytes(self.peak_gpu_memory_bytes)}")
+        else:
+            lines.append("  gpu          not available")
+        return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""Checks the target pid before anything else starts, turning every way it can be
+wrong into a one-line error with what to do about it."""
+
+from __future__ import annotations
+
+import os
+import pwd
+
+import psutil
+
+from dlprof_agent.agent.errors import TargetAccessDenied, TargetNotFound, UsageError
+from dlprof_agent.collectors.process import check_access
+
+PRIVILEGE_HINT = ("run the agent as the same user as the job, or as root, or grant it "
+                  "CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE)")
+
+
+def _owner(process: psutil.Process) -> str:
+    try:
+        uid = process.uids().real
+    except psutil.Error:
+        return "another user"
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def open_target(pid: int, *, procfs: str = "/proc") -> psutil.Process:
+    """Return the process for ``pid`` once it is known to exist and be readable."""
+    if pid <= 0:
+        raise UsageError(f"invalid pid {pid}", "give the positive pid of the training job")
+    if pid == os.getpid():
+        raise UsageError(f"pid {pid} is the agent itself", "give the training job's pid")
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            raise TargetNotFound(f"process {pid} has exited (zombie awaiting its parent)",
+                                 "attach to a running job")
+        check_access(pid, procfs=procfs)
+        with process.oneshot():
+            process.cpu_times()
+            process.num_fds()
+    except psutil.NoSuchProcess:
+        raise TargetNotFound(f"no process with pid {pid}",
+                             "check the pid with `ps -eo pid,user,args | grep python`") from None
+    except psutil.AccessDenied:
+        raise TargetAccessDenied(
+            f"no permission to read process {pid} (owned by {_owner(process)})",
+            PRIVILEGE_HINT) from None
+    return process

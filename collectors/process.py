@@ -1,0 +1,221 @@
+"""The target process and, optionally, its descendants, read through psutil.
+
+Each process is read in one ``oneshot()`` pass per interval. Descendants
+(launcher ranks, data-loader workers) are reported each under its own pid, so
+every counter stays monotonic: summing them here would make the total drop
+whenever a worker exits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import psutil
+
+from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.threads import ThreadGrouper, ThreadGroupSample, read_thread_stats
+
+COLLECTOR = "process"
+_T = TypeVar("_T")
+
+
+class TargetGone(Exception):
+    """The attached process has exited."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(f"process {pid} has exited")
+        self.pid = pid
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSample:
+    pid: int
+    ppid: int
+    name: str
+    is_target: bool  # False for a descendant of the target
+    start_time_seconds: float  # unix time
+    user_seconds: float
+    system_seconds: float
+    iowait_seconds: float  # waiting for block I/O (delay accounting), not CPU use
+    rss_bytes: int
+    vms_bytes: int
+    rss_peak_bytes: int  # since the agent attached
+    threads: int
+    thread_groups: tuple[ThreadGroupSample, ...]
+    voluntary_context_switches: int
+    involuntary_context_switches: int
+    # None where the kernel does not tell (no permission or no I/O accounting).
+    read_bytes: int | None  # from storage
+    write_bytes: int | None
+    read_chars: int | None  # passed to read-like syscalls, page-cache hits included
+    write_chars: int | None
+    open_fds: int | None
+
+
+def read_peak_rss_bytes(pid: int, *, procfs: str = "/proc") -> int | None:
+    """The kernel's resident high-water mark (VmHWM) since the process started."""
+    try:
+        with open(f"{procfs}/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class _PeakTracker:
+    """Resident peak since attach.
+
+    Sampled RSS misses spikes between samples. The kernel's VmHWM catches them
+    but counts from process start, so it is used once it rises above its value
+    at attach: from then on the peak happened after the agent attached.
+    """
+
+    def __init__(self, hwm_at_attach: int | None) -> None:
+        self._hwm_at_attach = hwm_at_attach
+        self.peak_bytes = 0
+
+    def update(self, rss_bytes: int, hwm_bytes: int | None) -> int:
+        self.peak_bytes = max(self.peak_bytes, rss_bytes)
+        if (hwm_bytes is not None and self._hwm_at_attach is not None
+                and hwm_bytes > self._hwm_at_attach):
+            self.peak_bytes = max(self.peak_bytes, hwm_bytes)
+        return self.peak_bytes
+
+
+class _Tracked:
+    """State kept per process between samples."""
+
+    def __init__(self, process: psutil.Process, procfs: str) -> None:
+        self.process = process
+        self.peak = _PeakTracker(read_peak_rss_bytes(process.pid, procfs=procfs))
+        self.threads = ThreadGrouper()
+
+
+class ProcessCollector:
+    """Samples one process tree.
+
+    ``process_factory`` and ``procfs`` are the data sources; tests pass fakes.
+    """
+
+    def __init__(
+        self,
+        pid: int,
+        *,
+        children: bool = True,
+        errors: ErrorLog,
+        procfs: str = "/proc",
+        process_factory: Callable[[int], psutil.Process] = psutil.Process,
+    ) -> None:
+        self.pid = pid
+        self.children = children
+        self._errors = errors
+        self._procfs = procfs
+        self._root = process_factory(pid)
+        self._tracked: dict[int, _Tracked] = {pid: _Tracked(self._root, procfs)}
+
+    def _descendants(self) -> list[psutil.Process]:
+        try:
+            return list(self._root.children(recursive=True))
+        except psutil.Error as error:
+            self._errors.record(COLLECTOR, error)
+            return []
+
+    def sample(self) -> tuple[ProcessSample, ...]:
+        """Read the tree once. Raises ``TargetGone`` when the target has exited."""
+        if not self._root.is_running() or self._root.status() == psutil.STATUS_ZOMBIE:
+            raise TargetGone(self.pid)
+        processes = [self._root]
+        if self.children:
+            processes += self._descendants()
+
+        tracked: dict[int, _Tracked] = {}
+        samples: list[ProcessSample] = []
+        for process in processes:
+            # A pid can be reused; psutil's identity check includes the start time.
+            known = self._tracked.get(process.pid)
+            state = known if known is not None and known.process == process else None
+            if state is None:
+                state = _Tracked(process, self._procfs)
+            try:
+                samples.append(self._read(state))
+            except psutil.NoSuchProcess:
+                if process.pid == self.pid:
+                    raise TargetGone(self.pid) from None
+                continue  # a worker exited mid-read: normal churn, not an error
+            except (psutil.AccessDenied, OSError) as error:
+                if process.pid == self.pid:
+                    raise
+                self._errors.record(COLLECTOR, f"pid {process.pid}: {error}")
+                continue
+            tracked[process.pid] = state
+        self._tracked = tracked
+        return tuple(samples)
+
+    def _read(self, state: _Tracked) -> ProcessSample:
+        process = state.process
+        with process.oneshot():
+            cpu = process.cpu_times()
+            memory = process.memory_info()
+            switches = process.num_ctx_switches()
+            ppid = process.ppid()
+            name = process.name()
+            start_time = process.create_time()
+            threads = process.num_threads()
+            io = _optional(process.io_counters)
+            open_fds = _optional(process.num_fds)
+        try:
+            thread_groups = state.threads.update(
+                read_thread_stats(process.pid, procfs=self._procfs))
+        except FileNotFoundError:
+            raise psutil.NoSuchProcess(process.pid) from None
+        hwm = read_peak_rss_bytes(process.pid, procfs=self._procfs)
+        return ProcessSample(
+            pid=process.pid,
+            ppid=ppid,
+            name=name,
+            is_target=process.pid == self.pid,
+            start_time_seconds=start_time,
+            user_seconds=cpu.user,
+            system_seconds=cpu.system,
+            iowait_seconds=getattr(cpu, "iowait", 0.0),
+            rss_bytes=memory.rss,
+            vms_bytes=memory.vms,
+            rss_peak_bytes=state.peak.update(memory.rss, hwm),
+            threads=threads,
+            thread_groups=thread_groups,
+            voluntary_context_switches=switches.voluntary,
+            involuntary_context_switches=switches.involuntary,
+            read_bytes=getattr(io, "read_bytes", None),
+            write_bytes=getattr(io, "write_bytes", None),
+            read_chars=getattr(io, "read_chars", None),
+            write_chars=getattr(io, "write_chars", None),
+            open_fds=open_fds,
+        )
+
+
+def _optional(read: Callable[[], _T]) -> _T | None:
+    """A field the kernel may refuse or lack; the rest of the sample still counts."""
+    try:
+        return read()
+    except (psutil.AccessDenied, NotImplementedError, AttributeError):
+        return None
+
+
+def check_access(pid: int, *, procfs: str = "/proc") -> None:
+    """Raise ``psutil.AccessDenied`` unless this process may read the target fully.
+
+    /proc/<pid>/io needs the same check as ptrace read access: same user, or
+    CAP_SYS_PTRACE.
+    """
+    if not os.path.exists(f"{procfs}/{pid}/io"):
+        return  # kernel without I/O accounting: nothing to check
+    try:
+        with open(f"{procfs}/{pid}/io"):
+            pass
+    except PermissionError:
+        raise psutil.AccessDenied(pid) from None

@@ -1,0 +1,1 @@
+"""Exporters render the agent's snapshots; only this package imports prometheus_client."""

@@ -1,0 +1,2 @@
+"""Workloads that exercise the agent: a synthetic busy process now, the papers'
+reference models later."""
