@@ -129,7 +129,8 @@ class GpuCollector:
                 raise GpuLost("nvmlDeviceGetHandleByIndex", "GPU is lost")
             return self._read_up(device, device.handle, pids)
         except GpuLost as exc:
-            self._errors.record(NAME, f"GPU {device.index} {device.uuid} is lost ({exc})")
+            which = f"GPU {device.index} {device.uuid}".rstrip()
+            self._errors.record(NAME, f"{which} is lost ({exc})")
             return GpuDeviceSample(device.index, device.uuid, device.name, up=False), []
 
     def _read_up(self, device: _Device, handle: DeviceHandle,

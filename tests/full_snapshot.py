@@ -1,0 +1,45 @@
+"""A snapshot with every field filled in, so every metric family has series."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from dlprof_agent.agent.sampler import Snapshot
+from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
+from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.collectors.threads import ThreadGroupSample
+
+
+def full_snapshot(pid: int = 4242) -> Snapshot:
+    process = ProcessSample(
+        pid=pid, ppid=1, name="python", is_target=True, start_time_seconds=1.7e9,
+        user_seconds=12.5, system_seconds=1.5, iowait_seconds=0.25,
+        rss_bytes=2 << 30, vms_bytes=8 << 30, rss_peak_bytes=3 << 30, threads=3,
+        thread_groups=(ThreadGroupSample("pt_main_thread", 1, 10.0, 1.0, 0.25),
+                       ThreadGroupSample("python", 2, 2.5, 0.5, 0.0)),
+        voluntary_context_switches=100, involuntary_context_switches=7,
+        read_bytes=4096, write_bytes=8192, read_chars=10_000, write_chars=20_000, open_fds=12)
+    child = dataclasses.replace(process, pid=pid + 1, ppid=pid, is_target=False)
+    host = HostSample(
+        cpu_seconds=(("user", 100.0), ("system", 20.0), ("idle", 500.0), ("iowait", 3.0)),
+        logical_cpus=16, physical_cpus=8, memory_total_bytes=64 << 30,
+        memory_available_bytes=32 << 30, swap_total_bytes=8 << 30, swap_used_bytes=1 << 30,
+        swap_in_bytes=4096, swap_out_bytes=8192, load_average=(1.0, 2.0, 3.0))
+    device = GpuDeviceSample(
+        index=0, uuid="GPU-0000", name="NVIDIA H200", up=True, utilization_ratio=0.9,
+        memory_utilization_ratio=0.4, memory_used_bytes=40 << 30, memory_total_bytes=141 << 30,
+        pcie_tx_bytes_per_second=1e9, pcie_rx_bytes_per_second=2e9, power_watts=500.0,
+        power_limit_watts=700.0, energy_joules=1e6, temperature_celsius=60.0,
+        sm_clock_hertz=1.98e9, memory_clock_hertz=2.6e9,
+        throttle_reasons=(("gpu_idle", False), ("sw_power_cap", True)))
+    gpu = GpuSample(available=True, driver_version="570.00", devices=(device,),
+                    processes=(GpuProcessSample(pid=pid, gpu_index=0, uuid="GPU-0000",
+                                                memory_bytes=30 << 30,
+                                                sm_utilization_ratio=0.8,
+                                                memory_utilization_ratio=0.3),))
+    return Snapshot(timestamp_seconds=time.time(), monotonic_seconds=time.monotonic(),
+                    target_pid=pid, target_up=True, processes=(process, child), host=host,
+                    gpu=gpu, collector_errors=(("gpu", 1),), sample_duration_seconds=0.002,
+                    samples_total=5)
