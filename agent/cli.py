@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -18,6 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TextIO
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import ProcessCollector as SelfProcessCollector
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.errors import (
@@ -30,6 +34,12 @@ from dlprof_agent.agent.errors import (
 from dlprof_agent.agent.sampler import Sampler, Snapshot
 from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
 from dlprof_agent.agent.target import open_target
+from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.gpu import GpuCollector
+from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.exporters.prometheus import SnapshotCollector
 
 DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-exporter 9400
 DEFAULT_LISTEN = "127.0.0.1"
@@ -76,6 +86,11 @@ def _pid(text: str) -> int:
     return value
 
 
+def _para(text: str) -> str:
+    """Wrap a description; the raw formatter keeps the examples' own layout."""
+    return textwrap.fill(text, width=78)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports errors in one line, like the rest of the agent."""
 
@@ -120,10 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dlprof-agent",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Attach to a running training job and export where its time goes to "
+        description=_para("Attach to a running training job and export where its time goes to "
                     "Prometheus: CPU by mode, memory, threads, context switches, I/O, and "
                     "GPU utilization, memory, PCIe, power and clocks. The job is not "
-                    "restarted and nothing is injected into it.",
+                    "restarted and nothing is injected into it."),
         epilog="examples:\n"
                "  dlprof-agent attach $(pgrep -f train.py)     serve on "
                f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics\n"
@@ -137,10 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     attach = commands.add_parser(
         "attach", help="sample a running process and serve its metrics",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Sample the process PID (and its descendants) every --interval seconds "
+        description=_para("Sample the process PID (and its descendants) every --interval seconds "
                     "and serve the latest sample on /metrics for Prometheus, plus /healthz. "
                     "On a terminal a status line shows the CPU split, memory, threads and "
-                    "GPU use; on exit a summary is printed.",
+                    "GPU use; on exit a summary is printed."),
         epilog="examples:\n"
                "  dlprof-agent attach 4242\n"
                "  dlprof-agent attach $(pgrep -f train.py) --port 9946 --interval 0.5\n"
@@ -159,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot = commands.add_parser(
         "snapshot", help="print the metrics of a process once and exit",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Take one sample of PID and print it in the Prometheus text format, "
+        description=_para("Take one sample of PID and print it in the Prometheus text format, "
                     "for scripts and quick checks. Counters are totals since the process "
-                    "started; rates need two snapshots or a Prometheus server.",
+                    "started; rates need two snapshots or a Prometheus server."),
         epilog="examples:\n"
                "  dlprof-agent snapshot 4242\n"
                "  dlprof-agent snapshot 4242 | grep dlprof_thread_group\n"
@@ -173,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="start a busy demo process, attach to it, and show what the agent sees",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Start a synthetic busy process (named worker threads plus a child "
+        description=_para("Start a synthetic busy process (named worker threads plus a child "
                     "process), attach to it as `attach` would, and after --duration print "
-                    "the summary and a few of the series a Prometheus scrape gets.",
+                    "the summary and a few of the series a Prometheus scrape gets."),
         epilog="examples:\n"
                "  dlprof-agent demo\n"
                "  dlprof-agent demo --duration 60 --threads 8   (then scrape "
@@ -199,14 +214,9 @@ class ServeOptions:
 
 
 def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
-    from dlprof_agent.collectors.errors import ErrorLog
-    from dlprof_agent.collectors.host import HostCollector
-    from dlprof_agent.collectors.process import ProcessCollector
-
     errors = ErrorLog()
     gpu_collector = None
     if gpu:
-        from dlprof_agent.collectors.gpu import GpuCollector
         gpu_collector = GpuCollector(errors=errors)
     try:
         processes = ProcessCollector(pid, children=children, errors=errors)
@@ -225,23 +235,17 @@ def _first_sample(sampler: Sampler) -> Snapshot:
     return snapshot
 
 
-def _registry(sampler: Sampler) -> Any:
-    from prometheus_client import CollectorRegistry, ProcessCollector
-
-    from dlprof_agent.exporters.prometheus import SnapshotCollector
-
+def _registry(sampler: Sampler) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: sampler.latest,
                                         interval_seconds=sampler.interval_seconds))
     # The agent's own footprint, under its own prefix so it cannot be mistaken
     # for the target's.
-    ProcessCollector(namespace="dlprof_agent", registry=registry)
+    SelfProcessCollector(namespace="dlprof_agent", registry=registry)
     return registry
 
 
-def _start_server(sampler: Sampler, options: ServeOptions) -> Any:
-    from dlprof_agent.exporters.http import MetricsServer
-
+def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
     def health() -> tuple[bool, dict[str, Any]]:
         latest = sampler.latest
         age = None if latest is None else time.monotonic() - latest.monotonic_seconds
@@ -352,8 +356,6 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
 
 
 def snapshot_command(pid: int, *, children: bool, gpu: bool, out: TextIO) -> int:
-    from prometheus_client import generate_latest
-
     open_target(pid)
     _configure_logging(None)
     sampler = _make_sampler(pid, interval=DEFAULT_INTERVAL_SECONDS, children=children, gpu=gpu)

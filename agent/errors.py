@@ -34,7 +34,7 @@ class PortUnavailable(AgentError):
 
 EXIT_CODES_HELP = """exit codes:
   0  finished: duration reached, Ctrl-C, or the target exited
-  1  unexpected failure (a bug: please report it with the traceback from --debug)
+  1  unexpected failure: a bug; please report it with the traceback
   2  bad arguments
   3  no such process, or it exited while the agent was starting
   4  no permission to read the process

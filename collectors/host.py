@@ -8,7 +8,6 @@ from types import ModuleType
 
 import psutil
 
-
 # Guest time is already part of user and nice; exporting it as a mode would
 # make sum(modes) exceed the CPU time there is.
 _COUNTED_IN_USER = frozenset({"guest", "guest_nice"})

@@ -130,7 +130,7 @@ def gpu_families(gpu: GpuSample | None) -> list[Metric]:
     up = _gauge("dlprof_gpu_up", "1 while NVML can read the GPU, 0 once it is lost.",
                 device_labels)
     # (family, attribute of GpuDeviceSample); a None reading adds no series.
-    per_device: list[tuple[Metric, str]] = [
+    per_device: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
         (_gauge("dlprof_gpu_utilization_ratio",
                 "Share of time a kernel was running on the GPU.", device_labels),
          "utilization_ratio"),

@@ -10,6 +10,7 @@ the standard library alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -73,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         child.start()
     print(f"busy: pid {os.getpid()}, {args.threads} threads, {args.children} children",
           flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         stop.wait(args.seconds)
-    except KeyboardInterrupt:
-        pass
     stop.set()
     for child in children:
         child.terminate()
