@@ -21,7 +21,6 @@ from types import FrameType
 from typing import Any, TextIO
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client import ProcessCollector as SelfProcessCollector
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.errors import (
@@ -95,7 +94,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports errors in one line, like the rest of the agent."""
 
     def error(self, message: str) -> Any:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"dlprof-agent: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -239,9 +238,6 @@ def _registry(sampler: Sampler) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: sampler.latest,
                                         interval_seconds=sampler.interval_seconds))
-    # The agent's own footprint, under its own prefix so it cannot be mistaken
-    # for the target's.
-    SelfProcessCollector(namespace="dlprof_agent", registry=registry)
     return registry
 
 

@@ -4,6 +4,8 @@ clock, and publishes one immutable snapshot. Scrapes only read the latest one.""
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -19,12 +21,34 @@ log = logging.getLogger("dlprof_agent")
 
 
 _T = TypeVar("_T")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 class GpuSource(Protocol):
     """What the sampler needs from the GPU collector."""
 
     def sample(self, pids: frozenset[int]) -> GpuSample: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSelfSample:
+    """The agent's own footprint, read with system calls rather than /proc files
+    so that measuring it costs next to nothing."""
+
+    cpu_seconds: float
+    rss_bytes: int
+    rss_peak_bytes: int
+
+    @classmethod
+    def read(cls) -> AgentSelfSample:
+        times = os.times()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        try:
+            with open("/proc/self/statm") as statm:
+                rss = int(statm.read().split()[1]) * _PAGE_SIZE
+        except OSError:
+            rss = peak
+        return cls(times.user + times.system, rss, peak)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +63,7 @@ class Snapshot:
     collector_errors: tuple[tuple[str, int], ...] = ()
     sample_duration_seconds: float = 0.0
     samples_total: int = 0
+    agent: AgentSelfSample | None = None
 
     @property
     def target(self) -> ProcessSample | None:
@@ -92,6 +117,7 @@ class Sampler:
             collector_errors=tuple(sorted(self.errors.counts().items())),
             sample_duration_seconds=time.monotonic() - started,
             samples_total=self._samples_total,
+            agent=AgentSelfSample.read(),
         )
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot

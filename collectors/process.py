@@ -9,6 +9,7 @@ whenever a worker exits.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -110,6 +111,8 @@ class ProcessCollector:
         errors: ErrorLog,
         procfs: str = "/proc",
         process_factory: Callable[[int], psutil.Process] = psutil.Process,
+        rescan_seconds: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pid = pid
         self.children = children
@@ -117,13 +120,27 @@ class ProcessCollector:
         self._procfs = procfs
         self._root = process_factory(pid)
         self._tracked: dict[int, _Tracked] = {pid: _Tracked(self._root, procfs)}
+        self._rescan_seconds = rescan_seconds
+        self._clock = clock
+        self._last_scan: float | None = None
+        self._descendants_seen: list[psutil.Process] = []
 
     def _descendants(self) -> list[psutil.Process]:
+        """The target's descendants, looked up afresh every ``rescan_seconds``.
+
+        Finding them means reading the stat file of every process on the host,
+        most of the cost of a sample, while workers come and go over minutes.
+        Between lookups the known ones are read; those that exit drop out.
+        """
+        now = self._clock()
+        if self._last_scan is not None and now - self._last_scan < self._rescan_seconds:
+            return self._descendants_seen
+        self._last_scan = now
         try:
-            return list(self._root.children(recursive=True))
+            self._descendants_seen = list(self._root.children(recursive=True))
         except psutil.Error as error:
             self._errors.record(COLLECTOR, error)
-            return []
+        return self._descendants_seen
 
     def sample(self) -> tuple[ProcessSample, ...]:
         """Read the tree once. Raises ``TargetGone`` when the target has exited."""
@@ -136,6 +153,8 @@ class ProcessCollector:
         tracked: dict[int, _Tracked] = {}
         samples: list[ProcessSample] = []
         for process in processes:
+            if process is not self._root and not process.is_running():
+                continue  # exited, or its pid reused since the last lookup
             # A pid can be reused; psutil's identity check includes the start time.
             known = self._tracked.get(process.pid)
             state = known if known is not None and known.process == process else None
@@ -215,7 +234,7 @@ def check_access(pid: int, *, procfs: str = "/proc") -> None:
     if not os.path.exists(f"{procfs}/{pid}/io"):
         return  # kernel without I/O accounting: nothing to check
     try:
-        with open(f"{procfs}/{pid}/io"):
-            pass
+        with open(f"{procfs}/{pid}/io") as io_file:
+            io_file.read()  # the kernel checks access on read, not on open
     except PermissionError:
         raise psutil.AccessDenied(pid) from None

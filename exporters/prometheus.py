@@ -219,10 +219,20 @@ def agent_families(snapshot: Snapshot | None, interval_seconds: float) -> list[M
     last = _gauge("dlprof_agent_last_sample_timestamp_seconds",
                   "When the last sampling pass started, in seconds since the Unix epoch.")
     last.add_metric([], snapshot.timestamp_seconds)
+    families += [samples, duration, last]
+    if snapshot.agent is not None:
+        cpu = _counter("dlprof_agent_cpu_seconds_total", "The agent's own CPU seconds.")
+        cpu.add_metric([], snapshot.agent.cpu_seconds)
+        rss = _gauge("dlprof_agent_resident_memory_bytes", "The agent's own resident memory.")
+        rss.add_metric([], snapshot.agent.rss_bytes)
+        peak = _gauge("dlprof_agent_resident_memory_peak_bytes",
+                      "The agent's own highest resident memory.")
+        peak.add_metric([], snapshot.agent.rss_peak_bytes)
+        families += [cpu, rss, peak]
     target_up = _gauge("dlprof_target_up",
                        "1 while the attached process runs, 0 once it has exited.", ["pid"])
     target_up.add_metric([str(snapshot.target_pid)], 1 if snapshot.target_up else 0)
-    return [*families, samples, duration, last, target_up]
+    return [*families, target_up]
 
 
 class SnapshotCollector(Collector):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from dlprof_agent.agent.sampler import Snapshot
+from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.process import ProcessSample
@@ -42,4 +42,4 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
     return Snapshot(timestamp_seconds=time.time(), monotonic_seconds=time.monotonic(),
                     target_pid=pid, target_up=True, processes=(process, child), host=host,
                     gpu=gpu, collector_errors=(("gpu", 1),), sample_duration_seconds=0.002,
-                    samples_total=5)
+                    samples_total=5, agent=AgentSelfSample(1.5, 30 << 20, 31 << 20))

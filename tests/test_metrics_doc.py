@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.exporters.prometheus import SnapshotCollector
@@ -29,7 +29,6 @@ def exported() -> dict[str, tuple[str, frozenset[str]]]:
     registry = CollectorRegistry()
     snapshot = full_snapshot()
     registry.register(SnapshotCollector(lambda: snapshot, interval_seconds=1.0))
-    ProcessCollector(namespace="dlprof_agent", registry=registry)
     families = {}
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         name = family.name + ("_total" if family.type == "counter" else "")
