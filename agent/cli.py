@@ -213,7 +213,7 @@ class ServeOptions:
 
 
 def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
-    errors = ErrorLog()
+    errors = ErrorLog(("process", "host", *(("gpu",) if gpu else ())))
     gpu_collector = None
     if gpu:
         gpu_collector = GpuCollector(errors=errors)

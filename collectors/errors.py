@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterable
 
 log = logging.getLogger("dlprof_agent")
 
@@ -16,9 +17,10 @@ class ErrorLog:
     lost GPU or a denied file does not flood the terminal.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, collectors: Iterable[str] = ()) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        # Known collectors start at 0, so a rate() over them exists before any failure.
+        self._counts: Counter[str] = Counter(dict.fromkeys(collectors, 0))
         self._logged: set[tuple[str, str]] = set()
 
     def record(self, collector: str, error: BaseException | str) -> None:
