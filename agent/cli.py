@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  dlprof-agent demo\n"
                "  dlprof-agent demo --duration 60 --threads 8   (then scrape "
-               f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics)\n")
+               f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics)\n\n" + EXIT_CODES_HELP)
     demo.add_argument("--threads", type=int, default=3, help="busy worker threads (default 3)")
     _add_serving_options(demo, duration_default=10.0)
     _add_sampling_options(demo)
@@ -375,7 +375,8 @@ def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -
 
     def fetch_metrics(port: int) -> None:
         # Read from the live endpoint, as Prometheus would see it.
-        url = f"http://{options.listen}:{port}/metrics"
+        host = f"[{options.listen}]" if ":" in options.listen else options.listen
+        url = f"http://{host}:{port}/metrics"
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 exposition.append(response.read().decode())

@@ -48,7 +48,8 @@ class AgentSelfSample:
                 rss = int(statm.read().split()[1]) * _PAGE_SIZE
         except OSError:
             rss = peak
-        return cls(times.user + times.system, rss, peak)
+        # The kernel updates the high-water mark lazily; the current value can be ahead.
+        return cls(times.user + times.system, rss, max(peak, rss))
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,8 +144,11 @@ class ProcessCollector:
 
     def sample(self) -> tuple[ProcessSample, ...]:
         """Read the tree once. Raises ``TargetGone`` when the target has exited."""
-        if not self._root.is_running() or self._root.status() == psutil.STATUS_ZOMBIE:
-            raise TargetGone(self.pid)
+        try:
+            if not self._root.is_running() or self._root.status() == psutil.STATUS_ZOMBIE:
+                raise TargetGone(self.pid)
+        except psutil.NoSuchProcess:
+            raise TargetGone(self.pid) from None
         processes = [self._root]
         if self.children:
             processes += self._descendants()

@@ -89,6 +89,12 @@ class _GroupTotals:
         self.iowait_seconds += iowait
 
 
+def _went_back(before: ThreadStat, after: ThreadStat) -> bool:
+    return (after.user_seconds < before.user_seconds
+            or after.system_seconds < before.system_seconds
+            or after.iowait_seconds < before.iowait_seconds)
+
+
 @dataclass(frozen=True, slots=True)
 class _Member:
     group: str
@@ -130,6 +136,11 @@ class ThreadGrouper:
         left: list[_Member] = []
         for stat in stats:
             previous = self._members.pop(stat.tid, None)
+            if previous is not None and _went_back(previous.last, stat):
+                # The tid was reused by a new thread between samples: the old one
+                # exited, and the new one starts from zero like any newborn.
+                left.append(previous)
+                previous = None
             if previous is not None and previous.name == stat.name:
                 members[stat.tid] = _Member(previous.group, stat.name, previous.baseline, stat)
                 continue

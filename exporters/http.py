@@ -47,7 +47,8 @@ class MetricsServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits forever on a loop never started
+            self._server.shutdown()
         self._server.server_close()
 
 

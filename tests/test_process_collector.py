@@ -51,17 +51,9 @@ def spawn() -> Iterator[Spawn]:
 
     yield start
     for process in started:
-        # Ctrl-C first, so the busy workload stops and reaps its own children
-        # (orphans are not reaped where pid 1 is not a full init); then SIGKILL
-        # whatever is left of the group.
         with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGINT)
-            os.killpg(process.pid, signal.SIGCONT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(5)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(5)
+            os.killpg(process.pid, signal.SIGKILL)  # the workload's children too
+        process.wait(10)
         for stream in (process.stdin, process.stdout):
             if stream is not None:
                 stream.close()
@@ -244,3 +236,19 @@ def test_no_such_process_fails_at_construction() -> None:
     assert not os.path.exists(f"/proc/{pid}")
     with pytest.raises(psutil.NoSuchProcess):
         ProcessCollector(pid, errors=ErrorLog())
+
+
+def test_target_exiting_between_checks_is_target_gone_not_an_error() -> None:
+    class ExitsMidCheck:
+        pid = 4242
+
+        def is_running(self) -> bool:
+            return True
+
+        def status(self) -> str:
+            raise psutil.NoSuchProcess(self.pid)
+
+    collector = ProcessCollector(4242, errors=ErrorLog(),
+                                 process_factory=lambda pid: ExitsMidCheck())  # type: ignore[arg-type,return-value]
+    with pytest.raises(TargetGone):
+        collector.sample()

@@ -207,3 +207,13 @@ def test_names_past_the_cap_go_to_other() -> None:
     assert later["b"].user_seconds == 3.0  # 2.0 from tid 2 (exited) + 1.0 from tid 7
     assert later[OTHER_THREAD_GROUP].threads == 1
     assert later[OTHER_THREAD_GROUP].user_seconds == 8.0  # 3 + 4 retired, 1 live
+
+
+def test_a_reused_tid_does_not_make_the_group_counter_drop() -> None:
+    grouper = ThreadGrouper()
+    grouper.update([stat(7, "w", 5.0)])
+    # Thread 7 exited and, before the next sample, a new thread "w" got tid 7
+    # (pid_max is 32768 on many hosts; loaders start and stop threads often).
+    groups = by_name(grouper.update([stat(7, "w", 0.1)]))
+    assert groups["w"].user_seconds == pytest.approx(5.1)
+    assert groups["w"].threads == 1

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import multiprocessing
 import os
@@ -24,12 +25,17 @@ _PR_SET_NAME = 15
 _BUFFER = os.urandom(1 << 20)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    # find_library runs ldconfig in a subprocess: once is enough.
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def set_thread_name(name: str) -> None:
     """Name the calling OS thread (what /proc/<pid>/task/<tid>/comm shows)."""
     if not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    _libc().prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _hash_forever(name: str, stop: threading.Event, duty: float) -> None:
