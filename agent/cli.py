@@ -314,8 +314,16 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             if status is not None:
                 status.show(snapshot)
 
-        loop = threading.Thread(target=sampler.run, args=(stop, on_sample),
-                                name="dlprof-sampler", daemon=True)
+        failures: list[BaseException] = []
+
+        def sample_until_stopped() -> None:
+            try:
+                sampler.run(stop, on_sample)
+            except BaseException as error:  # a bug: re-raised below, with its traceback
+                failures.append(error)
+
+        loop = threading.Thread(target=sample_until_stopped, name="dlprof-sampler",
+                                daemon=True)
         previous_term = signal.signal(signal.SIGTERM, _raise_stop)
         try:
             loop.start()
@@ -327,6 +335,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                 loop.join(0.2 if remaining is None else min(0.2, remaining))
             stop.set()
             loop.join()
+            if failures:
+                raise failures[0]
             exited = not sampler.latest or not sampler.latest.target_up
             if exited and options.grace > 0:
                 if status is not None:
