@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TextIO
 
+import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
@@ -219,7 +220,7 @@ def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sa
         gpu_collector = GpuCollector(errors=errors)
     try:
         processes = ProcessCollector(pid, children=children, errors=errors)
-    except Exception as error:  # psutil.NoSuchProcess: gone since the check
+    except psutil.NoSuchProcess as error:  # gone since open_target checked it
         raise TargetNotFound(f"process {pid} exited while the agent was starting",
                              "attach to a running job") from error
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
