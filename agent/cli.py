@@ -31,6 +31,7 @@ from dlprof_agent.agent.errors import (
     TargetNotFound,
     UsageError,
 )
+from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, connect_probe
 from dlprof_agent.agent.sampler import Sampler, Snapshot
 from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
 from dlprof_agent.agent.target import open_target
@@ -106,6 +107,34 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                         help="read GPUs through NVML when a driver is present (default: on)")
 
 
+def _warmup(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give 0 or more steps")
+    return value
+
+
+def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> None:
+    group = parser.add_argument_group(
+        "in-process probe", "step time, samples per second, per-layer time and framework "
+        "settings, measured inside the job")
+    group.add_argument("--layers", action="store_true",
+                       help="also time each layer's forward and backward (costs a little "
+                            "per layer call; off by default)")
+    group.add_argument("--warmup-steps", type=_warmup, default=10, metavar="N",
+                       help="steps counted as warm-up and kept out of the steady-state "
+                            "figures (default 10)")
+    if injects:
+        group.add_argument("--no-inject", dest="inject", action="store_false",
+                           help="never inject the probe; use one only if the job started "
+                                "it (run, or dlprof_agent.probe.enable())")
+        group.add_argument("--no-probe", dest="probe", action="store_false",
+                           help="out-of-process metrics only: do not talk to the job at all")
+
+
 def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: float | None
                          ) -> None:
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="ADDRESS",
@@ -170,6 +199,24 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("pid", type=_pid, metavar="PID", help="the training job's process id")
     _add_serving_options(attach, duration_default=None)
     _add_sampling_options(attach)
+    _add_probe_options(attach, injects=True)
+
+    run = commands.add_parser(
+        "run", help="start a training command with the probe loaded, and attach to it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_para("Start COMMAND with the in-process probe loaded before the "
+                    "script's own code (through a sitecustomize on PYTHONPATH, which chains "
+                    "to any of the job's own; the script is not changed), then attach to "
+                    "it as `attach` does. Exits with the command's exit code."),
+        epilog="examples:\n"
+               "  dlprof-agent run -- python train.py --epochs 3\n"
+               "  dlprof-agent run --layers --port 9946 -- python train.py\n\n"
+               + EXIT_CODES_HELP)
+    run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                     help="the training command, after --")
+    _add_serving_options(run, duration_default=None)
+    _add_sampling_options(run)
+    _add_probe_options(run, injects=False)
 
     snapshot = commands.add_parser(
         "snapshot", help="print the metrics of a process once and exit",
@@ -211,6 +258,8 @@ class ServeOptions:
     quiet: bool
     children: bool
     gpu: bool
+    probe: ProbeOptions | None = None  # None: never talk to the process
+    probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
 
 
 def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
@@ -302,7 +351,16 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                             gpu=options.gpu)
     server = _start_server(sampler, options)
     summary = Summary()
+    probe_source: ProbeSource | None = None
     try:
+        if options.probe is not None:
+            client = connect_probe(pid, options.probe, interval=options.interval,
+                                   wait_seconds=options.probe_wait_seconds)
+            if client is not None:
+                probe_source = sampler.probe = ProbeSource(client)
+                log.info("probe active in pid %d (%s)", pid,
+                         ", ".join(client.hello.get("frameworks", [])) or
+                         "no framework imported yet")
         first = _first_sample(sampler)
         summary.add(first)
         log.info("attached to pid %d (%s); serving http://%s:%d/metrics", pid,
@@ -352,6 +410,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         if before_stop is not None:
             before_stop(server.port)
     finally:
+        if probe_source is not None:
+            probe_source.stop()  # the probe removes its hooks: the job is as it was
         server.stop()
     if status is not None:
         status.clear()
@@ -419,6 +479,31 @@ def _demo_lines(exposition: str) -> list[str]:
             if line.startswith(DEMO_SERIES)][:24]
 
 
+def run_command(command_line: list[str], options: ServeOptions) -> int:
+    if command_line and command_line[0] == "--":
+        command_line = command_line[1:]
+    if not command_line:
+        raise UsageError("no command to run", "put it after --, e.g. "
+                         "dlprof-agent run -- python train.py")
+    from dlprof_agent.probe.bootstrap import preload_environment
+
+    try:
+        job = subprocess.Popen(command_line, env=preload_environment(dict(os.environ)))
+    except OSError as error:
+        raise UsageError(f"cannot start {command_line[0]!r}: {error.strerror}",
+                         "check the command and its path") from None
+    try:
+        serve(job.pid, replace(options, probe_wait_seconds=10.0))
+    except TargetNotFound:
+        pass  # the command ended before the agent attached: its exit code says why
+    except BaseException:
+        job.terminate()
+        raise
+    # The job's life is the run's: wait for it, and hand on its exit code.
+    code = job.wait()
+    return 128 - code if code < 0 else code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -429,9 +514,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "snapshot":
             return snapshot_command(args.pid, children=args.children, gpu=args.gpu,
                                     out=sys.stdout)
+        probe = None
+        if getattr(args, "probe", args.command == "run"):
+            probe = ProbeOptions(inject=getattr(args, "inject", False), layers=args.layers,
+                                 warmup_steps=args.warmup_steps)
         options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                                duration=args.duration, grace=args.grace, quiet=args.quiet,
-                               children=args.children, gpu=args.gpu)
+                               children=args.children, gpu=args.gpu, probe=probe)
+        if args.command == "run":
+            return run_command(args.command_line, options)
         if args.command == "demo":
             return demo_command(args, options, sys.stdout)
         return serve(args.pid, options)

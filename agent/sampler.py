@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar
 from dlprof_agent.collectors.errors import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector, HostSample
+from dlprof_agent.collectors.probe import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
 
 log = logging.getLogger("dlprof_agent")
@@ -28,6 +29,15 @@ class GpuSource(Protocol):
     """What the sampler needs from the GPU collector."""
 
     def sample(self, pids: frozenset[int]) -> GpuSample: ...
+
+
+class ProbeSource(Protocol):
+    """What the sampler needs from the in-process probe's channel."""
+
+    @property
+    def up(self) -> bool: ...
+
+    def sample(self) -> ProbeSample | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,8 @@ class Snapshot:
     sample_duration_seconds: float = 0.0
     samples_total: int = 0
     agent: AgentSelfSample | None = None
+    probe: ProbeSample | None = None
+    probe_up: bool = False
 
     @property
     def target(self) -> ProcessSample | None:
@@ -79,6 +91,7 @@ class Sampler:
     gpu: GpuSource | None
     errors: ErrorLog
     interval_seconds: float
+    probe: ProbeSource | None = None
     _latest: Snapshot | None = field(default=None, init=False)
     _samples_total: int = field(default=0, init=False)
     _target_up: bool = field(default=True, init=False)
@@ -106,6 +119,9 @@ class Sampler:
             pids = frozenset(p.pid for p in processes)
             gpu_source = self.gpu
             gpu = self._guarded("gpu", lambda: gpu_source.sample(pids))
+        probe = None
+        if self.probe is not None and self._target_up:
+            probe = self._guarded("probe", self.probe.sample)
         self._samples_total += 1
         snapshot = Snapshot(
             timestamp_seconds=started_wall,
@@ -119,6 +135,8 @@ class Sampler:
             sample_duration_seconds=time.monotonic() - started,
             samples_total=self._samples_total,
             agent=AgentSelfSample.read(),
+            probe=probe,
+            probe_up=probe is not None,
         )
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot

@@ -9,16 +9,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.probe import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 
 CPU_MODES = ("user", "system", "iowait")
+# dlprof_framework_info's labels: one fixed set whatever the framework; "" when unknown.
+FRAMEWORK_LABELS = ("framework", "framework_version", "device", "intra_op_threads",
+                    "inter_op_threads", "omp_num_threads", "mkl_num_threads",
+                    "openblas_num_threads", "blas", "cudnn_autotune", "precision",
+                    "data_layout", "layer_timing")
 LOAD_WINDOWS = ("1m", "5m", "15m")
 
 
@@ -235,6 +246,71 @@ def agent_families(snapshot: Snapshot | None, interval_seconds: float) -> list[M
     return [*families, target_up]
 
 
+def probe_families(target_pid: int, up: bool, probe: ProbeSample | None) -> list[Metric]:
+    probe_up = _gauge("dlprof_probe_up",
+                      "1 while the agent reads the in-process probe of the process, else 0.",
+                      ["pid"])
+    probe_up.add_metric([str(target_pid)], 1 if up else 0)
+    if probe is None:
+        return [probe_up]
+    pid = str(probe.pid)
+    steps = _counter("dlprof_steps_total",
+                     "Training steps; the first ones are warm-up, kept out of the "
+                     "steady-state figures.", ["pid", "phase"])
+    samples = _counter("dlprof_samples_total",
+                       "Samples (batch elements) trained on; rate() gives samples per second.",
+                       ["pid", "phase"])
+    for phase, count in probe.steps:
+        steps.add_metric([pid, phase], count)
+    for phase, count in probe.samples:
+        samples.add_metric([pid, phase], count)
+    duration = HistogramMetricFamily(
+        "dlprof_step_duration_seconds",
+        "Steady-state training step time, from one step's end to the next.", labels=["pid"])
+    cumulative, buckets = 0, []
+    for bound, count in zip((*probe.step_bucket_bounds, float("inf")),
+                            probe.step_bucket_counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", cumulative))
+    duration.add_metric([pid], buckets, probe.step_seconds_sum)
+    phases = _counter("dlprof_step_phase_seconds_total",
+                      "Steady-state step time by phase: forward and backward (summed over "
+                      "layers, with --layers), optimizer, and other (data, loss, Python).",
+                      ["pid", "phase"])
+    for phase, seconds in probe.phase_seconds:
+        phases.add_metric([pid, phase], seconds)
+    layer_seconds = _counter("dlprof_layer_seconds_total",
+                             "Time in each layer, forward and backward (with --layers).",
+                             ["pid", "layer", "phase"])
+    layer_calls = _counter("dlprof_layer_calls_total", "Calls of each layer, by phase.",
+                           ["pid", "layer", "phase"])
+    for layer in probe.layers:
+        for phase, seconds, calls in (
+                ("forward", layer.forward_seconds, layer.forward_calls),
+                ("backward", layer.backward_seconds, layer.backward_calls)):
+            if calls:
+                layer_seconds.add_metric([pid, layer.name, phase], seconds)
+                layer_calls.add_metric([pid, layer.name, phase], calls)
+    info = _gauge("dlprof_framework_info",
+                  "The framework settings the job runs with, as the job itself sees them.",
+                  ["pid", *FRAMEWORK_LABELS])
+    for framework, settings in probe.settings:
+        values = dict(settings)
+        values.setdefault("framework", framework)
+        info.add_metric([pid, *(values.get(label, "") for label in FRAMEWORK_LABELS)], 1)
+    hook_errors = _counter("dlprof_probe_hook_errors_total",
+                           "Failures inside the probe's hooks, caught before reaching the job.",
+                           ["pid"])
+    hook_errors.add_metric([pid], probe.hook_errors)
+    dropped = _counter("dlprof_probe_dropped_messages_total",
+                       "Messages and connections the probe refused: malformed, oversized, "
+                       "unknown, wrong version, or from another user.", ["pid", "reason"])
+    for reason, count in probe.dropped_messages:
+        dropped.add_metric([pid, reason], count)
+    return [probe_up, steps, samples, duration, phases, layer_seconds, layer_calls, info,
+            hook_errors, dropped]
+
+
 class SnapshotCollector(Collector):
     """Renders whatever snapshot ``latest`` returns; reads nothing itself."""
 
@@ -256,3 +332,4 @@ class SnapshotCollector(Collector):
         if snapshot.host is not None:
             yield from host_families(snapshot.host)
         yield from gpu_families(snapshot.gpu)
+        yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe)

@@ -3,6 +3,7 @@ agent attached to it, and a real Prometheus server scraping the agent."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -22,6 +24,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
+
+
+@functools.cache
+def agent_env() -> dict[str, str]:
+    """The environment, plus this checkout on PYTHONPATH unless it is importable already."""
+    env = dict(os.environ)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import dlprof_agent; print(dlprof_agent.__file__)"],
+        env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=30,
+        check=False)
+    found = Path(probe.stdout.strip()).resolve().parent if probe.returncode == 0 else None
+    if found != REPO / "dlprof_agent":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
+                                                          env.get("PYTHONPATH")]))
+    return env
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import shutil
@@ -11,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -20,24 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import agent_env
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NO_SUCH_PID = 4_194_000  # above every default pid_max; checked before use
 ERROR_PREFIX = "dlprof-agent: error:"
-
-
-@functools.cache
-def agent_env() -> dict[str, str]:
-    """The environment, plus this checkout on PYTHONPATH unless it is importable already."""
-    env = dict(os.environ)
-    probe = subprocess.run(
-        [sys.executable, "-c", "import dlprof_agent; print(dlprof_agent.__file__)"],
-        env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=30,
-        check=False)
-    found = Path(probe.stdout.strip()).resolve().parent if probe.returncode == 0 else None
-    if found != REPO_ROOT / "dlprof_agent":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                          env.get("PYTHONPATH")]))
-    return env
 
 
 def agent(*args: str, prefix: tuple[str, ...] = (),

@@ -1,0 +1,556 @@
+"""Runs a short bootstrap string inside an already-running CPython process.
+
+This is the only module that imports ``hypno`` (lazily) or calls ``sys.remote_exec``.
+
+Injecting blindly is dangerous: hypno loads a library that calls the C API, and in a
+process without it the dynamic loader kills the process ("undefined symbol:
+PyGILState_Ensure", exit 127). So ``inject`` first reads the ELF dynamic symbol tables
+of the target's executable and of any mapped ``libpython3*.so*``, and touches the
+process only when one of them defines the functions the injected library calls.
+One case this cannot see: a host program that loaded libpython with RTLD_LOCAL keeps
+those symbols out of the global scope, and hypno's library would still fail in it;
+Python launched as a program (``python train.py``, torchrun) never does that.
+
+Two ways in:
+
+- ``sys.remote_exec`` (Python 3.14+) when the agent and the target run the same
+  ``major.minor``. It takes a file path that the *target* opens later, at its next safe
+  point, so the code goes to a file in the target's own ``/tmp`` (reached through
+  ``/proc/<pid>/root``, which also works across mount namespaces) and a timer removes it
+  after ``BOOTSTRAP_FILE_SECONDS``, or at the agent's exit if that comes first (the
+  caller waits for the probe to answer, which means the file was read).
+- ``hypno.inject_py`` otherwise: ptrace, then ``dlopen`` of a small library in the
+  target. hypno writes that library to the agent's ``/tmp``, so a target in another
+  mount namespace (another container, a private ``/tmp``) cannot open it; the error
+  then says so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pwd
+import re
+import secrets
+import struct
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from dlprof_agent.agent.errors import AgentError, TargetAccessDenied, TargetNotFound
+
+# hypno's library imports the first three; PyRun_SimpleString is the classic marker
+# of an embeddable CPython. All must be defined in the target (readelf --dyn-syms).
+REQUIRED_SYMBOLS = frozenset({"PyGILState_Ensure", "PyGILState_Release",
+                              "PyRun_SimpleString", "PyRun_SimpleStringFlags"})
+MIN_TARGET_VERSION = (3, 10)  # the probe's own floor
+BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
+CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
+
+_LIBPYTHON = re.compile(r"libpython3(?:\.(\d+))?[a-z]*\.so(?:\.|$)")
+_PYTHON_EXE = re.compile(r"python(\d)\.(\d+)[a-z]*")
+_MAX_TABLE_BYTES = 64 << 20  # a real .dynsym/.dynstr is far smaller; refuse garbage sizes
+
+
+class InjectionError(AgentError):
+    """The probe could not be started in the target."""
+
+
+class NotPython(InjectionError):
+    """The target is not a CPython the probe can run in; nothing was done to it."""
+
+    exit_code = 2
+
+
+class InjectionRefused(InjectionError):
+    """The kernel would not let the agent attach to the target."""
+
+    exit_code = TargetAccessDenied.exit_code
+
+
+class InjectionFailed(InjectionError):
+    """Injection was attempted and did not work."""
+
+
+@dataclass(frozen=True)
+class PythonRuntime:
+    library: str  # path, as the target sees it, of the ELF file exporting the C API
+    version: tuple[int, int] | None  # (3, 11) when known, else None
+
+
+# --- ELF .dynsym reader ---------------------------------------------------------------
+
+_SHT_NOBITS = 8
+_SHT_DYNSYM = 11
+_SHN_UNDEF = 0
+_SHN_LORESERVE = 0xFF00
+
+
+@dataclass(frozen=True)
+class _Layout:
+    header: str  # e_type .. e_shstrndx, after the 16-byte e_ident
+    section: str
+    symbol: str
+    symbol_fields: tuple[int, int, int, int]  # indexes of st_name, st_shndx, st_value, st_size
+
+
+_LAYOUTS = {
+    1: _Layout("HHIIIIIHHHHHH", "IIIIIIIIII", "IIIBBH", (0, 5, 1, 2)),  # ELF32
+    2: _Layout("HHIQQQIHHHHHH", "IIQQQQIIQQ", "IBBHQQ", (0, 3, 4, 5)),  # ELF64
+}
+
+
+@dataclass(frozen=True)
+class _Section:
+    type: int
+    addr: int
+    offset: int
+    size: int
+    link: int
+    entsize: int
+
+
+@dataclass(frozen=True)
+class _ElfScan:
+    defined: frozenset[str]
+    py_version: tuple[int, int] | None  # from the Py_Version constant (3.11+)
+
+
+def _read_at(file: BinaryIO, offset: int, size: int, file_size: int) -> bytes | None:
+    if offset < 0 or size < 0 or size > _MAX_TABLE_BYTES or offset + size > file_size:
+        return None
+    file.seek(offset)
+    data = file.read(size)
+    return data if len(data) == size else None
+
+
+def _scan_elf(file: BinaryIO) -> _ElfScan | None:
+    """Defined dynamic symbols of an open ELF file; None when it is not one we can read.
+
+    Reads the header, the section headers, .dynsym and its string table, nothing else.
+    Unreadable contents are None, but OSError from the file itself propagates.
+    """
+    file_size = os.fstat(file.fileno()).st_size
+    ident = _read_at(file, 0, 16, file_size)
+    if ident is None or ident[:4] != b"\x7fELF":
+        return None
+    if ident[4] not in _LAYOUTS or ident[5] not in (1, 2):  # class 32/64, little/big endian
+        return None
+    layout = _LAYOUTS[ident[4]]
+    order = "<" if ident[5] == 1 else ">"
+    header_format = order + layout.header
+    header = _read_at(file, 16, struct.calcsize(header_format), file_size)
+    if header is None:
+        return None
+    *_, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, _shstrndx = struct.unpack(
+        header_format, header)
+    section_format = order + layout.section
+    if shoff == 0 or shentsize < struct.calcsize(section_format):
+        return None  # no section headers (stripped with sstrip, or not a file we understand)
+
+    section_size = struct.calcsize(section_format)
+    if shnum == 0:  # 0xff00 sections or more: the count is in section 0's sh_size
+        first = _read_at(file, shoff, section_size, file_size)
+        shnum = struct.unpack(section_format, first)[5] if first is not None else 0
+    table = _read_at(file, shoff, shnum * shentsize, file_size)
+    if table is None:
+        return None
+    sections = []
+    for index in range(shnum):
+        _name, type_, _flags, addr, offset, size, link, _info, _align, entsize = (
+            struct.unpack_from(section_format, table, index * shentsize))
+        sections.append(_Section(type_, addr, offset, size, link, entsize))
+    dynsym = next((s for s in sections if s.type == _SHT_DYNSYM), None)
+    if dynsym is None or not 0 < dynsym.link < len(sections):
+        return None
+    strtab = sections[dynsym.link]
+    symbol_format = order + layout.symbol
+    symbol_size = struct.calcsize(symbol_format)
+    if dynsym.entsize not in (0, symbol_size):
+        return None
+    symbols = _read_at(file, dynsym.offset, dynsym.size - dynsym.size % symbol_size, file_size)
+    names = _read_at(file, strtab.offset, strtab.size, file_size)
+    if symbols is None or names is None:
+        return None
+
+    name_at, shndx_at, value_at, size_at = layout.symbol_fields
+    defined: dict[str, tuple[int, int, int]] = {}
+    for entry in struct.iter_unpack(symbol_format, symbols):
+        shndx = entry[shndx_at]
+        start = entry[name_at]
+        if shndx == _SHN_UNDEF or start >= len(names):
+            continue
+        end = names.find(b"\0", start)
+        name = names[start:end if end >= 0 else len(names)].decode("utf-8", "replace")
+        if name:
+            defined[name] = (shndx, entry[value_at], entry[size_at])
+
+    return _ElfScan(frozenset(defined),
+                    _py_version(file, file_size, sections, defined.get("Py_Version"), order))
+
+
+def _py_version(file: BinaryIO, file_size: int, sections: list[_Section],
+                symbol: tuple[int, int, int] | None, order: str) -> tuple[int, int] | None:
+    """(major, minor) from the PY_VERSION_HEX constant ``Py_Version`` (Python 3.11+)."""
+    if symbol is None:
+        return None
+    shndx, value, size = symbol
+    if shndx >= min(len(sections), _SHN_LORESERVE) or size not in (4, 8):
+        return None
+    section = sections[shndx]
+    if section.type == _SHT_NOBITS or not 0 <= value - section.addr < section.size:
+        return None
+    raw = _read_at(file, section.offset + value - section.addr, size, file_size)
+    if raw is None:
+        return None
+    hexversion = int.from_bytes(raw, "little" if order == "<" else "big")
+    major, minor = hexversion >> 24 & 0xFF, hexversion >> 16 & 0xFF
+    return (major, minor) if major == 3 else None
+
+
+def elf_defined_symbols(path: str) -> frozenset[str] | None:
+    """Names of the symbols ELF file ``path`` defines in .dynsym; None when it is not a
+    readable ELF file (missing, unreadable, truncated, not ELF). Never raises OSError."""
+    try:
+        with open(path, "rb") as file:
+            scan = _scan_elf(file)
+    except (OSError, struct.error):
+        return None
+    return None if scan is None else scan.defined
+
+
+# --- finding the runtime --------------------------------------------------------------
+
+def _version_from_name(path: str) -> tuple[int, int] | None:
+    name = os.path.basename(path)
+    library = _LIBPYTHON.match(name)
+    if library is not None:
+        return (3, int(library.group(1))) if library.group(1) else None
+    exe = _PYTHON_EXE.fullmatch(name)
+    return (int(exe.group(1)), int(exe.group(2))) if exe else None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+def _raise_if_gone(pid: int, procfs: str) -> None:
+    """The process behind a failed /proc read: TargetNotFound when there is none left."""
+    stat = _read_text(f"{procfs}/{pid}/stat")
+    if stat is None:
+        raise TargetNotFound(f"no process with pid {pid}",
+                             "check the pid with `ps -eo pid,user,args | grep python`")
+    if stat[stat.rfind(")") + 2:].startswith(("Z", "X")):
+        raise TargetNotFound(f"process {pid} has exited", "attach to a running job")
+
+
+def _open_scan(path: str) -> _ElfScan | None:
+    """Scan ``path``; None if it does not exist or is not ELF. PermissionError propagates."""
+    try:
+        with open(path, "rb") as file:
+            return _scan_elf(file)
+    except PermissionError:
+        raise
+    except (OSError, struct.error):
+        return None
+
+
+def _libpython_mappings(maps: str) -> dict[str, str]:
+    """Mapped libpython3*.so* files: path as the target sees it -> one address range."""
+    found: dict[str, str] = {}
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and _LIBPYTHON.match(os.path.basename(fields[5].split(" (")[0])):
+            found.setdefault(fields[5], fields[0])
+    return found
+
+
+def _scan_mapped(pid: int, procfs: str, path: str, addresses: str) -> _ElfScan | None:
+    # Through the target's root first (its mount namespace); then map_files, which
+    # still opens a library deleted or replaced since it was loaded.
+    start, _, end = addresses.partition("-")
+    candidates = [f"{procfs}/{pid}/root{path.removesuffix(' (deleted)')}",
+                  f"{procfs}/{pid}/map_files/{int(start, 16):x}-{int(end, 16):x}"]
+    denied: PermissionError | None = None
+    for candidate in candidates:
+        try:
+            scan = _open_scan(candidate)
+        except PermissionError as error:
+            denied = error
+            continue
+        if scan is not None:
+            return scan
+    if denied is not None:
+        raise denied
+    return None
+
+
+def find_python_runtime(pid: int, *, procfs: str = "/proc") -> PythonRuntime | None:
+    """The ELF file through which process ``pid`` exports the CPython C API.
+
+    None when the process is not a CPython we can inject into: neither its executable
+    nor a mapped ``libpython3*.so*`` defines all of REQUIRED_SYMBOLS (PyGILState_Ensure,
+    PyRun_SimpleString, ...): a kernel thread, a shell, a Python that does not export them.
+    ``library`` is the path as the target sees it (it may be in another mount namespace).
+    Raises TargetNotFound when there is no such (live) process, and InjectionRefused
+    when the process exists but the agent may not read its executable or mappings.
+    """
+    base = f"{procfs}/{pid}"
+    try:
+        exe_path = os.readlink(f"{base}/exe")
+        # Opening the link itself reaches the file even across mount namespaces.
+        exe_scan = _open_scan(f"{base}/exe")
+    except PermissionError:
+        raise _refused(pid, procfs, "cannot read its executable") from None
+    except OSError:  # a kernel thread has no executable, an exited process no /proc entry
+        _raise_if_gone(pid, procfs)
+        return None
+    exe_version = _version_from_name(exe_path.removesuffix(" (deleted)"))
+    if exe_scan is not None and exe_scan.defined >= REQUIRED_SYMBOLS:
+        return PythonRuntime(exe_path, exe_scan.py_version or exe_version)
+
+    try:
+        with open(f"{base}/maps", encoding="utf-8", errors="replace") as file:
+            maps = file.read()
+    except PermissionError:
+        raise _refused(pid, procfs, "cannot read its memory map") from None
+    except OSError:
+        _raise_if_gone(pid, procfs)
+        return None
+    for path, addresses in _libpython_mappings(maps).items():
+        try:
+            scan = _scan_mapped(pid, procfs, path, addresses)
+        except PermissionError:
+            raise _refused(pid, procfs, f"cannot read {path}") from None
+        if scan is not None and scan.defined >= REQUIRED_SYMBOLS:
+            clean = path.removesuffix(" (deleted)")
+            return PythonRuntime(clean, scan.py_version or _version_from_name(clean) or exe_version)
+    return None
+
+
+# --- errors ---------------------------------------------------------------------------
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _status_field(pid: int | str, field: str, procfs: str) -> str | None:
+    for line in (_read_text(f"{procfs}/{pid}/status") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key == field:
+            return value.strip()
+    return None
+
+
+def _capabilities(pid: int | str, field: str, procfs: str) -> int | None:
+    value = _status_field(pid, field, procfs)
+    try:
+        return int(value, 16) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _refused(pid: int, procfs: str, what: str) -> InjectionRefused:
+    """The one-line refusal, with what would make the kernel say yes here."""
+    tracer = _status_field(pid, "TracerPid", procfs)
+    if tracer not in (None, "0"):
+        comm = (_read_text(f"{procfs}/{tracer}/comm") or "?").strip()
+        return InjectionRefused(
+            f"cannot attach to process {pid}: it is already traced by pid {tracer} ({comm})",
+            "only one tracer at a time: detach that debugger or profiler, then retry")
+    try:
+        owner = _user(os.stat(f"{procfs}/{pid}").st_uid)
+    except OSError:
+        owner = "another user"
+    own_caps = _capabilities("self", "CapEff", procfs) or 0
+    has_ptrace = bool(own_caps >> CAP_SYS_PTRACE & 1)
+    message = (f"not allowed to attach to process {pid} ({what}; it is owned by {owner}, the "
+               f"agent runs as {_user(os.getuid())} {'with' if has_ptrace else 'without'} "
+               "CAP_SYS_PTRACE)")
+    if not has_ptrace:
+        hint = ("run the agent as the job's user or give it CAP_SYS_PTRACE (root without it is "
+                "not enough; in a container: --cap-add SYS_PTRACE)")
+    elif (_capabilities(pid, "CapPrm", procfs) or 0) & ~own_caps:
+        # The kernel also wants the tracer to hold every capability the tracee holds.
+        hint = ("the job holds capabilities the agent lacks: run the agent with at least the "
+                "job's privileges (in a container: the same --cap-add/--privileged)")
+    else:
+        hint = ("the job may run in a parent user namespace, or a security module (AppArmor, "
+                "SELinux) forbids ptrace: run the agent inside the job's container")
+    scope = (_read_text(f"{procfs}/sys/kernel/yama/ptrace_scope") or "").strip()
+    if scope == "1":
+        hint += ("; kernel.yama.ptrace_scope is 1: only a parent process may attach unless "
+                 "the agent has CAP_SYS_PTRACE, so the same user is not enough")
+    elif scope == "2":
+        hint += "; kernel.yama.ptrace_scope is 2: only a process with CAP_SYS_PTRACE may attach"
+    elif scope == "3":
+        hint = ("kernel.yama.ptrace_scope is 3: attaching is disabled until reboot, so the "
+                "probe cannot be injected on this host; start the job with `dlprof-agent run`")
+    elif scope:
+        hint += f"; kernel.yama.ptrace_scope is {scope}"
+    return InjectionRefused(message, hint)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(error).__name__
+
+
+# --- injecting ------------------------------------------------------------------------
+
+def inject(pid: int, code: str) -> None:
+    """Run ``code`` inside process ``pid``, once.
+
+    With hypno the code has run when this returns, on whichever target thread the
+    injector borrowed; with sys.remote_exec it runs later, on the main thread at its next
+    safe point. Either way keep it short: import the probe and let it start its own thread.
+    Raises NotPython (nothing was done to the process), InjectionRefused (the kernel
+    would not let the agent attach) or InjectionFailed. A pid with no live process
+    raises ``dlprof_agent.agent.errors.TargetNotFound``, like every other place the
+    agent meets a missing target, so the command line exits with the same code (3).
+    Errors in ``code`` itself happen in the target and print to its stderr.
+    """
+    if pid == os.getpid():
+        raise InjectionFailed("cannot inject into the agent's own process",
+                              "give the training job's pid")
+    runtime = find_python_runtime(pid)
+    if runtime is None:
+        comm = (_read_text(f"/proc/{pid}/comm") or "?").strip()
+        raise NotPython(f"process {pid} ({comm}) is not a Python process the probe can run in",
+                        "give the pid of the python process running the training script; "
+                        f"for a launcher or shell, list its children with `pgrep -a -P {pid}`")
+    if runtime.version is not None and runtime.version < MIN_TARGET_VERSION:
+        major, minor = runtime.version
+        raise NotPython(f"process {pid} runs python {major}.{minor}, too old for the probe",
+                        "the probe needs python {}.{} or newer".format(*MIN_TARGET_VERSION))
+    remote_exec = getattr(sys, "remote_exec", None)
+    if remote_exec is not None and runtime.version == sys.version_info[:2]:
+        _inject_remote_exec(pid, code, remote_exec)
+    else:
+        _inject_hypno(pid, code, runtime)
+
+
+class _Bootstrap:
+    """A script file the target will open, and its removal.
+
+    Kept by a directory descriptor on the /tmp that holds it, so removal still works
+    after the target has exited and its /proc/<pid>/root is gone.
+    """
+
+    def __init__(self, tmp: str, seen_as_tmp: str, code: str) -> None:
+        self._tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        self._lock = threading.Lock()
+        try:
+            self._name = f"dlprof-bootstrap-{secrets.token_hex(8)}"
+            os.mkdir(self._name, 0o700, dir_fd=self._tmp_fd)
+            # The target may run as another user: it may open the file, nobody may list.
+            os.chmod(self._name, 0o711, dir_fd=self._tmp_fd)
+            script = os.open(f"{self._name}/bootstrap.py",
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                             dir_fd=self._tmp_fd)
+            with open(script, "w", encoding="utf-8") as file:
+                file.write(code)
+                os.fchmod(file.fileno(), 0o644)
+        except BaseException:
+            self.remove()
+            raise
+        self.seen_as = f"{seen_as_tmp.rstrip('/')}/{self._name}/bootstrap.py"
+
+    def remove(self) -> None:
+        with self._lock:
+            if self._tmp_fd < 0:
+                return
+            for path, remove in ((f"{self._name}/bootstrap.py", os.unlink),
+                                 (self._name, os.rmdir)):
+                with contextlib.suppress(OSError):
+                    remove(path, dir_fd=self._tmp_fd)
+            os.close(self._tmp_fd)
+            self._tmp_fd = -1
+
+
+def _write_bootstrap(pid: int, code: str, *, procfs: str = "/proc") -> _Bootstrap:
+    """Write ``code`` to a file process ``pid`` can open (at ``.seen_as``).
+
+    Prefers the target's own /tmp, reached through /proc/<pid>/root, so a job in another
+    container sees the file; falls back to the agent's temporary directory.
+    """
+    try:
+        return _Bootstrap(f"{procfs}/{pid}/root/tmp", "/tmp", code)
+    except OSError:
+        local = tempfile.gettempdir()
+        return _Bootstrap(local, local, code)
+
+
+def _remove_later(bootstrap: _Bootstrap, seconds: float) -> None:
+    # remote_exec returns before the target has read the file; give it time to reach a
+    # safe point, and clean up at exit should the agent stop sooner.
+    timer = threading.Timer(seconds, bootstrap.remove)
+    timer.daemon = True
+    timer.start()
+    atexit.register(bootstrap.remove)
+
+
+def _inject_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str], object]) -> None:
+    try:
+        bootstrap = _write_bootstrap(pid, code)
+    except OSError as error:
+        raise InjectionFailed(f"cannot write the bootstrap script: {_first_line(error)}",
+                              "make a temporary directory writable (TMPDIR)") from None
+    _remove_later(bootstrap, BOOTSTRAP_FILE_SECONDS)
+    try:
+        remote_exec(pid, bootstrap.seen_as)
+    except ProcessLookupError:
+        raise TargetNotFound(f"process {pid} exited before the probe could be injected",
+                             "attach to a running job") from None
+    except PermissionError:
+        raise _refused(pid, "/proc", "sys.remote_exec was denied") from None
+    except (OSError, RuntimeError, ValueError) as error:
+        raise InjectionFailed(f"sys.remote_exec into process {pid} failed: {_first_line(error)}",
+                              "the job must not disable remote debugging "
+                              "(PYTHON_DISABLE_REMOTE_DEBUG, -X disable_remote_debug)") from None
+
+
+def _inject_hypno(pid: int, code: str, runtime: PythonRuntime) -> None:
+    try:
+        # Lazily: optional, absent on 3.14+, and only this path needs them.
+        import hypno
+        import pyinjector
+    except ImportError:
+        via = ""
+        if hasattr(sys, "remote_exec") and runtime.version is not None:
+            via = ", or run the agent with python {}.{} like the job".format(*runtime.version)
+        raise InjectionFailed(f"cannot inject into process {pid}: the hypno package is missing",
+                              f"pip install hypno{via}") from None
+    try:
+        hypno.inject_py(pid, code)
+    except hypno.CodeTooLongException as error:
+        raise InjectionFailed(f"cannot inject the bootstrap code: {_first_line(error)}",
+                              "keep it to a short import of the probe") from None
+    except pyinjector.api.LinuxInjectorPermissionError:
+        raise _refused(pid, "/proc", "ptrace was denied") from None
+    except pyinjector.PyInjectorError as error:
+        text = _first_line(error)
+        if "No such process" in text:
+            raise TargetNotFound(f"process {pid} exited before the probe could be injected",
+                                 "attach to a running job") from None
+        hint = "check the job's stderr, and retry"
+        if "dlopen failed" in text and "No such file" in text:
+            hint = ("the job sees another /tmp (another container or a private /tmp): run the "
+                    "agent inside the job's container, or start the job with `dlprof-agent run`")
+        elif "terminated" in text:
+            hint = "the job exited during injection; check its stderr"
+        raise InjectionFailed(f"injecting into process {pid} failed: {text}", hint) from None
+    except OSError as error:  # hypno writes its library to the agent's temporary directory
+        raise InjectionFailed(f"cannot prepare the injection: {_first_line(error)}",
+                              "make a temporary directory writable (TMPDIR)") from None

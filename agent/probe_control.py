@@ -1,0 +1,141 @@
+"""Gets the agent talking to the probe inside the target: an existing probe
+(started by `run` or by the job itself) is used as is; otherwise one is
+injected, unless the user said --no-inject. When none can be had, attach goes
+on out of process and says once why the in-process metrics are missing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from dlprof_agent.agent.errors import AgentError
+from dlprof_agent.collectors.probe import (
+    ProbeBusy,
+    ProbeClient,
+    ProbeSample,
+    ProbeUnavailable,
+    find_probe_socket,
+)
+
+log = logging.getLogger("dlprof_agent")
+
+SOCKET_WAIT_SECONDS = 10.0  # an injected bootstrap runs at the target's next safe point
+
+
+class ProbeAlreadyAttached(AgentError):
+    exit_code = 6
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    inject: bool = True
+    layers: bool = False
+    warmup_steps: int = 10
+    wait_seconds: float = SOCKET_WAIT_SECONDS
+
+
+def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
+    return {"interval_seconds": interval, "layers": options.layers,
+            "warmup_steps": options.warmup_steps, "agent_pid": os.getpid()}
+
+
+def _wait_for_socket(pid: int, seconds: float) -> str | None:
+    deadline = time.monotonic() + seconds
+    while True:
+        path = find_probe_socket(pid)
+        if path is not None or time.monotonic() >= deadline or not _running(pid):
+            return path
+        time.sleep(0.05)
+
+
+def _connect(pid: int, path: str, options: ProbeOptions, interval: float) -> ProbeClient:
+    try:
+        return ProbeClient.connect(pid, path, _start_options(options, interval))
+    except ProbeBusy as busy:
+        raise ProbeAlreadyAttached(
+            f"process {pid} already has an agent attached (pid {busy.agent_pid})",
+            f"scrape that agent, or stop it first (kill {busy.agent_pid})") from None
+
+
+def connect_probe(pid: int, options: ProbeOptions, *, interval: float,
+                  wait_seconds: float = 0.0) -> ProbeClient | None:
+    """A started probe client, or None with the reason logged once."""
+    path = _wait_for_socket(pid, wait_seconds) if wait_seconds else find_probe_socket(pid)
+    if path is not None:
+        try:
+            return _connect(pid, path, options, interval)
+        except ProbeUnavailable as error:
+            if not options.inject:
+                _missing(pid, f"the probe in it is unreachable: {error}")
+                return None
+            # A stale socket of an earlier process with this pid: inject afresh.
+    if not options.inject:
+        _missing(pid, "it has no probe and --no-inject was given; start the job with "
+                      "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
+        return None
+    from dlprof_agent.agent import inject
+    from dlprof_agent.probe.bootstrap import injection_code
+
+    try:
+        inject.inject(pid, injection_code())
+    except inject.InjectionError as error:
+        _missing(pid, error.one_line())
+        return None
+    path = _wait_for_socket(pid, options.wait_seconds)
+    if path is None:
+        _missing(pid, f"the injected probe did not start within {options.wait_seconds:g} s "
+                      "(the main thread may be stuck in native code, or the job's Python "
+                      "is older than 3.10)")
+        return None
+    try:
+        return _connect(pid, path, options, interval)
+    except ProbeUnavailable as error:
+        _missing(pid, f"the injected probe did not answer: {error}")
+        return None
+
+
+def _missing(pid: int, why: str) -> None:
+    log.warning("no in-process metrics (steps, layers, framework settings) for pid %d: %s; "
+                "the process, thread and GPU metrics are unaffected", pid, why)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class ProbeSource:
+    """The sampler's view of the probe: a sample per pass, or None once it is gone."""
+
+    def __init__(self, client: ProbeClient) -> None:
+        self.client: ProbeClient | None = client
+        self.pid = client.pid
+
+    @property
+    def up(self) -> bool:
+        return self.client is not None
+
+    def sample(self) -> ProbeSample | None:
+        client = self.client
+        if client is None:
+            return None
+        try:
+            return client.snapshot()
+        except Exception as error:  # a closed socket, a bad frame, a stuck process
+            self.client = None
+            client.close()
+            if _running(self.pid):  # else the job ended: nothing to report
+                log.warning("lost the probe in pid %d (%s); in-process metrics stop here",
+                            self.pid, error or type(error).__name__)
+            return None
+
+    def stop(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            client.stop()

@@ -1,0 +1,159 @@
+"""The agent's side of the probe channel: finds a probe's socket, starts it,
+and turns its replies into typed samples once per interval."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from dlprof_agent.probe.protocol import (
+    MAX_REPLY_BYTES,
+    VERSION,
+    ConnectionClosed,
+    ProtocolError,
+    encode,
+    read_frame,
+    runtime_dir_candidates,
+    socket_name,
+)
+
+REPLY_SECONDS = 2.0  # the probe answers within milliseconds unless its process is stuck
+
+
+class ProbeUnavailable(Exception):
+    """No probe answers for this process; the message says why, in plain words."""
+
+
+class ProbeBusy(ProbeUnavailable):
+    def __init__(self, agent_pid: int) -> None:
+        super().__init__(f"another agent (pid {agent_pid}) is attached")
+        self.agent_pid = agent_pid
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSample:
+    name: str
+    forward_seconds: float
+    forward_calls: int
+    backward_seconds: float
+    backward_calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSample:
+    """Totals since the probe was started by this agent."""
+
+    pid: int
+    step_source: str
+    steps: tuple[tuple[str, int], ...]  # (phase, count), phase warmup or steady
+    samples: tuple[tuple[str, int], ...]
+    step_bucket_bounds: tuple[float, ...]  # upper bounds, seconds; +Inf implied
+    step_bucket_counts: tuple[int, ...]  # per bucket, not cumulative; one more than bounds
+    step_seconds_sum: float
+    last_step_seconds: float | None
+    phase_seconds: tuple[tuple[str, float], ...]
+    layers: tuple[LayerSample, ...]
+    hook_errors: int
+    dropped_messages: tuple[tuple[str, int], ...]  # (reason, count)
+    settings: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # per framework
+
+    @classmethod
+    def from_reply(cls, pid: int, reply: dict[str, Any]) -> ProbeSample:
+        probe = reply["probe"]
+        return cls(
+            pid=pid,
+            step_source=str(probe["step_source"]),
+            steps=tuple(sorted((str(k), int(v)) for k, v in probe["steps"].items())),
+            samples=tuple(sorted((str(k), int(v)) for k, v in probe["samples"].items())),
+            step_bucket_bounds=tuple(float(b) for b in probe["step_buckets"]),
+            step_bucket_counts=tuple(int(c) for c in probe["step_bucket_counts"]),
+            step_seconds_sum=float(probe["step_seconds_sum"]),
+            last_step_seconds=(None if probe["last_step_seconds"] is None
+                               else float(probe["last_step_seconds"])),
+            phase_seconds=tuple(sorted((str(k), float(v))
+                                       for k, v in probe["phase_seconds"].items())),
+            layers=tuple(LayerSample(str(n), float(fs), int(fc), float(bs), int(bc))
+                         for n, fs, fc, bs, bc in probe["layers"]),
+            hook_errors=int(probe["hook_errors"]),
+            dropped_messages=tuple(sorted((str(k), int(v))
+                                          for k, v in reply.get("dropped", {}).items())),
+            settings=tuple(sorted(
+                (str(framework), tuple(sorted((str(k), str(v)) for k, v in values.items())))
+                for framework, values in reply.get("settings", {}).items())),
+        )
+
+
+def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
+    """The socket of the probe in ``pid``, looked up where that process's user
+    and environment would have put it."""
+    try:
+        uid = os.stat(f"{procfs}/{pid}").st_uid
+    except OSError:
+        return None
+    environ: dict[str, str] = {}
+    with contextlib.suppress(OSError), open(f"{procfs}/{pid}/environ", "rb") as file:
+        for entry in file.read().split(b"\0"):
+            key, _, value = entry.partition(b"=")
+            environ[key.decode(errors="replace")] = value.decode(errors="replace")
+    for directory in runtime_dir_candidates(uid, environ):
+        path = os.path.join(directory, socket_name(pid))
+        if os.path.exists(path):
+            return path
+    return None
+
+
+class ProbeClient:
+    """One connection to one probe. Not thread-safe: the sampler owns it."""
+
+    def __init__(self, pid: int, connection: socket.socket, hello: dict[str, Any]) -> None:
+        self.pid = pid
+        self._connection = connection
+        self.hello = hello
+
+    @classmethod
+    def connect(cls, pid: int, path: str, options: dict[str, Any]) -> ProbeClient:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.settimeout(REPLY_SECONDS)
+        try:
+            connection.connect(path)
+            connection.sendall(encode({"command": "start", "args": options}))
+            reply = read_frame(connection, max_bytes=MAX_REPLY_BYTES)
+        except (OSError, ConnectionClosed, ProtocolError) as error:
+            connection.close()
+            why = str(error) or type(error).__name__
+            raise ProbeUnavailable(f"its socket {path} did not answer ({why})") from None
+        if not reply.get("ok"):
+            connection.close()
+            if reply.get("error") == "busy":
+                raise ProbeBusy(int(reply.get("agent_pid", 0)))
+            raise ProbeUnavailable(f"it refused to start: {reply.get('error')}")
+        if reply.get("version") != VERSION:
+            connection.close()
+            raise ProbeUnavailable(f"it speaks protocol {reply.get('version')}, this agent "
+                                   f"{VERSION}: use the same dlprof-agent version")
+        return cls(pid, connection, reply)
+
+    def request(self, command: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {"command": command}
+        if args is not None:
+            message["args"] = args
+        self._connection.sendall(encode(message))
+        return read_frame(self._connection, max_bytes=MAX_REPLY_BYTES)
+
+    def snapshot(self) -> ProbeSample:
+        reply = self.request("snapshot")
+        if not reply.get("ok"):
+            raise ProbeUnavailable(f"snapshot refused: {reply.get('error')}")
+        return ProbeSample.from_reply(self.pid, reply)
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ConnectionClosed, ProtocolError):
+            self.request("stop")
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._connection.close()

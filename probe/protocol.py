@@ -1,0 +1,100 @@
+"""The probe's control channel: framed, versioned JSON over a Unix socket.
+
+A frame is a fixed header (magic, version, payload length) and a JSON object.
+Commands form a fixed set; nothing received is ever executed. The standard
+library only: this module loads inside the training process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import struct
+from typing import Any
+
+MAGIC = b"DLPR"
+VERSION = 1
+HEADER = struct.Struct("!4sB3xI")  # magic, version, padding, payload length
+MAX_REQUEST_BYTES = 64 * 1024  # agent -> probe: commands are small
+MAX_REPLY_BYTES = 4 * 1024 * 1024  # probe -> agent: 512 layers fit many times over
+COMMANDS = ("start", "stop", "configure", "snapshot")
+SOCKET_DIR_ENV = "DLPROF_AGENT_RUNTIME_DIR"
+
+
+class ProtocolError(Exception):
+    """A frame that cannot be read: bad magic, version, size or JSON."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason  # a short word, used as a metric label
+
+
+class ConnectionClosed(Exception):
+    pass
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = sock.recv(min(size, 1 << 16))
+        if not chunk:
+            raise ConnectionClosed
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(sock: socket.socket, *, max_bytes: int) -> dict[str, Any]:
+    magic, version, length = HEADER.unpack(_read_exact(sock, HEADER.size))
+    if magic != MAGIC:
+        raise ProtocolError("malformed", "not a dlprof-agent frame")
+    if version != VERSION:
+        raise ProtocolError("version", f"protocol version {version}, expected {VERSION}")
+    if length > max_bytes:
+        raise ProtocolError("oversized", f"{length} bytes, limit {max_bytes}")
+    try:
+        message = json.loads(_read_exact(sock, length))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ProtocolError("malformed", str(error)) from None
+    if not isinstance(message, dict):
+        raise ProtocolError("malformed", "a frame must hold a JSON object")
+    return message
+
+
+def runtime_dir_candidates(uid: int, environ: dict[str, str]) -> list[str]:
+    """Where a probe of user ``uid`` puts its socket, most specific first."""
+    candidates = []
+    if environ.get(SOCKET_DIR_ENV):
+        candidates.append(environ[SOCKET_DIR_ENV])
+    if environ.get("XDG_RUNTIME_DIR"):
+        candidates.append(os.path.join(environ["XDG_RUNTIME_DIR"], "dlprof-agent"))
+    candidates.append(f"/tmp/dlprof-agent-{uid}")
+    return candidates
+
+
+def socket_name(pid: int) -> str:
+    return f"probe-{pid}.sock"
+
+
+def private_dir(path: str) -> bool:
+    """Create ``path`` as 0700, or accept it if it exists, is ours and private."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    # Refuse a directory someone else planted, or one others can write into.
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+            and not info.st_mode & 0o022)

@@ -1,0 +1,384 @@
+"""The probe inside the training process: one thread that sleeps on a Unix
+socket until an agent connects, then installs the framework hooks and answers
+the agent's commands.
+
+Safety outranks everything here. The thread is a daemon, every failure is
+caught and counted, and when the agent goes away (closed socket, or silence
+longer than the lease) the hooks are removed within one interval. A probe
+that was injected also closes its socket then, leaving only imported modules.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+from dlprof_agent.probe.protocol import (
+    COMMANDS,
+    MAX_REQUEST_BYTES,
+    VERSION,
+    ConnectionClosed,
+    ProtocolError,
+    encode,
+    private_dir,
+    read_frame,
+    runtime_dir_candidates,
+    socket_name,
+)
+from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, DEFAULT_WARMUP_STEPS, Recorder
+
+HANDSHAKE_SECONDS = 5.0  # a connection must say start within this
+FRAME_SECONDS = 2.0  # a frame, once begun, must arrive within this
+MIN_LEASE_SECONDS = 2.0
+ORPHAN_SECONDS = 60.0  # an injected probe no agent connects to closes after this
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+FRAMEWORK_HOOKS = (("torch", "dlprof_agent.probe.torch_hooks", "TorchHooks"),
+                   ("tensorflow", "dlprof_agent.probe.tensorflow_hooks", "TensorFlowHooks"))
+# What the hooks use. The probe thread never imports a framework module itself:
+# doing so while the main thread is still importing the framework breaks that import.
+REQUIRED_MODULES = {
+    "torch": ("torch", "torch.nn.modules.module", "torch.optim.optimizer"),
+    "tensorflow": ("tensorflow",),
+}
+
+
+def _imported(names: tuple[str, ...]) -> bool:
+    """True once every module is in sys.modules and has finished executing."""
+    for name in names:
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None)
+        if module is None or getattr(spec, "_initializing", False):
+            return False
+    return True
+
+
+class _Session:
+    """What an attached agent asked for, and the hooks installed for it."""
+
+    def __init__(self, connection: socket.socket, peer_pid: int, options: dict[str, Any]
+                 ) -> None:
+        self.connection = connection
+        self.peer_pid = peer_pid
+        self.interval = float(options["interval_seconds"])
+        self.layers = bool(options["layers"])
+        self.recorder = Recorder(warmup_steps=int(options["warmup_steps"]),
+                                 max_layers=int(options["max_layers"]))
+        self.hooks: dict[str, Any] = {}
+        self.last_message = time.monotonic()
+
+    @property
+    def lease_seconds(self) -> float:
+        return max(MIN_LEASE_SECONDS, 3 * self.interval + 1)
+
+    def install_new_hooks(self, errors: dict[str, int]) -> None:
+        """Hook each framework once it is imported: with `run`, the agent
+        arrives before the script has imported anything."""
+        for module_name, hooks_module, class_name in FRAMEWORK_HOOKS:
+            if module_name in self.hooks or not _imported(REQUIRED_MODULES[module_name]):
+                continue
+            try:
+                module = __import__(hooks_module, fromlist=[class_name])
+                hooks = getattr(module, class_name)(self.recorder, layers=self.layers)
+                self.hooks[module_name] = hooks
+                hooks.install()
+            except Exception as error:
+                errors["install"] = errors.get("install", 0) + 1
+                self.recorder.hook_failed(f"install {module_name}", error)
+
+    def remove_hooks(self) -> None:
+        hooks, self.hooks = self.hooks, {}
+        for installed in hooks.values():
+            with contextlib.suppress(Exception):
+                installed.remove()
+
+    def settings(self) -> dict[str, dict[str, str]]:
+        result = {}
+        for module_name, hooks in self.hooks.items():
+            try:
+                result[module_name] = hooks.settings()
+            except Exception as error:
+                self.recorder.hook_failed(f"settings {module_name}", error)
+        return result
+
+
+def _options(args: Any, current: dict[str, Any]) -> dict[str, Any]:
+    """Validate command arguments; anything odd raises ValueError."""
+    if not isinstance(args, dict):
+        raise ValueError("args must be an object")
+    merged = dict(current)
+    checks = {"interval_seconds": (int, float), "layers": (bool,), "warmup_steps": (int,),
+              "max_layers": (int,), "agent_pid": (int,)}
+    for key, value in args.items():
+        kinds = checks.get(key)
+        # bool is an int in Python; only "layers" may be one.
+        if kinds is None or not isinstance(value, kinds) or (
+                isinstance(value, bool) and bool not in kinds):
+            raise ValueError(f"bad argument {key!r}")
+        merged[key] = value
+    if not 0.01 <= float(merged["interval_seconds"]) <= 3600:
+        raise ValueError("interval_seconds out of range")
+    if not 0 <= int(merged["warmup_steps"]) <= 1_000_000:
+        raise ValueError("warmup_steps out of range")
+    if not 1 <= int(merged["max_layers"]) <= 4096:
+        raise ValueError("max_layers out of range")
+    return merged
+
+
+DEFAULT_OPTIONS: dict[str, Any] = {"interval_seconds": 1.0, "layers": False,
+                                   "warmup_steps": DEFAULT_WARMUP_STEPS,
+                                   "max_layers": DEFAULT_MAX_LAYERS, "agent_pid": 0}
+
+
+class Probe:
+    def __init__(self, *, persistent: bool) -> None:
+        self.persistent = persistent
+        self.pid = os.getpid()
+        self.path = ""
+        self.dropped: dict[str, int] = {}
+        self.session: _Session | None = None
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._started = time.monotonic()
+        self._had_session = False
+
+    # Start and stop, from whoever enables the probe.
+
+    def listen(self) -> bool:
+        for directory in runtime_dir_candidates(os.geteuid(), dict(os.environ)):
+            if not private_dir(directory):
+                continue
+            path = os.path.join(directory, socket_name(self.pid))
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a leftover of an earlier process with this pid
+                listener.bind(path)
+                os.chmod(path, 0o600)
+                listener.listen(4)
+            except OSError:
+                listener.close()
+                continue
+            self._listener, self.path = listener, path
+            self._thread = threading.Thread(target=self._serve, name="dlprof-probe",
+                                            daemon=True)
+            self._thread.start()
+            return True
+        return False
+
+    def close(self) -> None:
+        self._closing = True
+        self._end_session()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.close()
+        if self.path and os.getpid() == self.pid:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    def mark_step(self, samples: int | None) -> None:
+        session = self.session
+        if session is None:
+            return
+        if samples:
+            session.recorder.add_samples(samples)
+        session.recorder.step_boundary("manual")
+
+    # The probe thread.
+
+    def _serve(self) -> None:
+        try:
+            while not self._closing and self._listener is not None:
+                self._serve_once()
+        except Exception:  # never let the probe thread's death reach the job
+            self._count("internal")
+        finally:
+            self._end_session()
+
+    def _serve_once(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        session = self.session
+        if (session is None and not self.persistent and not self._had_session
+                and time.monotonic() - self._started > ORPHAN_SECONDS):
+            self.close()  # injected, but the agent never came
+            return
+        watched = [listener] if session is None else [listener, session.connection]
+        timeout = 1.0 if session is None else min(1.0, session.interval)
+        try:
+            readable, _, _ = select.select(watched, [], [], timeout)
+        except (OSError, ValueError):
+            if self._closing:
+                return
+            raise
+        if listener in readable:
+            self._accept(listener)
+        if session is not None and session is self.session:
+            if session.connection in readable:
+                self._receive(session)
+            elif time.monotonic() - session.last_message > session.lease_seconds:
+                self._end_session()  # the agent is stopped or hung: go dormant
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            connection, _ = listener.accept()
+        except OSError:
+            return
+        try:
+            peer_pid, peer_uid, _ = _PEERCRED.unpack(connection.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if peer_uid not in (0, os.getuid(), os.geteuid()):
+                self._count("refused_peer")
+                connection.close()
+                return
+            if self.session is not None:
+                connection.settimeout(0.5)
+                with contextlib.suppress(OSError):
+                    connection.sendall(encode({
+                        "ok": False, "error": "busy", "agent_pid": self.session.peer_pid}))
+                connection.close()
+                return
+            self._handshake(connection, peer_pid)
+        except Exception:
+            self._count("malformed")
+            with contextlib.suppress(OSError):
+                connection.close()
+
+    def _handshake(self, connection: socket.socket, peer_pid: int) -> None:
+        connection.settimeout(HANDSHAKE_SECONDS)
+        try:
+            message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES)
+        except ProtocolError as error:
+            self._count(error.reason)
+            connection.close()
+            return
+        except (ConnectionClosed, OSError):
+            connection.close()
+            return
+        if message.get("command") != "start":
+            self._count("unknown" if message.get("command") not in COMMANDS else "malformed")
+            self._reply(connection, {"ok": False, "error": "say start first"})
+            connection.close()
+            return
+        try:
+            options = _options(message.get("args", {}), DEFAULT_OPTIONS)
+        except ValueError as error:
+            self._count("malformed")
+            self._reply(connection, {"ok": False, "error": str(error)})
+            connection.close()
+            return
+        connection.settimeout(FRAME_SECONDS)
+        session = _Session(connection, peer_pid, options)
+        self.session = session
+        self._had_session = True
+        session.install_new_hooks(self.dropped)
+        self._reply(connection, {"ok": True, "version": VERSION, "pid": self.pid,
+                                 "python": sys.version.split()[0],
+                                 "persistent": self.persistent,
+                                 "frameworks": sorted(session.hooks)})
+
+    def _receive(self, session: _Session) -> None:
+        try:
+            message = read_frame(session.connection, max_bytes=MAX_REQUEST_BYTES)
+        except ProtocolError as error:
+            # The stream cannot be trusted past a bad frame: drop the connection.
+            self._count(error.reason)
+            self._end_session()
+            return
+        except (ConnectionClosed, OSError):
+            self._end_session()  # the agent exited or was killed
+            return
+        session.last_message = time.monotonic()
+        command = message.get("command")
+        if command == "snapshot":
+            session.install_new_hooks(self.dropped)
+            self._reply(session.connection, {
+                "ok": True, "probe": session.recorder.snapshot(),
+                "settings": session.settings(), "dropped": dict(self.dropped)})
+        elif command == "configure":
+            try:
+                options = _options(message.get("args", {}), {
+                    "interval_seconds": session.interval, "layers": session.layers,
+                    "warmup_steps": session.recorder.warmup_steps,
+                    "max_layers": session.recorder.max_layers, "agent_pid": 0})
+            except ValueError as error:
+                self._count("malformed")
+                self._reply(session.connection, {"ok": False, "error": str(error)})
+                return
+            session.interval = float(options["interval_seconds"])
+            session.recorder.warmup_steps = int(options["warmup_steps"])
+            session.recorder.max_layers = int(options["max_layers"])
+            if bool(options["layers"]) != session.layers:
+                session.layers = bool(options["layers"])
+                session.remove_hooks()
+                session.install_new_hooks(self.dropped)
+            self._reply(session.connection, {"ok": True})
+        elif command == "stop":
+            self._reply(session.connection, {"ok": True})
+            self._end_session()
+        else:
+            self._count("unknown" if command not in COMMANDS else "malformed")
+            self._reply(session.connection, {"ok": False, "error": "unknown command"})
+
+    def _reply(self, connection: socket.socket, message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            connection.sendall(encode(message))
+
+    def _end_session(self) -> None:
+        session, self.session = self.session, None
+        if session is None:
+            return
+        session.remove_hooks()
+        with contextlib.suppress(OSError):
+            session.connection.close()
+        if not self.persistent and not self._closing:
+            self.close()  # injected: leave nothing listening behind
+
+    def _count(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+_probe: Probe | None = None
+_lock = threading.Lock()
+
+
+def enable(*, persistent: bool = True) -> Probe | None:
+    """Start the dormant probe once per process; later calls return it."""
+    global _probe  # noqa: PLW0603 - one probe per process
+    with _lock:
+        if _probe is not None and _probe.pid == os.getpid() and _probe._listener is not None:
+            return _probe
+        probe = Probe(persistent=persistent)
+        if not probe.listen():
+            return None
+        _probe = probe
+        atexit.register(probe.close)
+        return probe
+
+
+def current() -> Probe | None:
+    return _probe
+
+
+def _forget_in_child() -> None:
+    # A forked child (a data-loader worker) has no probe thread: drop the hooks it inherited.
+    global _probe
+    probe, _probe = _probe, None
+    if probe is not None:
+        session, probe.session = probe.session, None
+        if session is not None:
+            session.remove_hooks()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

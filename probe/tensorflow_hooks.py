@@ -1,0 +1,596 @@
+"""TensorFlow and Keras 3 hooks for the in-process probe.
+
+Three hooks, all patched in place and restored by ``remove()``:
+
+- Keras ``model.fit``: each Keras model's ``train_function`` attribute is
+  wrapped. The fit loop looks the attribute up on every step, so a wrapper set
+  in the middle of a fit takes effect at the next step. Live models are found
+  with one ``gc.get_objects()`` scan when Keras hooks are installed; it holds
+  the GIL for its duration (tens of milliseconds per million live objects) and
+  never runs again. ``TensorFlowTrainer.make_train_function`` is patched so
+  that fits starting later are wrapped too. A step ends when the next call
+  starts (source ``"keras"``); its samples are the batch size, read from the
+  fit loop's data adapter, times the steps one call runs
+  (``steps_per_execution``), with the final partial batch of array data
+  counted as it is.
+- Custom loops: ``__call__`` of TensorFlow's ``tf.function`` class is patched.
+  The first ``tf.function`` instance called twice from eager code is taken as
+  the step function; calls made while tracing and calls nested in a running
+  ``tf.function`` are ignored. Another is chosen if that one is garbage
+  collected or goes unused for 1000 calls of others. A step ends when the next call starts (source
+  ``"tf_function"``); its samples are the leading dimension of the first
+  positional argument that has one. Keras's own step function is a
+  ``tf.function`` too; the recorder's ranking lets ``"keras"`` win.
+- Per-layer forward time (``layers=True``): ``keras.Layer.__call__`` is
+  patched and leaf layers are timed, but only while executing eagerly (a model
+  compiled with ``run_eagerly=True`` or an eager custom loop). Inside a
+  ``tf.function`` the Python call only traces a graph once, so a model compiled
+  normally gets no per-layer time; ``settings()["layer_timing"]`` says which
+  case applies.
+
+Limitations: backward time per layer is not available for TensorFlow (the
+gradient tape computes the backward pass without calling back into layers). On a GPU an
+eager layer call returns once its kernels are queued, so eager per-layer times
+there show launch cost, not kernel time. The step that ends an epoch also
+spans the epoch's end (validation, epoch callbacks). A ``tf.data`` input whose
+batch dimension is unknown (``batch()`` without ``drop_remainder``) gives
+steps but no samples. Keras 2 (``tf_keras``) is seen only through the
+``tf.function`` fallback.
+
+Nothing here imports TensorFlow or Keras: both are taken from ``sys.modules``.
+Every hook catches its own errors and reports them to the recorder.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import os
+import platform
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from types import FrameType, ModuleType
+from typing import Any
+
+from dlprof_agent.probe.recorder import Recorder
+
+_FUNCTION_MODULES = (
+    ("tensorflow.python.eager.polymorphic_function.polymorphic_function", "Function"),
+    ("tensorflow.python.eager.def_function", "Function"),  # TensorFlow < 2.12
+)
+_CONTEXT_MODULE = "tensorflow.python.eager.context"
+_KERAS_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
+_KERAS_LAYER_MODULE = "keras.src.layers.layer"
+_KERAS_TENSOR_MODULE = "keras.src.backend.common.keras_tensor"
+_KERAS_STATE_MODULE = "keras.src.backend.common.global_state"
+_KERAS_CONFIG_MODULE = "keras.src.backend.config"
+
+# On a train_function wrapper: the function it wraps.
+_WRAPPED = "__dlprof_wrapped__"
+_MISSING = object()
+_MAX_CANDIDATES = 64
+# Calls of other tf.functions, with none of the step function, before the
+# step function is chosen anew (it may have been a one-off helper called twice).
+_STALE_CALLS = 1000
+# How long install() waits for an import of TensorFlow that is under way.
+_IMPORT_WAIT_S = 30.0
+
+# A weak reference to a data adapter, its batch size, batches per epoch and
+# final partial batch size.
+_AdapterCache = tuple[weakref.ref[Any], int | None, int | None, int | None]
+
+GRAPH_MODE = "unavailable: graph mode (compile with run_eagerly=True for per-layer time)"
+_FALSE_VALUES = ("0", "false")
+
+
+class _Patch:
+    """One class attribute replaced, and what was there before."""
+
+    def __init__(self, owner: Any, name: str, replacement: Any) -> None:
+        self.owner = owner
+        self.name = name
+        self.replacement = replacement
+        self.previous = owner.__dict__.get(name, _MISSING)
+
+    def apply(self) -> None:
+        setattr(self.owner, self.name, self.replacement)
+
+    def undo(self) -> None:
+        # Someone patched over us: theirs stays, and ours passes through.
+        if self.owner.__dict__.get(self.name) is not self.replacement:
+            return
+        if self.previous is _MISSING:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.previous)
+
+
+def _leading_dim(values: tuple[Any, ...]) -> int | None:
+    """First known leading dimension among values, looking one level into
+    tuples, lists and dicts (a step called with ``(x, y)``)."""
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            inner: Any = value[:4]
+        elif isinstance(value, dict):
+            inner = itertools.islice(value.values(), 4)
+        else:
+            inner = (value,)
+        for item in inner:
+            found = _shape_dim(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _shape_dim(value: Any) -> int | None:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return None
+    try:
+        if len(shape) == 0:
+            return None
+        first = shape[0]
+        first = None if first is None else int(first)
+    except (TypeError, ValueError, IndexError):  # unknown rank
+        return None
+    return first if first is not None and first > 0 else None
+
+
+def _env_flag(name: str) -> bool:
+    """TensorFlow's reading of a boolean variable that defaults to true."""
+    return os.environ.get(name, "1").strip().lower() not in _FALSE_VALUES
+
+
+def _module_ready(module: ModuleType | None) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
+
+
+class TensorFlowHooks:
+    """Step, sample and layer hooks for TensorFlow 2 and Keras 3."""
+
+    name = "tensorflow"
+
+    def __init__(self, recorder: Recorder, *, layers: bool) -> None:
+        self.recorder = recorder
+        self.layers = layers
+        # Re-entrant: patched Keras code may run while a hook holds it.
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._removing = False
+        self._active = False
+        self._patches: list[_Patch] = []
+        self._local = threading.local()
+        self._executing_eagerly: Callable[[], bool] | None = None
+        # The tf.function fallback: candidates by id, then the chosen one.
+        self._candidates: dict[int, weakref.ref[Any]] = {}
+        self._step_function: weakref.ref[Any] | None = None
+        self._other_calls = 0
+        # Keras.
+        self._keras_pending = False
+        self._trainer_class: Any = None
+        self._keras_tensor: Any = None
+        self._keras_state: Any = None
+        self._keras_config: Any = None
+        self._wrapped_models: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._adapter_cache: _AdapterCache | None = None
+        # Facts seen on the training thread, for settings() on the probe thread.
+        self._boundaries = 0
+        self._layer_calls_in_step = 0
+        self._eager_layer_calls = 0
+        self._layer_mode: str | None = None
+        self._precision: str | None = None
+        self._device: str | None = None
+
+    # Installing and removing: the probe's background thread.
+
+    def install(self) -> None:
+        """Patch what is loaded; never imports TensorFlow or Keras."""
+        self._removing = False
+        try:
+            tf = sys.modules.get("tensorflow")
+            if tf is None:
+                return
+            # Attached while the user's thread is still importing TensorFlow:
+            # its classes may not exist yet.
+            deadline = time.monotonic() + _IMPORT_WAIT_S
+            while not _module_ready(tf) and time.monotonic() < deadline:
+                if self._removing:
+                    return
+                time.sleep(0.05)
+            with self._process_lock():
+                if self._active:
+                    return
+                self._active = True
+                try:
+                    self._install_tf_function()
+                except Exception as exc:
+                    self.recorder.hook_failed("tensorflow.install", exc)
+                self._keras_pending = True
+                self._install_keras()
+        except Exception as exc:
+            self.recorder.hook_failed("keras.install", exc)
+
+    def remove(self) -> None:
+        """Put back every attribute patched; safe to call any number of times."""
+        self._removing = True
+        with self._process_lock():
+            self._active = False
+            self._keras_pending = False
+            for patch in reversed(self._patches):
+                try:
+                    patch.undo()
+                except Exception as exc:
+                    self.recorder.hook_failed("tensorflow.remove", exc)
+            self._patches.clear()
+            for model_ref, wrapper in list(self._wrapped_models.values()):
+                model = model_ref()
+                try:
+                    if model is not None and model.__dict__.get("train_function") is wrapper:
+                        object.__setattr__(model, "train_function", getattr(wrapper, _WRAPPED))
+                except Exception as exc:
+                    self.recorder.hook_failed("tensorflow.remove", exc)
+            self._wrapped_models.clear()
+            self._candidates.clear()
+            self._step_function = None
+            self._adapter_cache = None
+
+    def _process_lock(self) -> threading.RLock:
+        # remove() also runs in forked children (data-loader workers), where
+        # a lock another thread held at the fork would never be released.
+        if self._pid != os.getpid():
+            self._lock = threading.RLock()
+            self._pid = os.getpid()
+        return self._lock
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        patch = _Patch(owner, name, replacement)
+        patch.apply()
+        self._patches.append(patch)
+
+    def _install_tf_function(self) -> None:
+        context = sys.modules.get(_CONTEXT_MODULE)
+        function_class = None
+        for module_name, class_name in _FUNCTION_MODULES:
+            function_class = getattr(sys.modules.get(module_name), class_name, None)
+            if function_class is not None:
+                break
+        if context is None or function_class is None:
+            raise RuntimeError("tf.function's class is not loaded")
+        self._executing_eagerly = context.executing_eagerly
+        self._patch(function_class, "__call__",
+                    self._function_call_wrapper(function_class.__call__))
+
+    def _install_keras(self) -> None:
+        """Under the lock. Keras may be imported after TensorFlow, so this is
+        retried from the tf.function hook until Keras's TensorFlow trainer exists."""
+        if not self._keras_pending:
+            return
+        trainer: Any = sys.modules.get(_KERAS_TRAINER_MODULE)
+        layer_module: Any = sys.modules.get(_KERAS_LAYER_MODULE)
+        if not (_module_ready(trainer) and _module_ready(layer_module)):
+            return
+        self._keras_pending = False
+        trainer_class = trainer.TensorFlowTrainer
+        self._trainer_class = trainer_class
+        self._keras_tensor = getattr(sys.modules.get(_KERAS_TENSOR_MODULE), "KerasTensor", None)
+        self._keras_state = sys.modules.get(_KERAS_STATE_MODULE)
+        self._keras_config = sys.modules.get(_KERAS_CONFIG_MODULE)
+        self._patch(trainer_class, "make_train_function",
+                    self._make_train_function_wrapper(trainer_class.make_train_function))
+        if self.layers:
+            layer_class = layer_module.Layer
+            self._patch(layer_class, "__call__", self._layer_call_wrapper(layer_class.__call__))
+        for model in self._live_models(trainer_class):
+            self._wrap_model(model)
+
+    @staticmethod
+    def _live_models(trainer_class: type) -> list[Any]:
+        # One scan over the heap, for fits already running. The type check
+        # reads only MROs: isinstance could run a proxy's __class__ property.
+        verdicts: dict[type, bool] = {}
+        found = []
+        for obj in gc.get_objects():
+            kind = type(obj)
+            verdict = verdicts.get(kind)
+            if verdict is None:
+                verdict = verdicts[kind] = trainer_class in kind.__mro__
+            if verdict:
+                found.append(obj)
+        return found
+
+    def _wrap_model(self, model: Any) -> None:
+        """Under the lock: wrap the model's train_function if it has one."""
+        current = model.__dict__.get("train_function")
+        ours = self._wrapped_models.get(id(model))
+        if current is None or (ours is not None and ours[1] is current):
+            return
+        wrapper = self._train_function_wrapper(weakref.ref(model), current)
+        # Keras's __setattr__ tracks state; a plain function needs none of it.
+        object.__setattr__(model, "train_function", wrapper)
+        self._wrapped_models[id(model)] = (weakref.ref(model), wrapper)
+
+    # Wrappers. Their bodies run on the training thread.
+
+    def _function_call_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        hooks = self
+
+        @functools.wraps(original)
+        def __call__(function: Any, *args: Any, **kwargs: Any) -> Any:
+            if not hooks._function_call_start(function, args):
+                return original(function, *args, **kwargs)
+            try:
+                return original(function, *args, **kwargs)
+            finally:
+                hooks._local.inside = False
+
+        return __call__
+
+    def _make_train_function_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        hooks = self
+
+        @functools.wraps(original)
+        def make_train_function(model: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(model, *args, **kwargs)
+            if hooks._active:
+                try:
+                    with hooks._process_lock():
+                        if hooks._active:
+                            hooks._wrap_model(model)
+                except Exception as exc:
+                    hooks.recorder.hook_failed("keras.make_train_function", exc)
+            return result
+
+        return make_train_function
+
+    def _train_function_wrapper(self, model_ref: weakref.ref[Any],
+                                original: Callable[..., Any]) -> Callable[..., Any]:
+        hooks = self
+
+        @functools.wraps(original)
+        def train_function(*args: Any, **kwargs: Any) -> Any:
+            if hooks._active:
+                hooks._keras_call_start(model_ref)
+            return original(*args, **kwargs)
+
+        setattr(train_function, _WRAPPED, original)
+        return train_function
+
+    def _layer_call_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        hooks = self
+
+        @functools.wraps(original)
+        def __call__(layer: Any, *args: Any, **kwargs: Any) -> Any:
+            start = hooks._layer_call_start(layer, args)
+            if start is None:
+                return original(layer, *args, **kwargs)
+            result = original(layer, *args, **kwargs)
+            hooks._layer_call_end(layer, start)
+            return result
+
+        return __call__
+
+    # Hook bodies: never raise.
+
+    def _function_call_start(self, function: Any, args: tuple[Any, ...]) -> bool:
+        """True when this is a top-level eager call, which the caller must
+        close by clearing ``inside``."""
+        try:
+            local = self._local
+            if not self._active or getattr(local, "inside", False):
+                return False
+            eager = self._executing_eagerly
+            if eager is None or not eager():  # being traced into another graph
+                return False
+            if self._keras_pending and self._lock.acquire(blocking=False):
+                try:
+                    self._install_keras()
+                finally:
+                    self._lock.release()
+            if function is self._choose_step_function(function):
+                recorder = self.recorder
+                recorder.step_boundary("tf_function")
+                if recorder.step_source == "tf_function":
+                    self._note_boundary(None)
+                    samples = _leading_dim(args)
+                    if samples:
+                        recorder.add_samples(samples)
+            local.inside = True
+            return True
+        except Exception as exc:
+            self.recorder.hook_failed("tensorflow.function_call", exc)
+            return False
+
+    def _choose_step_function(self, function: Any) -> Any:
+        chosen_ref = self._step_function
+        chosen = chosen_ref() if chosen_ref is not None else None
+        if chosen is not None:
+            if function is chosen:
+                self._other_calls = 0
+                return chosen
+            self._other_calls += 1
+            if self._other_calls < _STALE_CALLS:
+                return chosen
+        self._step_function = None
+        self._other_calls = 0
+        key = id(function)
+        seen = self._candidates.get(key)
+        if seen is not None and seen() is function:  # its second call
+            self._candidates.clear()
+            self._step_function = seen
+            return function
+        if len(self._candidates) >= _MAX_CANDIDATES:
+            self._candidates.clear()
+        self._candidates[key] = weakref.ref(function)
+        return None
+
+    def _keras_call_start(self, model_ref: weakref.ref[Any]) -> None:
+        try:
+            recorder = self.recorder
+            recorder.step_boundary("keras")
+            if recorder.step_source != "keras":
+                return
+            self._note_boundary(model_ref())
+            # Frames: this one, the wrapper, then whoever called train_function.
+            samples = self._keras_samples(sys._getframe(2))
+            if samples:
+                recorder.add_samples(samples)
+        except Exception as exc:
+            self.recorder.hook_failed("keras.train_function", exc)
+
+    def _keras_samples(self, caller: FrameType) -> int | None:
+        name = caller.f_code.co_name
+        if name == "fit":
+            names = caller.f_locals
+            begin, end = names.get("begin_step"), names.get("end_step")
+            if isinstance(begin, int) and isinstance(end, int):
+                return self._epoch_samples(names.get("epoch_iterator"), begin, end)
+        elif name == "train_on_batch":
+            return _leading_dim((caller.f_locals.get("x"),))
+        return None
+
+    def _epoch_samples(self, epoch_iterator: Any, begin: int, end: int) -> int | None:
+        adapter = getattr(epoch_iterator, "data_adapter", None)
+        if adapter is None:
+            return None
+        cache = self._adapter_cache
+        if cache is None or cache[0]() is not adapter:
+            # Properties of some adapters run TensorFlow ops: read them once per fit.
+            batch, batches, partial = adapter.batch_size, adapter.num_batches, None
+            if adapter.has_partial_batch:
+                partial = adapter.partial_batch_size
+            cache = (weakref.ref(adapter), _positive(batch), _positive(batches),
+                     _positive(partial))
+            self._adapter_cache = cache
+        _, batch, batches, partial = cache
+        if batch is None:
+            return None
+        if getattr(epoch_iterator, "steps_per_epoch", None) or batches is None:
+            # The step index says nothing about where in the data the step is.
+            return batch * (end - begin + 1)
+        if begin >= batches:
+            return None
+        last = min(end, batches - 1)
+        samples = batch * (last - begin + 1)
+        if partial is not None and last == batches - 1:
+            samples -= batch - partial
+        return samples
+
+    def _layer_call_start(self, layer: Any, args: tuple[Any, ...]) -> float | None:
+        try:
+            if not self._active or getattr(layer, "_layers", None):
+                return None
+            eager = self._executing_eagerly
+            if eager is None or not eager():
+                return None
+            # Building a functional model calls layers on symbolic tensors.
+            if args and self._keras_tensor is not None and isinstance(args[0], self._keras_tensor):
+                return None
+            return time.perf_counter()
+        except Exception as exc:
+            self.recorder.hook_failed("keras.layer_call", exc)
+            return None
+
+    def _layer_call_end(self, layer: Any, start: float) -> None:
+        try:
+            elapsed = time.perf_counter() - start
+            self.recorder.add_layer_time(layer.name, "forward", elapsed)
+            self._layer_calls_in_step += 1
+            self._eager_layer_calls += 1
+        except Exception as exc:
+            self.recorder.hook_failed("keras.layer_call", exc)
+
+    def _note_boundary(self, model: Any) -> None:
+        """A step of ours ended: note whether it ran its layers eagerly."""
+        self._boundaries += 1
+        if self._boundaries > 1:
+            self._layer_mode = "eager" if self._layer_calls_in_step else "graph"
+        self._layer_calls_in_step = 0
+        if self._precision is None or self._boundaries % 256 == 0:
+            self._capture_precision(model)
+
+    def _capture_precision(self, model: Any) -> None:
+        """Keras keeps its dtype policy per thread, so it is read here, on the
+        training thread, and not in settings() on the probe thread."""
+        policy = getattr(model, "dtype_policy", None) if model is not None else None
+        if policy is None:
+            state, config = self._keras_state, self._keras_config
+            if state is None or config is None:
+                return
+            # Not keras.mixed_precision.global_policy(): that one stores a default.
+            policy = state.get_global_attribute("dtype_policy")
+            if policy is None:
+                self._precision = str(config.floatx())
+                return
+        self._precision = str(policy.name)
+
+    # Settings: the probe's background thread.
+
+    def settings(self) -> dict[str, str]:
+        """Framework facts, all strings; a fact that cannot be read is left out."""
+        found = {"framework": "tensorflow"}
+        tf: Any = sys.modules.get("tensorflow")
+        if not _module_ready(tf):
+            return found
+        keras: Any = sys.modules.get("keras")
+
+        def put(key: str, read: Callable[[], str | None]) -> None:
+            try:
+                value = read()
+            except Exception:
+                return
+            if value is not None:
+                found[key] = value
+
+        put("framework_version", lambda: str(tf.__version__))
+        if keras is not None:
+            put("keras_version", lambda: str(keras.__version__))
+        put("device", lambda: self._read_device(tf))
+        put("intra_op_threads",
+            lambda: _threads(tf.config.threading.get_intra_op_parallelism_threads()))
+        put("inter_op_threads",
+            lambda: _threads(tf.config.threading.get_inter_op_parallelism_threads()))
+        onednn = (sys.platform.startswith("linux")
+                  and platform.machine().lower() in ("x86_64", "amd64")
+                  and _env_flag("TF_ENABLE_ONEDNN_OPTS"))
+        found["blas"] = "onednn" if onednn else "eigen"
+        found["cudnn_autotune"] = "on" if _env_flag("TF_CUDNN_USE_AUTOTUNE") else "off"
+        if self._precision is not None:
+            found["precision"] = self._precision
+        config: Any = sys.modules.get(_KERAS_CONFIG_MODULE)
+        if config is not None:
+            put("data_layout", lambda: "NHWC" if config.image_data_format() == "channels_last"
+                else "NCHW")
+        found["layer_timing"] = self._layer_timing()
+        return found
+
+    def _read_device(self, tf: Any) -> str:
+        # Lists physical devices only, which leaves the user free to configure
+        # them; logical devices would initialize the runtime.
+        if self._device is None:
+            self._device = "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
+        return self._device
+
+    def _layer_timing(self) -> str:
+        if not self.layers:
+            return "off"
+        if self._layer_mode == "graph":
+            return GRAPH_MODE
+        if self._layer_mode == "eager" or self._eager_layer_calls:
+            return "eager"
+        return "pending"
+
+
+def _positive(value: Any) -> int | None:
+    if isinstance(value, int) and value > 0:
+        return value
+    return None
+
+
+def _threads(value: Any) -> str:
+    count = int(value)
+    return str(count) if count > 0 else "default"

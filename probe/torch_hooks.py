@@ -1,0 +1,237 @@
+"""PyTorch hooks: step boundaries, samples per step and per-layer time.
+
+Steps come from the global optimizer hooks; loops without ``torch.optim``
+fall back to the start of each training-mode forward of the model. The model
+is found by watching module calls for one iteration: the outermost module with
+parameters. After that only hooks on the model (and, with layer timing, on its
+leaf modules) remain, so a step costs a handful of Python calls.
+
+Backward time per layer is the time of the autograd node that produced the
+layer's output, timed with node pre- and post-hooks registered during forward.
+No tensor is wrapped, so in-place operations behave as without the probe.
+On a GPU these are host-side times (launch and synchronisation); kernel time
+is the CUPTI tracer's job.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from typing import Any
+
+from dlprof_agent.probe.recorder import Recorder
+
+SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
+
+
+def _first_tensor(values: Any, tensor_type: type) -> Any:
+    if isinstance(values, tensor_type):
+        return values
+    if isinstance(values, (tuple, list)):
+        for value in values:
+            if isinstance(value, tensor_type):
+                return value
+    return None
+
+
+class TorchHooks:
+    name = "pytorch"
+
+    def __init__(self, recorder: Recorder, *, layers: bool) -> None:
+        self.recorder = recorder
+        self.layers = layers
+        self._handles: list[Any] = []
+        self._discovery: Any = None
+        self._seen: dict[int, Any] = {}  # id -> module, during discovery only
+        self._step_optimizer: int | None = None
+        self._optimizer_started = 0.0
+        self._layer_started: dict[int, float] = {}
+        self._root_calls = 0
+        self._observed: dict[str, str] = {}
+        self._blas: str | None = None
+        self.model_name = ""
+        self._torch: Any = sys.modules["torch"]  # the probe only hooks an imported torch
+
+    # Lifecycle, from the probe thread.
+
+    def install(self) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+        self._discovery = register_module_forward_pre_hook(self._discover)
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        if self._discovery is not None:
+            handles.append(self._discovery)
+            self._discovery = None
+        for handle in handles:
+            handle.remove()
+        self._seen.clear()
+        self._layer_started.clear()
+
+    # Hooks, on the training thread. Each catches everything: the job never sees them fail.
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._optimizer_started = time.perf_counter()
+        except Exception as error:  # pragma: no cover - perf_counter does not fail
+            self.recorder.hook_failed("optimizer_pre", error)
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            now = time.perf_counter()
+            if self._optimizer_started:
+                self.recorder.add_phase_time("optimizer", now - self._optimizer_started)
+                self._optimizer_started = 0.0
+            # With several optimizers (a GAN, say) the first one to step marks the steps.
+            if self._step_optimizer is None:
+                self._step_optimizer = id(optimizer)
+            if id(optimizer) == self._step_optimizer:
+                self.recorder.step_boundary("optimizer", now)
+            if self._seen:
+                self._finish_discovery()
+        except Exception as error:
+            self.recorder.hook_failed("optimizer_post", error)
+
+    def _discover(self, module: Any, args: Any) -> None:
+        try:
+            if not (module.training and self._torch.is_grad_enabled()):
+                return
+            if id(module) in self._seen:  # a module called again: one iteration has passed
+                self._finish_discovery()
+            elif next(module.parameters(), None) is not None:
+                self._seen[id(module)] = module
+        except Exception as error:
+            self.recorder.hook_failed("discover", error)
+
+    def _finish_discovery(self) -> None:
+        if self._discovery is None:
+            return
+        self._discovery.remove()
+        self._discovery = None
+        seen, self._seen = list(self._seen.values()), {}
+        inner = {id(child) for module in seen for child in module.modules() if child is not module}
+        roots = [module for module in seen if id(module) not in inner]
+        if not roots:
+            return
+        root = max(roots, key=lambda module: sum(p.numel() for p in module.parameters()))
+        self.model_name = type(root).__name__
+        first = next(root.parameters(), None)
+        if first is not None:
+            self._observed["device"] = first.device.type
+        self._handles.append(root.register_forward_pre_hook(self._root_pre))
+        if self.layers:
+            self._hook_layers(root)
+
+    def _hook_layers(self, root: Any) -> None:
+        for name, module in root.named_modules():
+            if next(module.children(), None) is not None:
+                continue  # containers: their time is their leaves' time
+            label = name or type(module).__name__
+            self._handles.append(module.register_forward_pre_hook(self._layer_pre))
+            self._handles.append(module.register_forward_hook(
+                functools.partial(self._layer_post, label), always_call=True))
+
+    def _root_pre(self, module: Any, args: Any) -> None:
+        try:
+            if not (module.training and self._torch.is_grad_enabled()):
+                return
+            recorder = self.recorder
+            recorder.step_boundary("forward")
+            batch = _first_tensor(args, self._torch.Tensor)
+            if batch is not None and batch.dim() > 0:
+                recorder.add_samples(int(batch.shape[0]))
+            if self._root_calls % SETTINGS_EVERY_CALLS == 0:
+                self._observe(batch)
+            self._root_calls += 1
+        except Exception as error:
+            self.recorder.hook_failed("model_forward", error)
+
+    def _layer_pre(self, module: Any, args: Any) -> None:
+        self._layer_started[id(module)] = time.perf_counter()
+
+    def _layer_post(self, label: str, module: Any, args: Any, output: Any) -> None:
+        try:
+            started = self._layer_started.pop(id(module), None)
+            if started is None:
+                return
+            self.recorder.add_layer_time(label, "forward", time.perf_counter() - started)
+            result = _first_tensor(output, self._torch.Tensor)
+            node = None if result is None else result.grad_fn
+            if node is not None:
+                timer = _BackwardTimer(self.recorder, label)
+                node.register_prehook(timer.started)
+                node.register_hook(timer.finished)
+        except Exception as error:
+            self.recorder.hook_failed("layer_forward", error)
+
+    # Framework settings.
+
+    def _observe(self, batch: Any) -> None:
+        """Read what is per-thread or only visible to the training thread."""
+        torch = self._torch
+        observed = self._observed
+        # OpenMP thread counts are per thread: only the training thread's are the job's.
+        observed["intra_op_threads"] = str(torch.get_num_threads())
+        observed["inter_op_threads"] = str(torch.get_num_interop_threads())
+        device = observed.get("device", "cpu")
+        if torch.is_autocast_enabled(device):
+            dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+            observed["precision"] = f"amp_{dtype}"
+        else:
+            observed["precision"] = str(torch.get_default_dtype()).removeprefix("torch.")
+        if batch is not None and batch.dim() == 4:
+            channels_last = batch.is_contiguous(memory_format=torch.channels_last)
+            observed["data_layout"] = "NHWC" if channels_last and batch.shape[1] > 1 else "NCHW"
+
+    def settings(self) -> dict[str, str]:
+        torch = sys.modules["torch"]
+        if self._blas is None:
+            config = torch.__config__.show()
+            found = [part.split("=", 1)[1] for part in config.replace(",", " ").split()
+                     if part.startswith("BLAS_INFO=")]
+            self._blas = found[0] if found else "unknown"
+        settings = {
+            "framework": "pytorch",
+            "framework_version": str(torch.__version__),
+            "blas": self._blas,
+            "cudnn_autotune": "on" if torch.backends.cudnn.benchmark else "off",
+            "step_source": self.recorder.step_source or "none yet",
+        }
+        if self.model_name:
+            settings["model"] = self.model_name
+        for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            settings[variable.lower()] = os.environ.get(variable, "unset")
+        settings.update(self._observed)
+        settings["layer_timing"] = "on" if self.layers else "off"
+        return settings
+
+
+class _BackwardTimer:
+    """Times one autograd node: the backward of one layer's output."""
+
+    __slots__ = ("label", "recorder", "start")
+
+    def __init__(self, recorder: Recorder, label: str) -> None:
+        self.recorder = recorder
+        self.label = label
+        self.start = 0.0
+
+    def started(self, grad_outputs: Any) -> None:
+        self.start = time.perf_counter()
+
+    def finished(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        try:
+            if self.start:
+                self.recorder.add_layer_time(self.label, "backward",
+                                             time.perf_counter() - self.start)
+        except Exception as error:
+            self.recorder.hook_failed("layer_backward", error)

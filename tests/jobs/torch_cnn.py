@@ -1,0 +1,81 @@
+"""A small CNN trained on synthetic data, timing its own steps, for the probe's
+tests: each step's end time is appended to --log, so a test can compare what
+the probe reports with what the job itself measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def hooks_left(model: nn.Module) -> int:
+    """Hooks anyone installed on the model, on all modules, or on all optimizers."""
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    on_model = sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+                   + len(m._backward_hooks) for m in model.modules())
+    return (on_model + len(module._global_forward_pre_hooks)
+            + len(module._global_forward_hooks) + len(optimizer._global_optimizer_pre_hooks)
+            + len(optimizer._global_optimizer_post_hooks))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--loop", choices=("optimizer", "manual-sgd"), default="optimizer")
+    parser.add_argument("--enable-probe", action="store_true")
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--linger", type=float, default=0.0,
+                        help="seconds to stay alive after the last step")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    if args.enable_probe:
+        import dlprof_agent.probe
+
+        dlprof_agent.probe.enable()
+    model = small_cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    images = torch.randn(args.batch, 3, 32, 32)
+    labels = torch.randint(0, 10, (args.batch,))
+    with open(args.log, "w") as log:
+        log.write(json.dumps({"pid": os.getpid()}) + "\n")
+        for step in range(args.steps):
+            output = model(images)
+            loss = loss_fn(output, labels)
+            if args.loop == "optimizer":
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            else:
+                model.zero_grad()
+                loss.backward()
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        if parameter.grad is not None:
+                            parameter.sub_(0.01 * parameter.grad)
+            log.write(json.dumps({"step": step, "end": time.perf_counter()}) + "\n")
+            log.flush()
+        log.write(json.dumps({"done": True, "hooks": hooks_left(model)}) + "\n")
+    time.sleep(args.linger)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The probe's aggregation and wire format, without a process around them."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from dlprof_agent.probe.protocol import (
+    HEADER,
+    MAGIC,
+    ConnectionClosed,
+    ProtocolError,
+    encode,
+    read_frame,
+)
+from dlprof_agent.probe.recorder import OTHER_LAYER, STEP_BUCKETS, Recorder
+from dlprof_agent.probe.runtime import DEFAULT_OPTIONS, _options
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_steps(recorder: Recorder, durations: list[float], source: str = "optimizer",
+              samples: int = 8) -> None:
+    clock = recorder.clock
+    assert isinstance(clock, Clock)
+    for duration in durations:
+        recorder.add_samples(samples)
+        clock.now += duration
+        recorder.step_boundary(source)
+
+
+def test_warmup_steps_stay_out_of_the_steady_figures() -> None:
+    recorder = Recorder(warmup_steps=3, clock=Clock())
+    recorder.step_boundary("optimizer")  # the first boundary only starts the clock
+    run_steps(recorder, [5.0, 4.0, 3.0] + [0.02] * 20)
+    snapshot = recorder.snapshot()
+    assert snapshot["steps"] == {"warmup": 3, "steady": 20}
+    assert snapshot["samples"] == {"warmup": 24, "steady": 160}
+    assert snapshot["step_seconds_sum"] == pytest.approx(0.4)
+    assert sum(snapshot["step_bucket_counts"]) == 20
+    # 0.02 s falls in the bucket bounded by 0.025 s
+    assert snapshot["step_bucket_counts"][STEP_BUCKETS.index(0.025)] == 20
+
+
+def test_a_stronger_step_source_takes_over_and_weaker_ones_are_ignored() -> None:
+    recorder = Recorder(warmup_steps=0, clock=Clock())
+    recorder.step_boundary("forward")
+    run_steps(recorder, [1.0, 1.0], source="forward")
+    assert recorder.snapshot()["steps"]["steady"] == 2
+    recorder.step_boundary("optimizer")  # restarts the clock: no step counted
+    run_steps(recorder, [0.5, 0.5, 0.5], source="optimizer")
+    run_steps(recorder, [9.0], source="forward")  # ignored, and so are its samples' timing
+    snapshot = recorder.snapshot()
+    assert snapshot["step_source"] == "optimizer"
+    assert snapshot["steps"]["steady"] == 5
+    assert snapshot["step_seconds_sum"] == pytest.approx(3.5)
+
+
+def test_phases_add_up_to_the_step_time() -> None:
+    recorder = Recorder(warmup_steps=0, clock=Clock())
+    recorder.step_boundary("optimizer")
+    for _ in range(4):
+        recorder.add_layer_time("conv", "forward", 0.2)
+        recorder.add_layer_time("conv", "backward", 0.3)
+        recorder.add_phase_time("optimizer", 0.1)
+        run_steps(recorder, [1.0])
+    phases = recorder.snapshot()["phase_seconds"]
+    assert phases == pytest.approx({"forward": 0.8, "backward": 1.2, "optimizer": 0.4,
+                                    "other": 1.6})
+    assert sum(phases.values()) == pytest.approx(recorder.snapshot()["step_seconds_sum"])
+
+
+def test_layer_names_are_capped_with_an_other_bucket() -> None:
+    recorder = Recorder(warmup_steps=0, max_layers=4, clock=Clock())
+    for index in range(10):
+        recorder.add_layer_time(f"layer{index}", "forward", 1.0)
+    layers = {row[0]: row[1:] for row in recorder.snapshot()["layers"]}
+    assert set(layers) == {"layer0", "layer1", "layer2", "layer3", OTHER_LAYER}
+    assert layers[OTHER_LAYER] == [6.0, 6, 0.0, 0]
+
+
+def test_layers_are_not_counted_during_warmup() -> None:
+    recorder = Recorder(warmup_steps=2, clock=Clock())
+    recorder.step_boundary("optimizer")
+    recorder.add_layer_time("conv", "forward", 1.0)
+    run_steps(recorder, [1.0, 1.0])
+    recorder.add_layer_time("conv", "forward", 0.5)
+    assert recorder.snapshot()["layers"] == [["conv", 0.5, 1, 0.0, 0]]
+
+
+def test_frames_round_trip_and_bad_frames_are_named() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(encode({"command": "snapshot"}))
+        assert read_frame(right, max_bytes=1024) == {"command": "snapshot"}
+
+        left.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        with pytest.raises(ProtocolError) as error:
+            read_frame(right, max_bytes=1024)
+        assert error.value.reason == "malformed"
+
+    cases = {
+        "oversized": HEADER.pack(MAGIC, 1, 10_000_000),
+        "version": HEADER.pack(MAGIC, 99, 2) + b"{}",
+        "malformed": HEADER.pack(MAGIC, 1, 4) + b"[1] ",
+    }
+    for reason, frame in cases.items():
+        left, right = socket.socketpair()
+        with left, right:
+            left.sendall(frame)
+            with pytest.raises(ProtocolError) as error:
+                read_frame(right, max_bytes=1024)
+            assert error.value.reason == reason
+
+    left, right = socket.socketpair()
+    with right:
+        left.sendall(struct.pack("!4s", MAGIC))  # a header cut short
+        left.close()
+        with pytest.raises(ConnectionClosed):
+            read_frame(right, max_bytes=1024)
+
+
+@pytest.mark.parametrize("args", [
+    {"layers": "yes"}, {"warmup_steps": True}, {"warmup_steps": -1},
+    {"interval_seconds": 0}, {"max_layers": 10**9}, {"evil": "__import__('os')"}, [1, 2],
+])
+def test_bad_command_arguments_are_rejected(args: object) -> None:
+    with pytest.raises(ValueError):
+        _options(args, DEFAULT_OPTIONS)
+
+
+def test_good_command_arguments_are_merged() -> None:
+    options = _options({"layers": True, "warmup_steps": 3, "interval_seconds": 0.5},
+                       DEFAULT_OPTIONS)
+    assert options["layers"] is True
+    assert options["warmup_steps"] == 3
+    assert options["max_layers"] == DEFAULT_OPTIONS["max_layers"]
