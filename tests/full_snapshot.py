@@ -8,6 +8,7 @@ import time
 from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.probe import LayerSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 
@@ -39,7 +40,17 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
                                                 memory_bytes=30 << 30,
                                                 sm_utilization_ratio=0.8,
                                                 memory_utilization_ratio=0.3),))
+    probe = ProbeSample(
+        pid=pid, step_source="optimizer", steps=(("steady", 20), ("warmup", 10)),
+        samples=(("steady", 640), ("warmup", 320)), step_bucket_bounds=(0.1, 1.0),
+        step_bucket_counts=(15, 5, 0), step_seconds_sum=4.0, last_step_seconds=0.2,
+        phase_seconds=(("backward", 2.0), ("forward", 1.0), ("optimizer", 0.5),
+                       ("other", 0.5)),
+        layers=(LayerSample("features.0", 0.5, 20, 1.0, 20),), hook_errors=1,
+        dropped_messages=(("malformed", 1),),
+        settings=(("torch", (("framework", "pytorch"), ("framework_version", "2.13.0"))),))
     return Snapshot(timestamp_seconds=time.time(), monotonic_seconds=time.monotonic(),
                     target_pid=pid, target_up=True, processes=(process, child), host=host,
                     gpu=gpu, collector_errors=(("gpu", 1),), sample_duration_seconds=0.002,
-                    samples_total=5, agent=AgentSelfSample(1.5, 30 << 20, 31 << 20))
+                    samples_total=5, agent=AgentSelfSample(1.5, 30 << 20, 31 << 20),
+                    probe=probe, probe_up=True)

@@ -18,6 +18,7 @@ from dlprof_agent import __version__
 from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.probe import LayerSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
@@ -341,6 +342,9 @@ dlprof_process_start_time_seconds{{pid="4242"}} 1.7e+09
 # HELP dlprof_gpu_available 1 when NVML is loaded and sees at least one GPU, else 0.
 # TYPE dlprof_gpu_available gauge
 dlprof_gpu_available 0.0
+# HELP dlprof_probe_up 1 while the agent reads the in-process probe of the process, else 0.
+# TYPE dlprof_probe_up gauge
+dlprof_probe_up{{pid="4242"}} 0.0
 """  # noqa: E501 - exposition lines are as long as their HELP text
 
 
@@ -444,3 +448,51 @@ def test_a_second_server_on_the_same_port_raises_oserror(server: MetricsServer,
     with pytest.raises(OSError) as error:
         MetricsServer(CollectorRegistry(), host="127.0.0.1", port=server.port, health=health)
     assert error.value.errno == errno.EADDRINUSE
+
+
+# --- the in-process probe ----------------------------------------------------------
+
+PROBE = ProbeSample(
+    pid=PID, step_source="optimizer", steps=(("steady", 4), ("warmup", 10)),
+    samples=(("steady", 128), ("warmup", 320)), step_bucket_bounds=(0.01, 0.1, 1.0),
+    step_bucket_counts=(1, 2, 0, 1), step_seconds_sum=2.5, last_step_seconds=0.05,
+    phase_seconds=(("backward", 1.0), ("forward", 0.5), ("other", 1.0)),
+    layers=(LayerSample("features.0", 0.5, 4, 1.0, 4), LayerSample("fc", 0.1, 4, 0.0, 0)),
+    hook_errors=0, dropped_messages=(("malformed", 2),),
+    settings=(("torch", (("framework", "pytorch"), ("intra_op_threads", "8"),
+                         ("surprise", "ignored"))),))
+
+
+def test_probe_families() -> None:
+    registry = registry_for(dataclasses.replace(snapshot(), probe=PROBE, probe_up=True))
+    value = registry.get_sample_value
+    labels = {"pid": str(PID)}
+    assert value("dlprof_probe_up", labels) == 1
+    assert value("dlprof_steps_total", {**labels, "phase": "steady"}) == 4
+    assert value("dlprof_samples_total", {**labels, "phase": "warmup"}) == 320
+    # Buckets are cumulative on the wire; the probe sends them per bucket.
+    assert [value("dlprof_step_duration_seconds_bucket", {**labels, "le": le})
+            for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
+    assert value("dlprof_step_duration_seconds_count", labels) == 4
+    assert value("dlprof_step_duration_seconds_sum", labels) == 2.5
+    assert value("dlprof_layer_seconds_total",
+                 {**labels, "layer": "features.0", "phase": "backward"}) == 1.0
+    # A phase a layer never ran in has no series rather than a zero.
+    assert value("dlprof_layer_seconds_total", {**labels, "layer": "fc",
+                                                 "phase": "backward"}) is None
+    assert value("dlprof_layer_calls_total", {**labels, "layer": "fc", "phase": "forward"}) == 4
+    assert value("dlprof_step_phase_seconds_total", {**labels, "phase": "other"}) == 1.0
+    assert value("dlprof_probe_dropped_messages_total", {**labels, "reason": "malformed"}) == 2
+    info = [metric for metric in registry.collect() if metric.name == "dlprof_framework_info"]
+    (sample,) = info[0].samples
+    assert sample.labels["framework"] == "pytorch"
+    assert sample.labels["intra_op_threads"] == "8"
+    assert sample.labels["blas"] == ""  # unknown stays empty
+    assert "surprise" not in sample.labels  # the label set is fixed
+
+
+def test_no_probe_is_probe_up_0_and_nothing_else() -> None:
+    registry = registry_for(snapshot())
+    assert registry.get_sample_value("dlprof_probe_up", {"pid": str(PID)}) == 0
+    assert registry.get_sample_value("dlprof_steps_total", {"pid": str(PID),
+                                                            "phase": "steady"}) is None
