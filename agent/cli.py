@@ -166,11 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_para("Attach to a running training job and export where its time goes to "
                     "Prometheus: CPU by mode, memory, threads, context switches, I/O, and "
-                    "GPU utilization, memory, PCIe, power and clocks. The job is not "
-                    "restarted and nothing is injected into it."),
+                    "GPU utilization, memory, PCIe, power and clocks, read from outside; "
+                    "and, from a small probe inside a Python job, step time, samples per "
+                    "second, per-layer time and the framework's settings. The job is not "
+                    "restarted."),
         epilog="examples:\n"
                "  dlprof-agent attach $(pgrep -f train.py)     serve on "
                f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics\n"
+               "  dlprof-agent run -- python train.py           start a job with the probe\n"
                "  dlprof-agent snapshot 4242 | grep cpu        print the metrics once\n"
                "  dlprof-agent demo                            see it work on a busy process\n"
                "\nrun `dlprof-agent COMMAND --help` for each command's options.\n\n"
@@ -184,17 +187,24 @@ def build_parser() -> argparse.ArgumentParser:
         description=_para("Sample the process PID (and its descendants) every --interval seconds "
                     "and serve the latest sample on /metrics for Prometheus, plus /healthz. "
                     "On a terminal a status line shows the CPU split, memory, threads and "
-                    "GPU use; on exit a summary is printed."),
+                    "GPU use; on exit a summary is printed. If PID is a Python process, the "
+                    "in-process probe is used (when the job started one) or injected, for "
+                    "step time, samples per second, per-layer time (--layers) and framework "
+                    "settings; Ctrl-C removes its hooks again. A process that is not Python "
+                    "is still measured from outside."),
         epilog="examples:\n"
                "  dlprof-agent attach 4242\n"
                "  dlprof-agent attach $(pgrep -f train.py) --port 9946 --interval 0.5\n"
-               "  dlprof-agent attach 4242 --listen 0.0.0.0 --no-children --duration 600\n\n"
+               "  dlprof-agent attach 4242 --listen 0.0.0.0 --no-children --duration 600\n"
+               "  dlprof-agent attach 4242 --layers --warmup-steps 20\n\n"
                "Prometheus scrape config:\n"
                "  scrape_configs:\n"
                "    - job_name: dlprof\n"
                "      scrape_interval: 1s\n"
                f"      static_configs: [{{targets: ['localhost:{DEFAULT_PORT}']}}]\n\n"
-               "Reading another user's process needs root or CAP_SYS_PTRACE.\n\n"
+               "Reading another user's process needs root with CAP_SYS_PTRACE. Injecting "
+               "the probe needs\nthe job's user, or CAP_SYS_PTRACE where Yama's "
+               "ptrace_scope is 1 or more (in a container:\n--cap-add SYS_PTRACE).\n\n"
                + EXIT_CODES_HELP)
     attach.add_argument("pid", type=_pid, metavar="PID", help="the training job's process id")
     _add_serving_options(attach, duration_default=None)

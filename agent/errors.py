@@ -38,4 +38,6 @@ EXIT_CODES_HELP = """exit codes:
   2  bad arguments
   3  no such process, or it exited while the agent was starting
   4  no permission to read the process
-  5  cannot listen on the address and port"""
+  5  cannot listen on the address and port
+  6  the process already has an agent attached through its probe
+  run: the command's own exit code"""

@@ -16,7 +16,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.sampler import Snapshot
@@ -272,7 +271,7 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None) -> list
     for bound, count in zip((*probe.step_bucket_bounds, float("inf")),
                             probe.step_bucket_counts, strict=True):
         cumulative += count
-        buckets.append((floatToGoString(bound), cumulative))
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
     duration.add_metric([pid], buckets, probe.step_seconds_sum)
     phases = _counter("dlprof_step_phase_seconds_total",
                       "Steady-state step time by phase: forward and backward (summed over "

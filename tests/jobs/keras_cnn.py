@@ -62,7 +62,7 @@ def main() -> int:
         model.fit(data, np.tile(labels, args.steps), batch_size=args.batch, epochs=1,
                   verbose=0, callbacks=[Timer()])
     else:
-        @tf.function  # type: ignore[misc]
+        @tf.function  # type: ignore[untyped-decorator]
         def train_step(x: Any, y: Any) -> Any:
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))

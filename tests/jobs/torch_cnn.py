@@ -13,12 +13,7 @@ import time
 import torch
 from torch import nn
 
-
-def small_cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10))
+from dlprof_agent.workloads.torch_models import small_cnn
 
 
 def hooks_left(model: nn.Module) -> int:
@@ -40,6 +35,8 @@ def main() -> int:
     parser.add_argument("--loop", choices=("optimizer", "manual-sgd"), default="optimizer")
     parser.add_argument("--enable-probe", action="store_true")
     parser.add_argument("--log", required=True)
+    parser.add_argument("--until", metavar="FILE",
+                        help="stop after the step during which FILE appears")
     parser.add_argument("--linger", type=float, default=0.0,
                         help="seconds to stay alive after the last step")
     args = parser.parse_args()
@@ -72,6 +69,8 @@ def main() -> int:
                             parameter.sub_(0.01 * parameter.grad)
             log.write(json.dumps({"step": step, "end": time.perf_counter()}) + "\n")
             log.flush()
+            if args.until and os.path.exists(args.until):
+                break
         log.write(json.dumps({"done": True, "hooks": hooks_left(model)}) + "\n")
     time.sleep(args.linger)
     return 0
