@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from dlprof_agent.agent.sampler import Snapshot
+from dlprof_agent.collectors.probe import LayerSample, ProbeSample
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +55,30 @@ def _gpu_part(snapshot: Snapshot) -> str:
     return f"gpu {mean} mem {format_bytes(memory)}"
 
 
+def _probe_part(probe: ProbeSample | None, previous: ProbeSample | None) -> str:
+    """Step time and samples per second over the last interval, once steady."""
+    if probe is None:
+        return ""
+    if previous is None or probe.steady_steps <= previous.steady_steps:
+        warmup = dict(probe.steps).get("warmup", 0)
+        return f" | steps {warmup + probe.steady_steps}" + (
+            " (warm-up)" if not probe.steady_steps else "")
+    steps = probe.steady_steps - previous.steady_steps
+    step_seconds = (probe.step_seconds_sum - previous.step_seconds_sum) / steps
+    line = f" | step {1000 * step_seconds:.1f} ms"
+    samples = probe.steady_samples - previous.steady_samples
+    if samples and step_seconds > 0:
+        line += f" {samples / steps / step_seconds:.0f} samples/s"
+    return line
+
+
 class LiveStatus:
     """Rewrites one terminal line per sample. Log records clear it first."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._previous: tuple[float, TreeTotals] | None = None
+        self._previous_probe: ProbeSample | None = None
         self._shown = False
 
     def show(self, snapshot: Snapshot) -> None:
@@ -79,7 +98,8 @@ class LiveStatus:
         procs = f" in {totals.processes} procs" if totals.processes > 1 else ""
         line = (f"pid {snapshot.target_pid}{procs} | {cpu} | rss "
                 f"{format_bytes(totals.rss_bytes)} | {totals.threads} threads | "
-                f"{_gpu_part(snapshot)}")
+                f"{_gpu_part(snapshot)}{_probe_part(snapshot.probe, self._previous_probe)}")
+        self._previous_probe = snapshot.probe
         self._stream.write("\r\x1b[K" + line)
         self._stream.flush()
         self._shown = True
@@ -118,6 +138,7 @@ class Summary:
         self._gpu_utilization_sum = 0.0
         self._gpu_utilization_count = 0
         self.samples = 0
+        self.last_probe: ProbeSample | None = None
 
     def add(self, snapshot: Snapshot) -> None:
         self.samples += 1
@@ -127,6 +148,8 @@ class Summary:
         if self._first is None:
             self._first, self._first_totals = snapshot, totals
         self._last_up = snapshot
+        if snapshot.probe is not None:
+            self.last_probe = snapshot.probe
         self.peak_rss_bytes = max(self.peak_rss_bytes,
                                   sum(p.rss_peak_bytes for p in snapshot.processes))
         self.peak_threads = max(self.peak_threads, totals.threads)
@@ -169,4 +192,34 @@ class Summary:
                          f"{format_bytes(self.peak_gpu_memory_bytes)}")
         else:
             lines.append("  gpu          not available")
+        lines.extend(_probe_summary(self.last_probe))
         return "\n".join(lines)
+
+
+TOP_LAYERS = 5
+
+
+def _probe_summary(probe: ProbeSample | None) -> list[str]:
+    if probe is None:
+        return ["  steps        no in-process probe"]
+    steps = probe.steady_steps
+    warmup = dict(probe.steps).get("warmup", 0)
+    if not steps:
+        return [f"  steps        {warmup} warm-up steps, no steady ones yet"]
+    mean = probe.step_seconds_sum / steps
+    line = f"  steps        {steps} steady (+{warmup} warm-up), mean {1000 * mean:.1f} ms"
+    if probe.steady_samples:
+        line += f", {probe.steady_samples / probe.step_seconds_sum:.0f} samples/s"
+    lines = [line]
+    if probe.step_seconds_sum > 0 and probe.phase_seconds:
+        lines.append("  step split   " + "  ".join(
+            f"{phase} {seconds / probe.step_seconds_sum:.0%}"
+            for phase, seconds in probe.phase_seconds))
+    layers = sorted(probe.layers, key=lambda layer: -(layer.forward_seconds
+                                                        + layer.backward_seconds))
+    if layers and probe.step_seconds_sum > 0:
+        def share(layer: LayerSample) -> str:
+            seconds = layer.forward_seconds + layer.backward_seconds
+            return f"{layer.name} {seconds / probe.step_seconds_sum:.0%}"
+        lines.append("  top layers   " + "  ".join(map(share, layers[:TOP_LAYERS])))
+    return lines

@@ -2,12 +2,14 @@
 timing only, and with --layers) against no probe, and torch.profiler with CPU
 activities for comparison, on a small CNN on the CPU.
 
-Each configuration runs in a fresh job process; the configurations alternate
-within each repetition, so drift of the machine hits them all alike. The ratio
-is taken per repetition (configuration over that repetition's no-probe run)
-and reported as median, min and max.
+One job process runs blocks of steps; the configurations take turns block by
+block, so drift of the machine hits them all alike. Before a probe block this
+script connects to the job's probe as an agent would (and polls a snapshot
+every second); after it, it says stop, which removes the hooks. Each ratio is
+a block's median step time over the median of the no-probe block of the same
+round; the table gives the median, min and max over rounds.
 
-    python benchmarks/probe_overhead.py --repeats 7 --steps 400
+    python benchmarks/probe_overhead.py --rounds 20 --block-steps 100
 """
 
 from __future__ import annotations
@@ -25,21 +27,20 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("off", "steps", "layers", "torch.profiler")
-JOB_WARMUP_STEPS = 30
+JOB_WARMUP_STEPS = 50
+SETTLE_STEPS = 5  # a block's first steps: the probe finds the model, the profiler starts
 
 
-def job(config: str, steps: int, batch: int, threads: int) -> int:
-    """One training job: warm up, say ready, wait for go, time ``steps`` steps."""
+def job(batch: int, threads: int) -> int:
+    """The training job: runs a block of steps per line read, prints their times."""
     import torch
 
+    import dlprof_agent.probe
     from dlprof_agent.workloads.torch_models import small_cnn
 
     torch.manual_seed(0)
     torch.set_num_threads(threads)
-    if config in ("steps", "layers"):
-        import dlprof_agent.probe
-
-        dlprof_agent.probe.enable()
+    dlprof_agent.probe.enable()  # dormant until the benchmark connects
     model = small_cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -53,83 +54,90 @@ def job(config: str, steps: int, batch: int, threads: int) -> int:
     for _ in range(JOB_WARMUP_STEPS):
         step()
     print("ready", flush=True)
-    sys.stdin.readline()
-    profiler: Any = None
-    if config == "torch.profiler":
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        profiler.__enter__()
-    durations = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        step()
-        durations.append(time.perf_counter() - started)
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
-    print(json.dumps(durations), flush=True)
+    for line in sys.stdin:
+        config, steps = line.split()
+        profiler: Any = None
+        if config == "torch.profiler":
+            profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
+        durations = []
+        for _ in range(int(steps)):
+            started = time.perf_counter()
+            step()
+            durations.append(time.perf_counter() - started)
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+        print(json.dumps(durations), flush=True)
     return 0
 
 
-def run_one(config: str, args: argparse.Namespace) -> float:
-    """Median step time of one job run under ``config``."""
-    from dlprof_agent.collectors.probe import ProbeClient, find_probe_socket
+class Agent:
+    """Attaches to the job's probe the way dlprof-agent does, for one block."""
 
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--job", config, "--steps", str(args.steps),
-         "--batch", str(args.batch), "--threads", str(args.threads)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert process.stdin is not None and process.stdout is not None
-    assert process.stdout.readline().strip() == "ready"
-    client = None
-    stop = threading.Event()
-    if config in ("steps", "layers"):
-        path = find_probe_socket(process.pid)
+    def __init__(self, pid: int, layers: bool) -> None:
+        from dlprof_agent.collectors.probe import ProbeClient, find_probe_socket
+
+        path = find_probe_socket(pid)
         assert path is not None, "the job's probe did not start"
-        # Warm-up is the job's own here: every timed step is a measured one.
-        client = ProbeClient.connect(process.pid, path, {
-            "interval_seconds": 1.0, "layers": config == "layers", "warmup_steps": 0})
+        self.client = ProbeClient.connect(pid, path, {
+            "interval_seconds": 1.0, "layers": layers, "warmup_steps": 0})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
 
-        def poll() -> None:  # what an attached agent does: a snapshot every interval
-            while not stop.wait(1.0):
-                client.snapshot()
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            self.client.snapshot()
 
-        threading.Thread(target=poll, daemon=True).start()
-        time.sleep(0.2)  # the hooks install on the probe's thread
-    process.stdin.write("go\n")
-    process.stdin.flush()
-    durations: list[float] = json.loads(process.stdout.readline())
-    stop.set()
-    if client is not None:
-        client.stop()
-    process.wait(60)
-    return statistics.median(durations)
+    def detach(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.client.stop()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--block-steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--job", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        return job(args.job, args.steps, args.batch, args.threads)
+        return job(args.batch, args.threads)
 
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--job", "--batch", str(args.batch),
+         "--threads", str(args.threads)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stdout.readline().strip() == "ready"
     medians: dict[str, list[float]] = {config: [] for config in CONFIGS}
-    for repeat in range(args.repeats):
+    for round_index in range(args.rounds):
         for config in CONFIGS:
-            medians[config].append(run_one(config, args))
-        print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
+            agent = Agent(process.pid, config == "layers") if config in (
+                "steps", "layers") else None
+            process.stdin.write(f"{config} {args.block_steps + SETTLE_STEPS}\n")
+            process.stdin.flush()
+            durations: list[float] = json.loads(process.stdout.readline())
+            if agent is not None:
+                agent.detach()
+            medians[config].append(statistics.median(durations[SETTLE_STEPS:]))
+        print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
             f"{config} {medians[config][-1] * 1e3:.2f} ms" for config in CONFIGS),
             file=sys.stderr, flush=True)
+    process.stdin.close()
+    process.wait(60)
+
     base = medians["off"]
     spread = (max(base) - min(base)) / statistics.median(base)
-    print(f"small CNN, batch {args.batch}, {args.threads} thread(s), {args.steps} timed "
-          f"steps per run, {args.repeats} interleaved repeats")
-    print(f"no-probe step time: median {statistics.median(base) * 1e3:.2f} ms, "
-          f"spread across repeats {spread:.1%} (the machine's noise)")
+    print(f"small CNN (dlprof_agent.workloads.torch_models.small_cnn), batch {args.batch}, "
+          f"{args.threads} thread(s), {args.rounds} rounds of {args.block_steps}-step blocks")
+    print(f"no-probe step time: median {statistics.median(base) * 1e3:.2f} ms; its blocks "
+          f"spread over {spread:.1%} (the machine's noise)")
     print("| configuration | median step | overhead: median | min | max |")
     print("|---|---|---|---|---|")
     for config in CONFIGS[1:]:

@@ -60,6 +60,14 @@ class ProbeSample:
     dropped_messages: tuple[tuple[str, int], ...]  # (reason, count)
     settings: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # per framework
 
+    @property
+    def steady_steps(self) -> int:
+        return dict(self.steps).get("steady", 0)
+
+    @property
+    def steady_samples(self) -> int:
+        return dict(self.samples).get("steady", 0)
+
     @classmethod
     def from_reply(cls, pid: int, reply: dict[str, Any]) -> ProbeSample:
         probe = reply["probe"]

@@ -30,7 +30,6 @@ class Recorder:
 
     def __init__(self, *, warmup_steps: int = DEFAULT_WARMUP_STEPS,
                  max_layers: int = DEFAULT_MAX_LAYERS, clock: Any = time.perf_counter) -> None:
-        self.warmup_steps = warmup_steps
         self.max_layers = max_layers
         self.clock = clock
         self._lock = threading.Lock()
@@ -48,6 +47,12 @@ class Recorder:
         self.layers: dict[str, list[float]] = {}
         self.hook_errors = 0
         self.hook_error_kinds: dict[str, str] = {}
+        self.steady = False  # past warm-up: layer time counts from here
+        self.set_warmup_steps(warmup_steps)
+
+    def set_warmup_steps(self, steps: int) -> None:
+        self.warmup_steps = steps
+        self.steady = self.steps["warmup"] >= steps
 
     # Hot path: called by hooks on the training thread.
 
@@ -75,17 +80,22 @@ class Recorder:
         self._pending_samples += count
 
     def add_layer_time(self, layer: str, phase: str, seconds: float) -> None:
-        if self.steps["warmup"] < self.warmup_steps:
+        """Called for every layer call: kept to a few additions."""
+        if not self.steady:
             return  # warm-up layers (first calls, allocator growth) would skew the split
         stats = self.layers.get(layer)
         if stats is None:
             if len(self.layers) >= self.max_layers:
                 layer = OTHER_LAYER
             stats = self.layers.setdefault(layer, [0.0, 0, 0.0, 0])
-        offset = 0 if phase == "forward" else 2
-        stats[offset] += seconds
-        stats[offset + 1] += 1
-        self._pending_phases[phase] = self._pending_phases.get(phase, 0.0) + seconds
+        pending = self._pending_phases
+        if phase == "forward":
+            stats[0] += seconds
+            stats[1] += 1
+        else:
+            stats[2] += seconds
+            stats[3] += 1
+        pending[phase] = pending.get(phase, 0.0) + seconds
 
     def add_phase_time(self, phase: str, seconds: float) -> None:
         """Time in a step that is not a layer's, such as the optimizer's update."""
@@ -111,6 +121,7 @@ class Recorder:
         if self.steps["warmup"] < self.warmup_steps:
             self.steps["warmup"] += 1
             self.samples["warmup"] += samples
+            self.steady = self.steps["warmup"] >= self.warmup_steps
             return
         self.steps["steady"] += 1
         self.samples["steady"] += samples

@@ -317,7 +317,7 @@ class Probe:
                 self._reply(session.connection, {"ok": False, "error": str(error)})
                 return
             session.interval = float(options["interval_seconds"])
-            session.recorder.warmup_steps = int(options["warmup_steps"])
+            session.recorder.set_warmup_steps(int(options["warmup_steps"]))
             session.recorder.max_layers = int(options["max_layers"])
             if bool(options["layers"]) != session.layers:
                 session.layers = bool(options["layers"])

@@ -6,9 +6,11 @@ is found by watching module calls for one iteration: the outermost module with
 parameters. After that only hooks on the model (and, with layer timing, on its
 leaf modules) remain, so a step costs a handful of Python calls.
 
-Backward time per layer is the time of the autograd node that produced the
-layer's output, timed with node pre- and post-hooks registered during forward.
-No tensor is wrapped, so in-place operations behave as without the probe.
+Backward time per layer runs from the moment autograd reaches the node that
+produced the layer's output (a node pre-hook, registered during forward) to
+the moment it reaches the next layer's, or the end of the backward pass: the
+layer's own gradients plus the glue between it and the next layer. No tensor
+is wrapped, so in-place operations behave as without the probe.
 On a GPU these are host-side times (launch and synchronisation); kernel time
 is the CUPTI tracer's job.
 """
@@ -48,6 +50,9 @@ class TorchHooks:
         self._step_optimizer: int | None = None
         self._optimizer_started = 0.0
         self._layer_started: dict[int, float] = {}
+        self._labels: dict[int, str] = {}  # id of a hooked leaf module -> its name
+        self._segment_label: str | None = None  # the layer whose backward is running
+        self._segment_start = 0.0
         self._root_calls = 0
         self._observed: dict[str, str] = {}
         self._blas: str | None = None
@@ -76,6 +81,7 @@ class TorchHooks:
             handle.remove()
         self._seen.clear()
         self._layer_started.clear()
+        self._labels.clear()
 
     # Hooks, on the training thread. Each catches everything: the job never sees them fail.
 
@@ -135,10 +141,10 @@ class TorchHooks:
         for name, module in root.named_modules():
             if next(module.children(), None) is not None:
                 continue  # containers: their time is their leaves' time
-            label = name or type(module).__name__
+            self._labels[id(module)] = name or type(module).__name__
             self._handles.append(module.register_forward_pre_hook(self._layer_pre))
-            self._handles.append(module.register_forward_hook(
-                functools.partial(self._layer_post, label), always_call=True))
+            self._handles.append(module.register_forward_hook(self._layer_post,
+                                                              always_call=True))
 
     def _root_pre(self, module: Any, args: Any) -> None:
         try:
@@ -146,6 +152,7 @@ class TorchHooks:
                 return
             recorder = self.recorder
             recorder.step_boundary("forward")
+            self._segment_label = None  # a backward pass that failed never closed
             batch = _first_tensor(args, self._torch.Tensor)
             if batch is not None and batch.dim() > 0:
                 recorder.add_samples(int(batch.shape[0]))
@@ -158,20 +165,44 @@ class TorchHooks:
     def _layer_pre(self, module: Any, args: Any) -> None:
         self._layer_started[id(module)] = time.perf_counter()
 
-    def _layer_post(self, label: str, module: Any, args: Any, output: Any) -> None:
+    def _layer_post(self, module: Any, args: Any, output: Any) -> None:
         try:
+            now = time.perf_counter()
             started = self._layer_started.pop(id(module), None)
             if started is None:
                 return
-            self.recorder.add_layer_time(label, "forward", time.perf_counter() - started)
-            result = _first_tensor(output, self._torch.Tensor)
-            node = None if result is None else result.grad_fn
+            label = self._labels[id(module)]
+            self.recorder.add_layer_time(label, "forward", now - started)
+            node = getattr(output, "grad_fn", None)
+            if node is None and isinstance(output, (tuple, list)):
+                node = getattr(_first_tensor(output, self._torch.Tensor), "grad_fn", None)
             if node is not None:
-                timer = _BackwardTimer(self.recorder, label)
-                node.register_prehook(timer.started)
-                node.register_hook(timer.finished)
+                node.register_prehook(functools.partial(self._backward_reached, label))
         except Exception as error:
             self.recorder.hook_failed("layer_forward", error)
+
+    def _backward_reached(self, label: str, grad_outputs: Any) -> None:
+        """Autograd reached ``label``'s output: the previous layer's backward ends."""
+        try:
+            now = time.perf_counter()
+            previous = self._segment_label
+            if previous is None:  # this pass's first layer: have its end reported
+                self._torch.autograd.Variable._execution_engine.queue_callback(
+                    self._backward_done)
+            else:
+                self.recorder.add_layer_time(previous, "backward", now - self._segment_start)
+            self._segment_label, self._segment_start = label, now
+        except Exception as error:
+            self.recorder.hook_failed("layer_backward", error)
+
+    def _backward_done(self) -> None:
+        try:
+            label, self._segment_label = self._segment_label, None
+            if label is not None:
+                self.recorder.add_layer_time(label, "backward",
+                                             time.perf_counter() - self._segment_start)
+        except Exception as error:
+            self.recorder.hook_failed("layer_backward", error)
 
     # Framework settings.
 
@@ -213,25 +244,3 @@ class TorchHooks:
         settings.update(self._observed)
         settings["layer_timing"] = "on" if self.layers else "off"
         return settings
-
-
-class _BackwardTimer:
-    """Times one autograd node: the backward of one layer's output."""
-
-    __slots__ = ("label", "recorder", "start")
-
-    def __init__(self, recorder: Recorder, label: str) -> None:
-        self.recorder = recorder
-        self.label = label
-        self.start = 0.0
-
-    def started(self, grad_outputs: Any) -> None:
-        self.start = time.perf_counter()
-
-    def finished(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        try:
-            if self.start:
-                self.recorder.add_layer_time(self.label, "backward",
-                                             time.perf_counter() - self.start)
-        except Exception as error:
-            self.recorder.hook_failed("layer_backward", error)
