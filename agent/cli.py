@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import logging
 import math
 import os
@@ -243,16 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(snapshot)
 
     demo = commands.add_parser(
-        "demo", help="start a busy demo process, attach to it, and show what the agent sees",
+        "demo", help="start a demo training job, attach to it, and show what the agent sees",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_para("Start a synthetic busy process (named worker threads plus a child "
-                    "process), attach to it as `attach` would, and after --duration print "
-                    "the summary and a few of the series a Prometheus scrape gets."),
+        description=_para("Start a small PyTorch training job (a CNN on synthetic data; without "
+                    "torch, a synthetic busy process with named threads and a child), attach "
+                    "to it as `attach` would, injecting the probe with layer timing, and "
+                    "after --duration print the summary and some of the series a Prometheus "
+                    "scrape gets."),
         epilog="examples:\n"
                "  dlprof-agent demo\n"
                "  dlprof-agent demo --duration 60 --threads 8   (then scrape "
                f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics)\n\n" + EXIT_CODES_HELP)
-    demo.add_argument("--threads", type=int, default=3, help="busy worker threads (default 3)")
+    demo.add_argument("--threads", type=int, default=3,
+                      help="the job's threads: PyTorch intra-op threads (at most the CPU "
+                           "count), or busy worker threads (default 3)")
     _add_serving_options(demo, duration_default=10.0)
     _add_sampling_options(demo)
     return parser
@@ -444,14 +449,42 @@ def snapshot_command(pid: int, *, children: bool, gpu: bool, out: TextIO) -> int
 
 DEMO_SERIES = ("dlprof_target_up", "dlprof_process_cpu_seconds_total",
                "dlprof_process_threads", "dlprof_thread_group_threads",
-               "dlprof_process_resident_memory_peak_bytes", "dlprof_gpu_available")
+               "dlprof_process_resident_memory_peak_bytes", "dlprof_gpu_available",
+               "dlprof_probe_up", "dlprof_steps_total", "dlprof_samples_total",
+               "dlprof_step_duration_seconds_sum", "dlprof_step_duration_seconds_count",
+               "dlprof_step_phase_seconds_total", "dlprof_framework_info")
+
+
+def _start_demo_workload(args: argparse.Namespace, seconds: float, out: TextIO
+                         ) -> tuple[subprocess.Popen[bytes], bool]:
+    """A PyTorch training job when torch is installed, else a busy process."""
+    if importlib.util.find_spec("torch") is not None:
+        print("demo: starting a PyTorch job (a small CNN on synthetic data)...", file=out,
+              flush=True)
+        job = subprocess.Popen(
+            [sys.executable, "-m", "dlprof_agent.workloads.torch_train", "--seconds",
+             str(seconds), "--threads", str(min(args.threads, os.cpu_count() or 1))],
+            stdout=subprocess.PIPE)
+        assert job.stdout is not None
+        job.stdout.readline()  # "training", or nothing if it failed
+        if job.poll() is None:
+            print(f"demo: pid {job.pid} is training; attaching and injecting the probe, with "
+                  "layer timing", file=out)
+            return job, True
+        log.info("the PyTorch demo job did not start; using a busy process instead")
+    workload = subprocess.Popen(
+        [sys.executable, "-m", "dlprof_agent.workloads.busy", "--threads", str(args.threads),
+         "--children", "1", "--seconds", str(seconds)], stdout=subprocess.DEVNULL)
+    time.sleep(0.5)  # let the workload start its threads and child
+    print(f"demo: started a busy process, pid {workload.pid}, with {args.threads} "
+          "worker threads and one child", file=out)
+    return workload, False
 
 
 def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -> int:
-    workload = subprocess.Popen(
-        [sys.executable, "-m", "dlprof_agent.workloads.busy", "--threads", str(args.threads),
-         "--children", "1", "--seconds", str((options.duration or 10) + 30)],
-        stdout=subprocess.DEVNULL)
+    workload, trains = _start_demo_workload(args, (options.duration or 10) + 30, out)
+    if trains:
+        options = replace(options, probe=ProbeOptions(layers=True, warmup_steps=5))
     exposition: list[str] = []
 
     def fetch_metrics(port: int) -> None:
@@ -465,9 +498,7 @@ def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -
             log.info("could not read the demo's own endpoint: %s", error)
 
     try:
-        time.sleep(0.5)  # let the workload start its threads and child
-        print(f"demo: started a busy process, pid {workload.pid}, with {args.threads} "
-              f"worker threads and one child; attaching for {options.duration:g} s", file=out)
+        print(f"demo: watching for {options.duration:g} s", file=out)
         try:
             code = serve(workload.pid, options, out=out, before_stop=fetch_metrics)
         except PortUnavailable:
@@ -486,7 +517,7 @@ def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -
 
 def _demo_lines(exposition: str) -> list[str]:
     return [line for line in exposition.splitlines()
-            if line.startswith(DEMO_SERIES)][:24]
+            if line.startswith(DEMO_SERIES)][:32]
 
 
 def run_command(command_line: list[str], options: ServeOptions) -> int:

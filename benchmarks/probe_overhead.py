@@ -138,13 +138,65 @@ def main() -> int:
           f"{args.threads} thread(s), {args.rounds} rounds of {args.block_steps}-step blocks")
     print(f"no-probe step time: median {statistics.median(base) * 1e3:.2f} ms; its blocks "
           f"spread over {spread:.1%} (the machine's noise)")
+    print("\nwall-clock step time, per round against that round's no-probe block:")
     print("| configuration | median step | overhead: median | min | max |")
     print("|---|---|---|---|---|")
     for config in CONFIGS[1:]:
         ratios = [on / off - 1 for on, off in zip(medians[config], base, strict=True)]
         print(f"| {config} | {statistics.median(medians[config]) * 1e3:.2f} ms | "
               f"{statistics.median(ratios):+.2%} | {min(ratios):+.2%} | {max(ratios):+.2%} |")
+    print_hook_costs(statistics.median(base))
     return 0
+
+
+def print_hook_costs(cnn_step_seconds: float) -> None:
+    """The probe's cost per step and per layer call, measured where it is the
+    only thing that varies: a model of ten tiny layers whose compute is next to
+    nothing, so a few microseconds stand out of this machine's noise. The
+    hooks are installed as the probe installs them, without its socket."""
+    import torch
+    from torch import nn
+
+    from dlprof_agent.probe.recorder import Recorder
+    from dlprof_agent.probe.torch_hooks import TorchHooks
+
+    layers = 10
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = torch.randn(2, 4)
+
+    def median_step(steps: int) -> float:
+        durations = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            model(batch).sum().backward()
+            optimizer.step()
+            durations.append(time.perf_counter() - started)
+        return statistics.median(durations[5:])
+
+    median_step(200)
+    costs: dict[str, list[float]] = {"steps": [], "layers": [], "torch.profiler": []}
+    for _ in range(20):
+        off = median_step(100)
+        for config in ("steps", "layers"):
+            hooks = TorchHooks(Recorder(warmup_steps=0), layers=config == "layers")
+            hooks.install()
+            costs[config].append(median_step(100) - off)
+            hooks.remove()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            costs["torch.profiler"].append(median_step(100) - off)
+    print(f"\ncost per training step, in-process, on {layers} tiny layers (noise-free "
+          "estimate); overhead on the CNN above = cost / its no-probe step time:")
+    print("| configuration | cost per step | per layer | estimated CNN overhead |")
+    print("|---|---|---|---|")
+    step_cost = statistics.median(costs["steps"])
+    for config, samples in costs.items():
+        cost = statistics.median(samples)
+        per_layer = (cost - step_cost) / layers if config == "layers" else None
+        print(f"| {config} | {cost * 1e6:.1f} us | "
+              + (f"{per_layer * 1e6:.1f} us" if per_layer is not None else "-")
+              + f" | {cost / cnn_step_seconds:+.2%} |")
 
 
 if __name__ == "__main__":

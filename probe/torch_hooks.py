@@ -47,6 +47,8 @@ class TorchHooks:
         self._handles: list[Any] = []
         self._discovery: Any = None
         self._seen: dict[int, Any] = {}  # id -> module, during discovery only
+        # Set by the first optimizer step: from there on, iterations are seen whole.
+        self._whole_iteration = False
         self._step_optimizer: int | None = None
         self._optimizer_started = 0.0
         self._layer_started: dict[int, float] = {}
@@ -102,8 +104,14 @@ class TorchHooks:
                 self._step_optimizer = id(optimizer)
             if id(optimizer) == self._step_optimizer:
                 self.recorder.step_boundary("optimizer", now)
-            if self._seen:
-                self._finish_discovery()
+                if self._discovery is not None:
+                    # The probe may have arrived mid-forward, having seen only inner
+                    # modules: decide on the next step, after a whole iteration.
+                    if self._whole_iteration and self._seen:
+                        self._finish_discovery()
+                    else:
+                        self._seen.clear()
+                        self._whole_iteration = True
         except Exception as error:
             self.recorder.hook_failed("optimizer_post", error)
 

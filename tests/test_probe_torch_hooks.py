@@ -1,0 +1,125 @@
+"""The PyTorch hooks in this process: finding the model whenever the probe
+arrives, timing layers, and leaving nothing behind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dlprof_agent.probe.recorder import Recorder  # noqa: E402
+from dlprof_agent.probe.torch_hooks import TorchHooks  # noqa: E402
+from dlprof_agent.workloads.torch_models import small_cnn  # noqa: E402
+
+BATCH = 8
+
+
+class Job:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = small_cnn()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.images = torch.randn(BATCH, 3, 32, 32)
+        self.labels = torch.randint(0, 10, (BATCH,))
+
+    def step(self) -> None:
+        self.optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(self.model(self.images), self.labels).backward()
+        self.optimizer.step()
+
+
+def hooks_left(job: Job) -> int:
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return (sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in job.model.modules())
+            + len(module._global_forward_pre_hooks) + len(module._global_forward_hooks)
+            + len(optimizer._global_optimizer_pre_hooks)
+            + len(optimizer._global_optimizer_post_hooks))
+
+
+@pytest.mark.parametrize("arrive_at", [None, "7", "9"])
+def test_the_model_is_found_even_when_the_probe_arrives_mid_forward(
+        arrive_at: str | None) -> None:
+    job = Job()
+    recorder = Recorder(warmup_steps=1)
+    hooks = TorchHooks(recorder, layers=True)
+    if arrive_at is None:
+        hooks.install()
+    else:  # as an injected probe may: while the model is halfway through its forward
+        layer = dict(job.model.named_modules())[arrive_at]
+        handle = layer.register_forward_pre_hook(lambda module, args: hooks.install())
+        job.step()
+        handle.remove()
+    try:
+        for _ in range(6):
+            job.step()
+        assert hooks.model_name == "Sequential"
+        snapshot = recorder.snapshot()
+        names = {row[0] for row in snapshot["layers"]}
+        assert names == {str(index) for index in range(10)}
+        assert snapshot["samples"]["steady"] == BATCH * snapshot["steps"]["steady"]
+        assert snapshot["step_source"] == "optimizer"
+    finally:
+        hooks.remove()
+    assert hooks_left(job) == 0
+
+
+def test_layer_time_covers_most_of_the_step_and_phases_add_up() -> None:
+    job = Job()
+    recorder = Recorder(warmup_steps=3)
+    hooks = TorchHooks(recorder, layers=True)
+    hooks.install()
+    for _ in range(30):
+        job.step()
+    hooks.remove()
+    snapshot = recorder.snapshot()
+    phases = snapshot["phase_seconds"]
+    assert sum(phases.values()) == pytest.approx(snapshot["step_seconds_sum"])
+    layers = phases["forward"] + phases["backward"]
+    assert layers <= snapshot["step_seconds_sum"]
+    forward_calls = {row[0]: row[2] for row in snapshot["layers"]}
+    backward_calls = {row[0]: row[4] for row in snapshot["layers"]}
+    steady = snapshot["steps"]["steady"]
+    # Forward: every leaf, every steady step. Backward: every leaf whose output
+    # autograd reaches (all of them here), once per step.
+    assert set(forward_calls.values()) == {steady}
+    assert set(backward_calls.values()) == {steady}
+
+
+def test_a_failing_hook_is_counted_and_training_goes_on() -> None:
+    class Broken(Recorder):
+        def add_layer_time(self, layer: str, phase: str, seconds: float) -> None:
+            raise RuntimeError("broken on purpose")
+
+    job = Job()
+    recorder = Broken(warmup_steps=0)
+    hooks = TorchHooks(recorder, layers=True)
+    hooks.install()
+    before = [p.detach().clone() for p in job.model.parameters()]
+    for _ in range(3):
+        job.step()
+    hooks.remove()
+    assert recorder.hook_errors > 0
+    assert "layer_forward" in recorder.hook_error_kinds
+    after = list(job.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_inplace_activations_and_tuple_outputs_are_not_disturbed() -> None:
+    model: Any = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True),
+                                     torch.nn.Linear(4, 2))
+    lstm = torch.nn.LSTM(2, 3)
+    optimizer = torch.optim.SGD([*model.parameters(), *lstm.parameters()], lr=0.1)
+    recorder = Recorder(warmup_steps=0)
+    hooks = TorchHooks(recorder, layers=True)
+    hooks.install()
+    for _ in range(4):
+        optimizer.zero_grad()
+        output, _state = lstm(model(torch.randn(5, 1, 4)))
+        output.sum().backward()
+        optimizer.step()
+    hooks.remove()
+    assert recorder.hook_errors == 0, recorder.hook_error_kinds
