@@ -1,28 +1,26 @@
 """Runs a short bootstrap string inside an already-running CPython process.
 
-This is the only module that imports ``hypno`` (lazily) or calls ``sys.remote_exec``.
+This is the only module that drives an injector: ``sys.remote_exec`` on Python
+3.14+, gdb before that.
 
-Injecting blindly is dangerous: hypno loads a library that calls the C API, and in a
-process without it the dynamic loader kills the process ("undefined symbol:
-PyGILState_Ensure", exit 127). So ``inject`` first reads the ELF dynamic symbol tables
-of the target's executable and of any mapped ``libpython3*.so*``, and touches the
-process only when one of them defines the functions the injected library calls.
-One case this cannot see: a host program that loaded libpython with RTLD_LOCAL keeps
-those symbols out of the global scope, and hypno's library would still fail in it;
-Python launched as a program (``python train.py``, torchrun) never does that.
-
-Two ways in:
+Where the code runs decides whether the job survives. A ptrace injector that
+stops a thread at an arbitrary instruction and calls ``dlopen`` there deadlocks
+the job for good whenever that thread was inside ``malloc`` (measured: the
+``hypno`` package hung a PyTorch training job on about one attach in ten). So
+both ways in run the code only at a point where the interpreter is consistent:
 
 - ``sys.remote_exec`` (Python 3.14+) when the agent and the target run the same
-  ``major.minor``. It takes a file path that the *target* opens later, at its next safe
-  point, so the code goes to a file in the target's own ``/tmp`` (reached through
-  ``/proc/<pid>/root``, which also works across mount namespaces) and a timer removes it
-  after ``BOOTSTRAP_FILE_SECONDS``, or at the agent's exit if that comes first (the
-  caller waits for the probe to answer, which means the file was read).
-- ``hypno.inject_py`` otherwise: ptrace, then ``dlopen`` of a small library in the
-  target. hypno writes that library to the agent's ``/tmp``, so a target in another
-  mount namespace (another container, a private ``/tmp``) cannot open it; the error
-  then says so.
+  ``major.minor``: the target runs the file at its next safe point.
+- gdb otherwise: it stops the job at the entry of ``PyEval_SaveThread``, where a
+  thread holding the GIL is about to release it (a training loop does so on every
+  framework call), calls ``PyRun_SimpleString`` there and detaches. When no thread
+  gets there within ``GDB_WAIT_SECONDS``, gdb detaches without calling in.
+
+Both take a file the *target* opens, so the code goes to a file in the target's
+own ``/tmp`` (reached through ``/proc/<pid>/root``, which also works across mount
+namespaces). Before either, ``inject`` reads the ELF dynamic symbol tables of the
+target's executable and of any mapped ``libpython3*.so*``, and touches the process
+only when one of them defines the functions called.
 """
 
 from __future__ import annotations
@@ -33,7 +31,10 @@ import os
 import pwd
 import re
 import secrets
+import shutil
+import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -43,10 +44,8 @@ from typing import BinaryIO
 
 from dlprof_agent.agent.errors import AgentError, TargetAccessDenied, TargetNotFound
 
-# hypno's library imports the first three; PyRun_SimpleString is the classic marker
-# of an embeddable CPython. All must be defined in the target (readelf --dyn-syms).
-REQUIRED_SYMBOLS = frozenset({"PyGILState_Ensure", "PyGILState_Release",
-                              "PyRun_SimpleString", "PyRun_SimpleStringFlags"})
+# What gdb stops at and calls; both must be defined in the target (readelf --dyn-syms).
+REQUIRED_SYMBOLS = frozenset({"PyEval_SaveThread", "PyRun_SimpleString"})
 MIN_TARGET_VERSION = (3, 10)  # the probe's own floor
 BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
 CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
@@ -412,9 +411,9 @@ def _first_line(error: BaseException) -> str:
 def inject(pid: int, code: str) -> None:
     """Run ``code`` inside process ``pid``, once.
 
-    With hypno the code has run when this returns, on whichever target thread the
-    injector borrowed; with sys.remote_exec it runs later, on the main thread at its next
-    safe point. Either way keep it short: import the probe and let it start its own thread.
+    With gdb the code has run when this returns, on a thread that was about to release
+    the GIL; with sys.remote_exec it runs later, on the main thread at its next safe
+    point. Either way keep it short: import the probe and let it start its own thread.
     Raises NotPython (nothing was done to the process), InjectionRefused (the kernel
     would not let the agent attach) or InjectionFailed. A pid with no live process
     raises ``dlprof_agent.agent.errors.TargetNotFound``, like every other place the
@@ -438,7 +437,7 @@ def inject(pid: int, code: str) -> None:
     if remote_exec is not None and runtime.version == sys.version_info[:2]:
         _inject_remote_exec(pid, code, remote_exec)
     else:
-        _inject_hypno(pid, code, runtime)
+        _inject_gdb(pid, code)
 
 
 class _Bootstrap:
@@ -521,36 +520,84 @@ def _inject_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str], o
                               "(PYTHON_DISABLE_REMOTE_DEBUG, -X disable_remote_debug)") from None
 
 
-def _inject_hypno(pid: int, code: str, runtime: PythonRuntime) -> None:
+GDB_WAIT_SECONDS = 10.0  # for a thread of the job to reach the safe point
+GDB_MARK = "dlprof-agent: probe bootstrap ran"
+
+# gdb stops the job where a thread is about to release the GIL: that thread holds
+# the GIL and is between two pieces of the interpreter's own C code, so running
+# Python there is safe. (Calling in at an arbitrary instruction, as ptrace
+# injectors do, deadlocks the job whenever the thread was inside malloc.)
+_GDB_SCRIPT = """set pagination off
+set confirm off
+sharedlibrary libpython
+break PyEval_SaveThread
+commands
+  silent
+  delete
+  call (int)PyRun_SimpleString("exec(open('{path}').read())")
+  echo {mark}\\n
+  detach
+  quit
+end
+continue
+detach
+"""
+
+
+def _inject_gdb(pid: int, code: str) -> None:
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        raise InjectionFailed(
+            f"cannot inject into process {pid}: gdb is not installed",
+            "install it (e.g. apt install gdb) to inject into a running Python before 3.14, "
+            "or start the job with `dlprof-agent run -- python ...`")
     try:
-        # Lazily: optional, absent on 3.14+, and only this path needs them.
-        import hypno
-        import pyinjector
-    except ImportError:
-        via = ""
-        if hasattr(sys, "remote_exec") and runtime.version is not None:
-            via = ", or run the agent with python {}.{} like the job".format(*runtime.version)
-        raise InjectionFailed(f"cannot inject into process {pid}: the hypno package is missing",
-                              f"pip install hypno{via}") from None
-    try:
-        hypno.inject_py(pid, code)
-    except hypno.CodeTooLongException as error:
-        raise InjectionFailed(f"cannot inject the bootstrap code: {_first_line(error)}",
-                              "keep it to a short import of the probe") from None
-    except pyinjector.api.LinuxInjectorPermissionError:
-        raise _refused(pid, "/proc", "ptrace was denied") from None
-    except pyinjector.PyInjectorError as error:
-        text = _first_line(error)
-        if "No such process" in text:
-            raise TargetNotFound(f"process {pid} exited before the probe could be injected",
-                                 "attach to a running job") from None
-        hint = "check the job's stderr, and retry"
-        if "dlopen failed" in text and "No such file" in text:
-            hint = ("the job sees another /tmp (another container or a private /tmp): run the "
-                    "agent inside the job's container, or start the job with `dlprof-agent run`")
-        elif "terminated" in text:
-            hint = "the job exited during injection; check its stderr"
-        raise InjectionFailed(f"injecting into process {pid} failed: {text}", hint) from None
-    except OSError as error:  # hypno writes its library to the agent's temporary directory
-        raise InjectionFailed(f"cannot prepare the injection: {_first_line(error)}",
+        bootstrap = _write_bootstrap(pid, code)
+    except OSError as error:
+        raise InjectionFailed(f"cannot write the bootstrap script: {_first_line(error)}",
                               "make a temporary directory writable (TMPDIR)") from None
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as script:
+            script.write(_GDB_SCRIPT.format(path=bootstrap.seen_as, mark=GDB_MARK))
+        output = _run_gdb(pid, [gdb, "--batch", "--nx", "-iex", "set auto-load off",
+                                "-iex", "set auto-solib-add off", "-p", str(pid),
+                                "-x", script.name])
+    finally:
+        os.unlink(script.name)
+        bootstrap.remove()  # the call above read it before returning
+    if GDB_MARK in output and "$1 = 0" in output:
+        return
+    if "ptrace: Operation not permitted" in output:
+        raise _refused(pid, "/proc", "ptrace was denied")
+    if "ptrace: No such process" in output or not os.path.exists(f"/proc/{pid}"):
+        raise TargetNotFound(f"process {pid} exited before the probe could be injected",
+                             "attach to a running job")
+    if GDB_MARK in output:
+        raise InjectionFailed(f"the probe's bootstrap failed in process {pid}",
+                              "its error is on the job's stderr")
+    detail = next((line for line in output.splitlines()
+                   if "rror" in line or "not defined" in line), "gdb gave up")
+    raise InjectionFailed(f"injecting into process {pid} failed: {detail.strip()}",
+                          "start the job with `dlprof-agent run -- python ...` instead")
+
+
+def _run_gdb(pid: int, command: list[str]) -> str:
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        return process.communicate(timeout=GDB_WAIT_SECONDS)[0]
+    except subprocess.TimeoutExpired:
+        # No thread released the GIL in time (a pure-Python loop, or stuck in native
+        # code). Interrupting gdb stops the wait; the script then detaches without
+        # calling into the job, and the job runs on as before.
+        process.send_signal(signal.SIGINT)
+        try:
+            process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+        raise InjectionFailed(
+            f"process {pid} reached no safe point to load the probe within "
+            f"{GDB_WAIT_SECONDS:g} s (none of its threads released the GIL)",
+            "retry while it trains, or start it with `dlprof-agent run -- python ...`"
+        ) from None

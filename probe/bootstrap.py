@@ -20,10 +20,13 @@ def package_parent() -> str:
 
 
 def injection_code() -> str:
-    """One statement, run in the target's __main__; it defines no names there."""
+    """What the injector runs in the target: it starts a thread that loads the
+    probe, and returns at once, so the job's thread it borrowed goes straight
+    back to work. One expression: it defines no names in the job's __main__."""
     with open(LOADER_PATH) as source:
         body = source.read() + f"\nload({package_parent()!r}, False)\n"
-    return f"exec({body!r}, {{'__name__': 'dlprof_agent_bootstrap'}})"
+    return ("__import__('_thread').start_new_thread(exec, "
+            f"({body!r}, {{'__name__': 'dlprof_agent_bootstrap'}}))")
 
 
 def preload_environment(environ: dict[str, str]) -> dict[str, str]:

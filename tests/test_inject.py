@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.util
 import os
 import shutil
 import signal
@@ -15,6 +14,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,10 +39,10 @@ from dlprof_agent.agent.inject import (
     inject,
 )
 
-HAS_HYPNO = importlib.util.find_spec("hypno") is not None
-# Tests of failures that only the ptrace path (hypno) meets; 3.14+ uses sys.remote_exec.
-hypno_path = pytest.mark.skipif(hasattr(sys, "remote_exec") or not HAS_HYPNO,
-                                reason="the agent injects with sys.remote_exec, not hypno")
+HAS_GDB = shutil.which("gdb") is not None
+# Tests of what only the gdb path meets; 3.14+ uses sys.remote_exec.
+gdb_path = pytest.mark.skipif(hasattr(sys, "remote_exec") or not HAS_GDB,
+                              reason="the agent injects with sys.remote_exec, not gdb")
 PACKAGE_PARENT = str(Path(dlprof_agent.__file__).resolve().parent.parent)
 STATIC_PYTHON = "/usr/bin/python3.11"  # Debian's: the C API is exported by the executable
 
@@ -196,8 +196,8 @@ def test_injected_code_runs_in_the_target(spawn: Spawn, tmp_path: Path, version:
     python = STATIC_PYTHON if version == "static" else interpreter(version)
     if not os.path.exists(python):
         pytest.skip(f"{python} is not installed")
-    if not HAS_HYPNO and version not in ("agent", f"{sys.version_info[0]}.{sys.version_info[1]}"):
-        pytest.skip("another python version needs hypno, which is not installed")
+    if not HAS_GDB and version not in ("agent", f"{sys.version_info[0]}.{sys.version_info[1]}"):
+        pytest.skip("another python version needs gdb, which is not installed")
     stop, out = tmp_path / "stop", tmp_path / "pid"
     child = spawn([python, "-c", LOOP, str(stop)])
     inject(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
@@ -246,7 +246,7 @@ def test_a_refusal_says_what_is_needed(spawn: Spawn, tmp_path: Path, how: list[s
     assert still_running(child)
 
 
-@hypno_path
+@gdb_path
 def test_a_target_that_is_already_traced(spawn: Spawn, tmp_path: Path) -> None:
     # The child makes this test process its tracer (PTRACE_TRACEME); a second tracer is
     # refused by the kernel, and the message names the first one.
@@ -259,21 +259,50 @@ def test_a_target_that_is_already_traced(spawn: Spawn, tmp_path: Path) -> None:
     assert still_running(child)
 
 
-@hypno_path
-def test_a_target_with_another_tmp(spawn: Spawn, tmp_path: Path) -> None:
-    """hypno hands the target a library path in the agent's /tmp; a job in its own mount
-    namespace cannot open it, and the error says what to do."""
+@gdb_path
+def test_a_target_with_another_tmp(spawn: Spawn) -> None:
+    """A job in its own mount namespace (another container, a private /tmp) gets the
+    bootstrap through /proc/<pid>/root/tmp, so the injection works there too."""
     unshare = needs_root_and("unshare")
     probe = subprocess.run([unshare, "-m", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
-    child = spawn([unshare, "-m", "--propagation", "private", "sh", "-c",
-                   'mount -t tmpfs none /tmp && exec "$0" -c "$1" "$2"',
-                   sys.executable, LOOP, str(tmp_path / "stop")])
-    with pytest.raises(InjectionFailed, match="dlopen failed") as raised:
-        inject(child.pid, "pass")
-    assert "sees another /tmp" in raised.value.one_line()
+    shared = Path(tempfile.mkdtemp(dir="/var/tmp"))  # the child's /tmp hides ours
+    try:
+        stop, out = shared / "stop", shared / "pid"
+        child = spawn([unshare, "-m", "--propagation", "private", "sh", "-c",
+                       'mount -t tmpfs none /tmp && exec "$0" -c "$1" "$2"',
+                       sys.executable, LOOP, str(stop)])
+        inject(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
+        wait_for(out.exists, "the injected code to write its file")
+        assert still_running(child)
+        stop.touch()
+        assert child.wait(5) == 0
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@gdb_path
+def test_a_job_that_never_releases_the_gil_is_left_running(
+        spawn: Spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No safe point within the wait: gdb detaches without calling in."""
+    monkeypatch.setattr("dlprof_agent.agent.inject.GDB_WAIT_SECONDS", 2.0)
+    # Checking for a file would release the GIL around stat(): spin on the clock alone.
+    spin = ("import time\nprint('ready', flush=True)\n"
+            "end = time.monotonic() + 5\nwhile time.monotonic() < end: pass\n")
+    child = spawn([sys.executable, "-c", spin])
+    with pytest.raises(InjectionFailed, match="reached no safe point"):
+        inject(child.pid, "open('/dev/null')")
     assert still_running(child)
+    assert _status(child.pid, "TracerPid") == "0"
+    assert child.wait(10) == 0
+
+
+def _status(pid: int, field: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def test_the_bootstrap_file_lands_in_the_targets_tmp(spawn: Spawn, tmp_path: Path) -> None:
