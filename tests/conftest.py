@@ -92,6 +92,17 @@ class Prometheus:
 
 
 @pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts; whatever still runs at its end is killed."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+
+
+@pytest.fixture
 def busy() -> Iterator[subprocess.Popen[bytes]]:
     process = spawn([sys.executable, "-m", "dlprof_agent.workloads.busy", "--threads", "3"])
     assert process.stdout is not None

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,6 @@ def starts(log: Path) -> list[float]:
         return []
     return [record["start"] for record in map(json.loads, log.read_text().splitlines())
             if "start" in record]
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
 
 
 def test_run_times_model_fit_steps_like_the_jobs_own_callback(

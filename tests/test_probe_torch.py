@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,16 +50,6 @@ class Job:
     def durations(self) -> list[float]:
         ends = self.ends()
         return [later - earlier for earlier, later in itertools.pairwise(ends)]
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
 
 
 def start_job(processes: list[subprocess.Popen[bytes]], tmp_path: Path, *args: str,
