@@ -267,12 +267,16 @@ def test_a_target_with_another_tmp(spawn: Spawn) -> None:
     probe = subprocess.run([unshare, "-m", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
-    shared = Path(tempfile.mkdtemp(dir="/var/tmp"))  # the child's /tmp hides ours
+    # The child's own /tmp hides ours: its interpreter and files must live elsewhere.
+    python = os.path.realpath(sys.executable)
+    if python.startswith("/tmp/"):
+        pytest.skip(f"the interpreter {python} lives in /tmp, which the test hides")
+    shared = Path(tempfile.mkdtemp(dir="/var/tmp"))
     try:
         stop, out = shared / "stop", shared / "pid"
         child = spawn([unshare, "-m", "--propagation", "private", "sh", "-c",
                        'mount -t tmpfs none /tmp && exec "$0" -c "$1" "$2"',
-                       sys.executable, LOOP, str(stop)])
+                       python, LOOP, str(stop)])
         inject(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
         wait_for(out.exists, "the injected code to write its file")
         assert still_running(child)

@@ -162,7 +162,9 @@ def test_injection_reaches_a_job_started_without_the_probe_and_detach_undoes_it(
     socket_path = Path(f"/tmp/dlprof-agent-{os.getuid()}/probe-{job.process.pid}.sock")
     assert socket_path.exists()
 
-    agent.send_signal(signal.SIGINT)  # Ctrl-C: the probe removes its hooks and closes
+    # Stop it as Ctrl-C or a service manager would: the probe removes its hooks and
+    # closes. (SIGTERM: a shell that starts the tests in the background ignores SIGINT.)
+    agent.send_signal(signal.SIGTERM)
     assert agent.wait(30) == 0
     wait_for(lambda: not socket_path.exists(), "the injected probe to close its socket", 10)
 
@@ -324,7 +326,7 @@ def test_no_inject_says_why_the_in_process_metrics_are_missing(
     job = start_job(processes, tmp_path, "--steps", "100000")
     agent, port = start_agent(processes, "attach", str(job.process.pid), "--no-inject")
     wait_for(lambda: metrics(port).get("dlprof_probe_up{}") == 0, "the agent", 30)
-    agent.send_signal(signal.SIGINT)
+    agent.send_signal(signal.SIGTERM)
     _, stderr = agent.communicate(timeout=30)
     assert b"--no-inject was given" in stderr
     assert not Path(probe_socket(job.process.pid)).exists()
