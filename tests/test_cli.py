@@ -97,6 +97,11 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) ->
      "cannot listen on"),
     (["attach", "{pid}", "--bogus"], 2, "--bogus"),
     (["frobnicate"], 2, "frobnicate"),
+    (["attach", "{pid}", "--warmup-steps", "-1"], 2, "--warmup-steps"),
+    (["attach", "{pid}", "--warmup-steps", "ten"], 2, "'ten' is not a number of steps"),
+    (["run"], 2, "no command to run"),
+    (["run", "--"], 2, "no command to run"),
+    (["run", "--port", "0", "--", "/no/such/trainer"], 2, "cannot start '/no/such/trainer'"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_bad_input_is_one_line_and_an_exit_code(args: list[str], code: int, says: str,
                                                 target: int) -> None:
