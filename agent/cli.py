@@ -25,6 +25,7 @@ import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
+from dlprof_agent.agent import workload_cli
 from dlprof_agent.agent.errors import (
     EXIT_CODES_HELP,
     AgentError,
@@ -260,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "count), or busy worker threads (default 3)")
     _add_serving_options(demo, duration_default=10.0)
     _add_sampling_options(demo)
+    workload_cli.add_parser(commands, _Parser)
     return parser
 
 
@@ -552,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command == "workload":
+            return workload_cli.workload_command(args, sys.stdout)
         if args.command == "snapshot":
             return snapshot_command(args.pid, children=args.children, gpu=args.gpu,
                                     out=sys.stdout)

@@ -1,0 +1,235 @@
+"""`dlprof-agent workload`: the papers' reference models, listed with their real
+parameter counts in each installed framework beside the papers' figures."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from dlprof_agent.agent.errors import UsageError
+from dlprof_agent.workloads.models import MODELS
+
+FRAMEWORKS = ("pytorch", "tensorflow")
+
+
+def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+    workload = commands.add_parser(
+        "workload", help="the papers' reference models",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The reference models of the benchmark papers (Shi et al., Kim et al.), "
+                    "built the same way in PyTorch and TensorFlow/Keras.",
+        epilog="examples:\n"
+               "  dlprof-agent workload list\n"
+               "  dlprof-agent workload list --json | jq '.[] | {name, pytorch}'\n")
+    actions = workload.add_subparsers(dest="workload_command", metavar="ACTION",
+                                      parser_class=parser_class)
+    listing = actions.add_parser(
+        "list", help="each model with its real parameter count beside the paper's",
+        description="Build every reference model in each installed framework (PyTorch on "
+                    "its meta device, so nothing is allocated) and print its trainable "
+                    "parameters beside the figure the paper gives.")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    run = actions.add_parser(
+        "run", help="train one reference model and print its time per mini-batch",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train MODEL on synthetic, seeded, in-memory data (as the papers did for "
+                    "timing) for --warmup plus --iterations mini-batches, and print the time "
+                    "per mini-batch (median of the steady iterations), samples per second and "
+                    "peak memory. The knobs are the papers' levers.",
+        epilog="examples:\n"
+               "  dlprof-agent workload run --model alexnet-r\n"
+               "  dlprof-agent workload run --framework tensorflow --model resnet-56 "
+               "--threads 2\n"
+               "  dlprof-agent workload run --model resnet-50 --layout NHWC --precision amp\n"
+               "  dlprof-agent workload run --model lstm --scale tiny --json\n")
+    run.add_argument("--framework", choices=FRAMEWORKS, default="pytorch")
+    run.add_argument("--model", choices=list(MODELS), default="small-cnn")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--batch-size", type=_positive, metavar="N",
+                     help="samples per mini-batch (default: the papers' CPU batch)")
+    run.add_argument("--iterations", type=_positive, default=50, metavar="N",
+                     help="timed mini-batches (default 50)")
+    run.add_argument("--warmup", type=_non_negative, default=10, metavar="N",
+                     help="untimed mini-batches first (default 10)")
+    run.add_argument("--threads", type=_positive, metavar="N",
+                     help="intra-op threads (default: the framework's)")
+    run.add_argument("--inter-op-threads", type=_positive, metavar="N")
+    run.add_argument("--layout", choices=("NCHW", "NHWC"),
+                     help="image layout: channels-last memory format in PyTorch, "
+                          "data_format in TensorFlow (default NCHW / NHWC)")
+    run.add_argument("--cudnn-autotune", action="store_true",
+                     help="cudnn.benchmark in PyTorch, TF_CUDNN_USE_AUTOTUNE in TensorFlow")
+    run.add_argument("--precision", choices=("fp32", "amp"), default="fp32",
+                     help="amp: float16 on a GPU, bfloat16 on a CPU")
+    run.add_argument("--input-grad", action="store_true",
+                     help="also compute the gradient of the input, which training does not "
+                          "need (Kim et al. IV-C measured what skipping it saves)")
+    run.add_argument("--scale", choices=("full", "tiny"), default="full",
+                     help="tiny: batch 2, for quick checks")
+    run.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {minimum} or more")
+        return value
+    return parse
+
+
+_positive = _at_least(1)
+_non_negative = _at_least(0)
+
+
+def _counters() -> dict[str, Callable[[str], int]]:
+    """A parameter counter per installed framework."""
+    counters: dict[str, Callable[[str], int]] = {}
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        from dlprof_agent.workloads import torch_models
+
+        def count_torch(name: str) -> int:
+            with torch.device("meta"):  # shapes only: FCN-S's 122M weights cost nothing
+                return torch_models.trainable_parameters(torch_models.build(name))
+        counters["pytorch"] = count_torch
+    if importlib.util.find_spec("tensorflow") is not None:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # no start-up chatter
+        from dlprof_agent.workloads import keras_models
+
+        def count_keras(name: str) -> int:
+            return keras_models.trainable_parameters(keras_models.build(name))
+        counters["tensorflow"] = count_keras
+    return counters
+
+
+def model_rows(progress: TextIO | None = None) -> list[dict[str, Any]]:
+    counters = _counters()
+    rows = []
+    for index, spec in enumerate(MODELS.values(), 1):
+        if progress is not None:
+            progress.write(f"\rbuilding {spec.name} ({index}/{len(MODELS)})...\x1b[K")
+            progress.flush()
+        row: dict[str, Any] = {"name": spec.name, "kind": spec.kind,
+                               "input_shape": list(spec.input_shape),
+                               "classes": spec.classes, "cpu_batch": spec.cpu_batch,
+                               "paper_params": spec.paper_params,
+                               "description": spec.description}
+        for framework in FRAMEWORKS:
+            row[framework] = counters[framework](spec.name) if framework in counters else None
+        rows.append(row)
+    if progress is not None:
+        progress.write("\r\x1b[K")
+        progress.flush()
+    return rows
+
+
+def _millions(count: int | None) -> str:
+    if count is None:
+        return "-"
+    return f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count / 1e3:.1f}K"
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    header = ("model", "input", "paper", "pytorch", "tensorflow", "same")
+    lines = [header]
+    for row in rows:
+        counts = {row[f] for f in FRAMEWORKS if row[f] is not None}
+        same = "yes" if len(counts) == 1 and all(row[f] is not None for f in FRAMEWORKS) else (
+            "NO" if len(counts) > 1 else "-")
+        lines.append((row["name"], "x".join(map(str, row["input_shape"])), row["paper_params"],
+                      _millions(row["pytorch"]), _millions(row["tensorflow"]), same))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths,
+                                                                          strict=True)).rstrip()
+                     for line in lines)
+
+
+def _check_device(framework: str, device: str) -> None:
+    if device != "cuda":
+        return
+    if framework == "pytorch":
+        import torch
+
+        available = torch.cuda.is_available()
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import tensorflow as tf
+
+        available = bool(tf.config.list_physical_devices("GPU"))
+    if not available:
+        raise UsageError(f"no CUDA GPU is available to {framework} here", "use --device cpu")
+
+
+def _progress(total_label: str) -> Callable[[int, int], None] | None:
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        filled = 30 * done // total
+        sys.stderr.write(f"\r{total_label} [{'#' * filled}{'.' * (30 - filled)}] "
+                         f"{done}/{total}\x1b[K")
+        if done == total:
+            sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+    return show
+
+
+def run_command(args: argparse.Namespace, out: TextIO) -> int:
+    from dlprof_agent.workloads.runner import RunConfig, run
+
+    _check_device(args.framework, args.device)
+    config = RunConfig(
+        framework=args.framework, model=args.model, device=args.device,
+        batch_size=args.batch_size, iterations=args.iterations, warmup=args.warmup,
+        intra_op_threads=args.threads, inter_op_threads=args.inter_op_threads,
+        layout=args.layout, cudnn_autotune=args.cudnn_autotune, precision=args.precision,
+        input_grad=args.input_grad, scale=args.scale)
+    try:
+        result = run(config, _progress(f"{args.framework} {args.model}"))
+    except (ValueError, RuntimeError) as error:
+        # A setting the framework refuses (NCHW convolutions on a CPU in TensorFlow, say).
+        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise UsageError(f"{args.framework} cannot run {args.model} so: {first[:300]}",
+                         "change the settings (see --help)") from None
+    if args.json:
+        out.write(json.dumps(result.as_dict(), indent=2) + "\n")
+        return 0
+    out.write(
+        f"{args.framework} {args.model} on {args.device}, batch {result.batch_size}, "
+        f"{len(result.step_seconds)} timed iterations after {config.warmup} warm-up, "
+        f"layout {config.resolved_layout()}, {config.precision}\n"
+        f"  time per mini-batch  {result.seconds_per_batch * 1000:.2f} ms (median)\n"
+        f"  samples per second   {result.samples_per_second:.1f}\n"
+        f"  peak memory          {result.peak_rss_bytes / 2**20:.0f} MiB resident"
+        + (f", {result.peak_device_memory_bytes / 2**20:.0f} MiB on the GPU"
+           if result.peak_device_memory_bytes is not None else "") + "\n"
+        f"  parameters           {result.parameters:,}\n")
+    return 0
+
+
+def workload_command(args: argparse.Namespace, out: TextIO) -> int:
+    if args.workload_command == "run":
+        return run_command(args, out)
+    if args.workload_command != "list":
+        raise UsageError("no workload action given", "use e.g. `dlprof-agent workload list`")
+    rows = model_rows(sys.stderr if sys.stderr.isatty() else None)
+    if args.json:
+        out.write(json.dumps(rows, indent=2) + "\n")
+    else:
+        out.write(render_table(rows) + "\n")
+        missing = [f for f in FRAMEWORKS if all(row[f] is None for row in rows)]
+        if missing:
+            out.write(f"({', '.join(missing)} not installed: no count)\n")
+    return 0
+

@@ -1,0 +1,183 @@
+"""Runs one reference workload in this process and measures it the way the
+papers did: time per mini-batch over the steady iterations, samples per second,
+and peak memory. Warm-up iterations (default 10, as in Liu et al.) are run but
+kept out of the figures."""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dlprof_agent.workloads.models import MODELS
+
+FRAMEWORKS = ("pytorch", "tensorflow")
+LAYOUTS = ("NCHW", "NHWC")
+PRECISIONS = ("fp32", "amp")
+TINY_BATCH = 2  # --scale tiny: enough to run every layer, small enough for any CPU
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    framework: str
+    model: str
+    device: str = "cpu"
+    batch_size: int | None = None  # None: the papers' CPU batch (or TINY_BATCH when tiny)
+    iterations: int = 50
+    warmup: int = 10
+    intra_op_threads: int | None = None  # None: the framework's default
+    inter_op_threads: int | None = None
+    layout: str | None = None  # None: NCHW for PyTorch, NHWC for TensorFlow
+    cudnn_autotune: bool = False
+    precision: str = "fp32"
+    input_grad: bool = False  # compute the first layer's unneeded input gradient (Kim §IV-C)
+    scale: str = "full"
+
+    def resolved_batch(self) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        return TINY_BATCH if self.scale == "tiny" else MODELS[self.model].cpu_batch
+
+    def resolved_layout(self) -> str:
+        return self.layout or ("NCHW" if self.framework == "pytorch" else "NHWC")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    config: RunConfig
+    batch_size: int
+    parameters: int
+    step_seconds: list[float] = field(repr=False)  # the steady iterations, in order
+    peak_rss_bytes: int = 0
+    peak_device_memory_bytes: int | None = None
+
+    @property
+    def seconds_per_batch(self) -> float:
+        return statistics.median(self.step_seconds)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.batch_size / self.seconds_per_batch
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self.config), "layout": self.config.resolved_layout(),
+                "batch_size": self.batch_size,
+                "parameters": self.parameters, "seconds_per_batch": self.seconds_per_batch,
+                "mean_seconds_per_batch": statistics.fmean(self.step_seconds),
+                "samples_per_second": self.samples_per_second,
+                "peak_rss_bytes": self.peak_rss_bytes,
+                "peak_device_memory_bytes": self.peak_device_memory_bytes}
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _timed(step: Callable[[], None], config: RunConfig,
+           on_step: Callable[[int, int], None] | None) -> list[float]:
+    total = config.warmup + config.iterations
+    durations = []
+    for index in range(total):
+        started = time.perf_counter()
+        step()
+        if index >= config.warmup:
+            durations.append(time.perf_counter() - started)
+        if on_step is not None:
+            on_step(index + 1, total)
+    return durations
+
+
+def run_pytorch(config: RunConfig, on_step: Callable[[int, int], None] | None = None
+                ) -> RunResult:
+    import torch
+
+    from dlprof_agent.workloads import torch_models
+
+    if config.intra_op_threads:
+        torch.set_num_threads(config.intra_op_threads)
+    if config.inter_op_threads:
+        torch.set_num_interop_threads(config.inter_op_threads)
+    torch.backends.cudnn.benchmark = config.cudnn_autotune
+    device = torch.device(config.device)
+    batch = config.resolved_batch()
+    generator = torch.Generator().manual_seed(0)
+    model = torch_models.build(config.model).to(device)
+    inputs, targets = torch_models.example_batch(config.model, batch, generator=generator)
+    inputs, targets = inputs.to(device), targets.to(device)
+    if config.resolved_layout() == "NHWC" and inputs.dim() == 4:
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    if config.input_grad and inputs.is_floating_point():
+        inputs.requires_grad_(True)
+    loss_fn = torch_models.loss_fn(config.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    amp = config.precision == "amp"
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
+            loss = loss_fn(model(inputs), targets)
+        torch.autograd.backward(loss)
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # time the work, not its launch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    durations = _timed(step, config, on_step)
+    device_peak = (int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda"
+                   else None)
+    return RunResult(config, batch, torch_models.trainable_parameters(model), durations,
+                     _peak_rss_bytes(), device_peak)
+
+
+def run_tensorflow(config: RunConfig, on_step: Callable[[int, int], None] | None = None
+                   ) -> RunResult:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["TF_CUDNN_USE_AUTOTUNE"] = "1" if config.cudnn_autotune else "0"
+    import tensorflow as tf
+
+    from dlprof_agent.workloads import keras_models
+
+    # Thread settings only take effect before TensorFlow's runtime starts.
+    if config.intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(config.intra_op_threads)
+    if config.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_threads)
+    if config.precision == "amp":
+        tf.keras.mixed_precision.set_global_policy(
+            "mixed_float16" if config.device == "cuda" else "mixed_bfloat16")
+    data_format = "channels_first" if config.resolved_layout() == "NCHW" else "channels_last"
+    batch = config.resolved_batch()
+    device = "/GPU:0" if config.device == "cuda" else "/CPU:0"
+    with tf.device(device):
+        model = keras_models.build(config.model, data_format=data_format)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.01),
+                      loss=keras_models.loss(config.model))
+        inputs, targets = keras_models.example_batch(config.model, batch, seed=0,
+                                                     data_format=data_format)
+
+        def step() -> None:
+            model.train_on_batch(inputs, targets)  # returns the loss: the step is done
+
+        durations = _timed(step, config, on_step)
+    device_peak = None
+    if config.device == "cuda":
+        device_peak = int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+    return RunResult(config, batch, keras_models.trainable_parameters(model), durations,
+                     _peak_rss_bytes(), device_peak)
+
+
+def run(config: RunConfig, on_step: Callable[[int, int], None] | None = None) -> RunResult:
+    if config.model not in MODELS:
+        raise ValueError(f"unknown model {config.model!r}; known: {', '.join(MODELS)}")
+    if config.framework == "pytorch":
+        return run_pytorch(config, on_step)
+    if config.framework == "tensorflow":
+        return run_tensorflow(config, on_step)
+    raise ValueError(f"unknown framework {config.framework!r}; known: {', '.join(FRAMEWORKS)}")
