@@ -48,6 +48,31 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                "--threads 2\n"
                "  dlprof-agent workload run --model resnet-50 --layout NHWC --precision amp\n"
                "  dlprof-agent workload run --model lstm --scale tiny --json\n")
+    _add_run_options(run)
+    run.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    sweep = actions.add_parser(
+        "sweep", help="run a grid of settings and write results, a table and plots",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run `workload run` once per point of the grid given by --param (each "
+                    "in a fresh process), then write results.csv and results.json, "
+                    "table.md laid out like Shi et al.'s Table 7, and plot.png: time per "
+                    "mini-batch against the first swept setting, with the CPU user/system "
+                    "split and involuntary context switches (the oversubscription signal) "
+                    "beside it.",
+        epilog="examples:\n"
+               "  dlprof-agent workload sweep --model alexnet-r --param threads=1,2,4,8\n"
+               "  dlprof-agent workload sweep --framework tensorflow --model resnet-56 \\\n"
+               "      --param threads=1,2,4 --param batch_size=32,128 --out resnet56-threads\n")
+    _add_run_options(sweep)
+    sweep.add_argument("--param", action="append", required=True, metavar="NAME=V1,V2,...",
+                       help="a setting and its values: threads, inter_op_threads, "
+                            "batch_size, layout or precision; repeat for a grid")
+    sweep.add_argument("--out", metavar="DIR",
+                       help="where to write (default: sweep-DATE-TIME in this folder)")
+
+
+def _add_run_options(run: argparse.ArgumentParser) -> None:
     run.add_argument("--framework", choices=FRAMEWORKS, default="pytorch")
     run.add_argument("--model", choices=list(MODELS), default="small-cnn")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -72,7 +97,11 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                           "need (Kim et al. IV-C measured what skipping it saves)")
     run.add_argument("--scale", choices=("full", "tiny"), default="full",
                      help="tiny: batch 2, for quick checks")
-    run.add_argument("--json", action="store_true", help="print JSON instead of text")
+    run.add_argument("--data", metavar="PATH",
+                     help="train on real files instead of synthetic data: a folder with "
+                          "MNIST's train-images-idx3-ubyte and train-labels-idx1-ubyte "
+                          "(optionally .gz) for fcn-r, or CIFAR-10's binary batches "
+                          "(data_batch_*.bin) for alexnet-r, resnet-56 and small-cnn")
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
@@ -194,9 +223,13 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         batch_size=args.batch_size, iterations=args.iterations, warmup=args.warmup,
         intra_op_threads=args.threads, inter_op_threads=args.inter_op_threads,
         layout=args.layout, cudnn_autotune=args.cudnn_autotune, precision=args.precision,
-        input_grad=args.input_grad, scale=args.scale)
+        input_grad=args.input_grad, scale=args.scale, data=args.data)
+    from dlprof_agent.workloads.datasets import DatasetError
+
     try:
         result = run(config, _progress(f"{args.framework} {args.model}"))
+    except DatasetError as error:
+        raise UsageError(f"cannot use the data: {error}", "check --data") from None
     except (ValueError, RuntimeError) as error:
         # A setting the framework refuses (NCHW convolutions on a CPU in TensorFlow, say).
         first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
@@ -218,7 +251,62 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _base_run_args(args: argparse.Namespace) -> list[str]:
+    """The `workload run` options the sweep holds fixed."""
+    base = ["--framework", args.framework, "--model", args.model, "--device", args.device,
+            "--iterations", str(args.iterations), "--warmup", str(args.warmup),
+            "--precision", args.precision, "--scale", args.scale]
+    for option, value in (("--batch-size", args.batch_size), ("--threads", args.threads),
+                          ("--inter-op-threads", args.inter_op_threads),
+                          ("--layout", args.layout)):
+        if value is not None:
+            base += [option, str(value)]
+    base += ["--cudnn-autotune"] if args.cudnn_autotune else []
+    base += ["--input-grad"] if args.input_grad else []
+    base += ["--data", args.data] if args.data else []
+    return base
+
+
+def sweep_command(args: argparse.Namespace, out: TextIO) -> int:
+    from pathlib import Path
+
+    from dlprof_agent.workloads import sweep
+
+    try:
+        params = [sweep.parse_param(text) for text in args.param]
+    except sweep.SweepError as error:
+        raise UsageError(str(error), "see dlprof-agent workload sweep --help") from None
+    names = [name for name, _ in params]
+    if len(set(names)) != len(names):
+        raise UsageError("a setting is swept twice", "give each --param name once")
+    _check_device(args.framework, args.device)
+    points = sweep.grid(params)
+    progress = _progress("sweep")
+    rows = []
+    for index, point in enumerate(points):
+        if progress is None:
+            out.write(f"[{index + 1}/{len(points)}] {point}\n")
+            out.flush()
+        else:
+            progress(index, len(points))
+        try:
+            rows.append(sweep.run_point(_base_run_args(args), point))
+        except sweep.SweepError as error:
+            raise UsageError(str(error), "fix that setting, or leave it out") from None
+    if progress is not None:
+        progress(len(points), len(points))
+    target = Path(args.out) if args.out else sweep.default_out_dir()
+    written = sweep.write_results(rows, names, target)
+    out.write((target / "table.md").read_text())
+    out.write("wrote " + ", ".join(str(path) for path in written) + "\n")
+    if not any(path.suffix == ".png" for path in written):
+        out.write("(no plot: install matplotlib, e.g. pip install 'dlprof-agent[plots]')\n")
+    return 0
+
+
 def workload_command(args: argparse.Namespace, out: TextIO) -> int:
+    if args.workload_command == "sweep":
+        return sweep_command(args, out)
     if args.workload_command == "run":
         return run_command(args, out)
     if args.workload_command != "list":

@@ -3,10 +3,15 @@ with the same trainable-parameter count in both."""
 
 from __future__ import annotations
 
+import csv
+import gzip
 import json
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dlprof_agent.workloads.models import MODELS
@@ -90,3 +95,72 @@ def test_run_bad_input_is_a_one_line_error(args: list[str], says: str) -> None:
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("dlprof-agent: error:")
     assert says in lines[0]
+
+
+def test_sweep_writes_results_a_table_and_a_plot(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    result = workload("sweep", "--model", "alexnet-r", "--scale", "tiny", "--iterations", "2",
+                      "--warmup", "1", "--param", "threads=1,2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((out / "results.json").read_text())
+    assert [row["threads"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["seconds_per_batch"] > 0
+        assert row["cpu_user_seconds_per_batch"] > 0
+        assert row["involuntary_switches_per_batch"] >= 0
+    with (out / "results.csv").open() as file:
+        assert len(list(csv.DictReader(file))) == 2
+    table = (out / "table.md").read_text()
+    assert "| framework | model | batch_size | threads=1 | threads=2 |" in table
+    assert (out / "plot.png").read_bytes().startswith(b"\x89PNG")
+    assert table in result.stdout
+
+
+def test_sweep_bad_param_is_a_one_line_error(tmp_path: Path) -> None:
+    result = workload("sweep", "--param", "colour=red", "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.startswith("dlprof-agent: error: cannot sweep 'colour'")
+    assert len(result.stderr.splitlines()) == 1
+
+
+def write_cifar(directory: Path, records: int) -> None:
+    rng = np.random.default_rng(0)
+    data = np.concatenate([rng.integers(0, 10, (records, 1)),
+                           rng.integers(0, 256, (records, 3072))], axis=1).astype(np.uint8)
+    directory.mkdir()
+    (directory / "data_batch_1.bin").write_bytes(data.tobytes())
+
+
+def write_mnist(directory: Path, count: int) -> None:
+    rng = np.random.default_rng(0)
+    directory.mkdir()
+    images = rng.integers(0, 256, (count, 28, 28)).astype(np.uint8)
+    labels = rng.integers(0, 10, count).astype(np.uint8)
+    with gzip.open(directory / "train-images-idx3-ubyte.gz", "wb") as file:
+        file.write(struct.pack(">IIII", 0x803, count, 28, 28) + images.tobytes())
+    (directory / "train-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, count)
+                                                        + labels.tobytes())
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
+def test_run_trains_on_real_dataset_files(framework: str, tmp_path: Path) -> None:
+    write_cifar(tmp_path / "cifar", 10)
+    write_mnist(tmp_path / "mnist", 12)
+    cifar = run_json("--framework", framework, "--model", "small-cnn",
+                     "--data", str(tmp_path / "cifar"), "--batch-size", "4")
+    assert cifar["data"] == str(tmp_path / "cifar") and cifar["batch_size"] == 4
+    mnist = run_json("--framework", framework, "--model", "fcn-r",
+                     "--data", str(tmp_path / "mnist"), "--batch-size", "5")
+    assert isinstance(mnist["seconds_per_batch"], float) and mnist["seconds_per_batch"] > 0
+
+
+@pytest.mark.parametrize(("model", "says"), [
+    ("fcn-r", "cannot use the data"),
+    ("resnet-50", "trains on synthetic data only"),
+])
+def test_run_with_unusable_data_is_a_one_line_error(tmp_path: Path, model: str,
+                                                    says: str) -> None:
+    result = workload("run", "--model", model, "--scale", "tiny", "--data", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and says in lines[0]

@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dlprof_agent.workloads.models import MODELS
@@ -36,6 +37,7 @@ class RunConfig:
     precision: str = "fp32"
     input_grad: bool = False  # compute the first layer's unneeded input gradient (Kim §IV-C)
     scale: str = "full"
+    data: str | None = None  # MNIST or CIFAR-10 files instead of synthetic data
 
     def resolved_batch(self) -> int:
         if self.batch_size is not None:
@@ -52,6 +54,7 @@ class RunResult:
     batch_size: int
     parameters: int
     step_seconds: list[float] = field(repr=False)  # the steady iterations, in order
+    cpu: CpuUse
     peak_rss_bytes: int = 0
     peak_device_memory_bytes: int | None = None
 
@@ -69,26 +72,78 @@ class RunResult:
                 "parameters": self.parameters, "seconds_per_batch": self.seconds_per_batch,
                 "mean_seconds_per_batch": statistics.fmean(self.step_seconds),
                 "samples_per_second": self.samples_per_second,
+                "cpu_user_seconds_per_batch": self.cpu.user_seconds / len(self.step_seconds),
+                "cpu_system_seconds_per_batch": (self.cpu.system_seconds
+                                                 / len(self.step_seconds)),
+                "voluntary_switches_per_batch": (self.cpu.voluntary_switches
+                                                 / len(self.step_seconds)),
+                "involuntary_switches_per_batch": (self.cpu.involuntary_switches
+                                                   / len(self.step_seconds)),
                 "peak_rss_bytes": self.peak_rss_bytes,
                 "peak_device_memory_bytes": self.peak_device_memory_bytes}
+
+
+MNIST_MODELS = ("fcn-r",)
+CIFAR_MODELS = ("alexnet-r", "resnet-56", "small-cnn")
+
+
+def real_batches(config: RunConfig, batch: int) -> Any:
+    """Mini-batches (channels-last images, labels) from the user's dataset files."""
+    from dlprof_agent.workloads import datasets
+
+    path = Path(config.data or "")
+    if config.model in MNIST_MODELS:
+        def find(stem: str) -> Path:
+            for name in (stem, stem + ".gz"):
+                if (path / name).exists():
+                    return path / name
+            raise datasets.DatasetError(f"{path}: no {stem} or {stem}.gz in it")
+        inputs, labels = datasets.load_mnist(find("train-images-idx3-ubyte"),
+                                             find("train-labels-idx1-ubyte"))
+    elif config.model in CIFAR_MODELS:
+        inputs, labels = datasets.load_cifar10(str(path))
+    else:
+        raise ValueError(f"{config.model} trains on synthetic data only; --data fits "
+                         f"{', '.join(MNIST_MODELS)} (MNIST) and {', '.join(CIFAR_MODELS)} "
+                         "(CIFAR-10)")
+    return datasets.Batches(inputs, labels, batch, seed=0)
 
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+@dataclass(frozen=True)
+class CpuUse:
+    """The process's CPU time and context switches over the timed iterations, all
+    threads together: the papers' %user and %system, and the sign of oversubscription."""
+
+    user_seconds: float
+    system_seconds: float
+    voluntary_switches: int
+    involuntary_switches: int
+
+    @classmethod
+    def between(cls, before: resource.struct_rusage, after: resource.struct_rusage) -> CpuUse:
+        return cls(after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime,
+                   after.ru_nvcsw - before.ru_nvcsw, after.ru_nivcsw - before.ru_nivcsw)
+
+
 def _timed(step: Callable[[], None], config: RunConfig,
-           on_step: Callable[[int, int], None] | None) -> list[float]:
+           on_step: Callable[[int, int], None] | None) -> tuple[list[float], CpuUse]:
     total = config.warmup + config.iterations
     durations = []
+    before = resource.getrusage(resource.RUSAGE_SELF)
     for index in range(total):
+        if index == config.warmup:
+            before = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
         step()
         if index >= config.warmup:
             durations.append(time.perf_counter() - started)
         if on_step is not None:
             on_step(index + 1, total)
-    return durations
+    return durations, CpuUse.between(before, resource.getrusage(resource.RUSAGE_SELF))
 
 
 def run_pytorch(config: RunConfig, on_step: Callable[[int, int], None] | None = None
@@ -117,8 +172,19 @@ def run_pytorch(config: RunConfig, on_step: Callable[[int, int], None] | None = 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     amp = config.precision == "amp"
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    channels_last = config.resolved_layout() == "NHWC"
+    batches = real_batches(config, batch) if config.data else None
 
     def step() -> None:
+        nonlocal inputs, targets
+        if batches is not None:  # the host-to-device copy is part of the step, as in training
+            images, labels = next(batches)
+            tensor = torch.from_numpy(images)
+            if tensor.dim() == 4:
+                tensor = tensor.permute(0, 3, 1, 2)  # files are channels-last
+                tensor = tensor.contiguous(memory_format=torch.channels_last if channels_last
+                                           else torch.contiguous_format)
+            inputs, targets = tensor.to(device), torch.from_numpy(labels).to(device)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
             loss = loss_fn(model(inputs), targets)
@@ -129,10 +195,10 @@ def run_pytorch(config: RunConfig, on_step: Callable[[int, int], None] | None = 
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    durations = _timed(step, config, on_step)
+    durations, cpu = _timed(step, config, on_step)
     device_peak = (int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda"
                    else None)
-    return RunResult(config, batch, torch_models.trainable_parameters(model), durations,
+    return RunResult(config, batch, torch_models.trainable_parameters(model), durations, cpu,
                      _peak_rss_bytes(), device_peak)
 
 
@@ -161,15 +227,19 @@ def run_tensorflow(config: RunConfig, on_step: Callable[[int, int], None] | None
                       loss=keras_models.loss(config.model))
         inputs, targets = keras_models.example_batch(config.model, batch, seed=0,
                                                      data_format=data_format)
+        batches = real_batches(config, batch) if config.data else None
 
         def step() -> None:
-            model.train_on_batch(inputs, targets)  # returns the loss: the step is done
+            images, labels = (inputs, targets) if batches is None else next(batches)
+            if batches is not None and data_format == "channels_first" and images.ndim == 4:
+                images = images.transpose(0, 3, 1, 2)
+            model.train_on_batch(images, labels)  # returns the loss: the step is done
 
-        durations = _timed(step, config, on_step)
+        durations, cpu = _timed(step, config, on_step)
     device_peak = None
     if config.device == "cuda":
         device_peak = int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
-    return RunResult(config, batch, keras_models.trainable_parameters(model), durations,
+    return RunResult(config, batch, keras_models.trainable_parameters(model), durations, cpu,
                      _peak_rss_bytes(), device_peak)
 
 
