@@ -97,6 +97,9 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
                           "need (Kim et al. IV-C measured what skipping it saves)")
     run.add_argument("--scale", choices=("full", "tiny"), default="full",
                      help="tiny: batch 2, for quick checks")
+    run.add_argument("--ranks", type=_positive, default=1, metavar="N",
+                     help="data-parallel over N processes (PyTorch: gloo on CPU, NCCL on "
+                          "GPU), reporting each rank's compute and gradient-exchange time")
     run.add_argument("--data", metavar="PATH",
                      help="train on real files instead of synthetic data: a folder with "
                           "MNIST's train-images-idx3-ubyte and train-labels-idx1-ubyte "
@@ -214,16 +217,54 @@ def _progress(total_label: str) -> Callable[[int, int], None] | None:
     return show
 
 
-def run_command(args: argparse.Namespace, out: TextIO) -> int:
-    from dlprof_agent.workloads.runner import RunConfig, run
+def _config(args: argparse.Namespace) -> Any:
+    from dlprof_agent.workloads.runner import RunConfig
 
-    _check_device(args.framework, args.device)
-    config = RunConfig(
+    return RunConfig(
         framework=args.framework, model=args.model, device=args.device,
         batch_size=args.batch_size, iterations=args.iterations, warmup=args.warmup,
         intra_op_threads=args.threads, inter_op_threads=args.inter_op_threads,
         layout=args.layout, cudnn_autotune=args.cudnn_autotune, precision=args.precision,
         input_grad=args.input_grad, scale=args.scale, data=args.data)
+
+
+def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
+    from dlprof_agent.workloads.distributed import run_distributed
+
+    if args.framework != "pytorch":
+        raise UsageError("data-parallel runs (--ranks) are PyTorch-only so far",
+                         "use --framework pytorch, or --ranks 1")
+    if args.data or args.precision != "fp32" or args.layout:
+        raise UsageError("--ranks runs synthetic fp32 data in the default layout so far",
+                         "leave out --data, --precision and --layout")
+    try:
+        result = run_distributed(_config(args), args.ranks)
+    except RuntimeError as error:
+        raise UsageError(f"the data-parallel run failed: {str(error)[:300]}",
+                         "check the ranks' settings") from None
+    if args.json:
+        out.write(json.dumps(result, indent=2) + "\n")
+        return 0
+    out.write(f"pytorch {args.model} data-parallel over {args.ranks} processes on "
+              f"{args.device}, batch {result['batch_size']} per rank, gradients "
+              f"{result['gradient_bytes'] / 2**20:.1f} MiB per step\n"
+              f"  time per mini-batch  {result['seconds_per_batch'] * 1000:.2f} ms "
+              f"(slowest rank, median)\n"
+              f"  samples per second   {result['samples_per_second']:.1f} (all ranks)\n")
+    for rank in result["per_rank"]:
+        out.write(f"  rank {rank['rank']} (pid {rank['pid']})  compute "
+                  f"{rank['compute_seconds_per_batch'] * 1000:.2f} ms, gradient exchange "
+                  f"{rank['exchange_seconds_per_batch'] * 1000:.2f} ms\n")
+    return 0
+
+
+def run_command(args: argparse.Namespace, out: TextIO) -> int:
+    from dlprof_agent.workloads.runner import run
+
+    _check_device(args.framework, args.device)
+    if args.ranks > 1:
+        return _distributed_command(args, out)
+    config = _config(args)
     from dlprof_agent.workloads.datasets import DatasetError
 
     try:

@@ -164,3 +164,21 @@ def test_run_with_unusable_data_is_a_one_line_error(tmp_path: Path, model: str,
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and says in lines[0]
+
+
+def test_data_parallel_reports_compute_and_gradient_exchange_per_rank() -> None:
+    result = run_json("--model", "alexnet-r", "--ranks", "2", "--threads", "1")
+    ranks = result["per_rank"]
+    assert isinstance(ranks, list) and [rank["rank"] for rank in ranks] == [0, 1]
+    assert len({rank["pid"] for rank in ranks}) == 2
+    for rank in ranks:
+        assert rank["compute_seconds_per_batch"] > 0
+        assert rank["exchange_seconds_per_batch"] > 0
+    assert result["gradient_bytes"] == 89_578 * 4  # float32 gradients, all of them
+    assert result["global_batch_size"] == 4
+
+
+def test_data_parallel_is_pytorch_only_for_now() -> None:
+    result = workload("run", "--framework", "tensorflow", "--ranks", "2")
+    assert result.returncode == 2
+    assert "PyTorch-only" in result.stderr and len(result.stderr.splitlines()) == 1
