@@ -457,15 +457,27 @@ DEMO_SERIES = ("dlprof_target_up", "dlprof_process_cpu_seconds_total",
                "dlprof_step_phase_seconds_total", "dlprof_framework_info")
 
 
+def _cuda_available() -> bool:
+    """Asked in a child: importing torch here would cost the agent a second of start-up
+    and hundreds of MiB for the rest of the demo."""
+    check = subprocess.run([sys.executable, "-c",
+                            "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                           capture_output=True, timeout=60, check=False)
+    return check.returncode == 0
+
+
 def _start_demo_workload(args: argparse.Namespace, seconds: float, out: TextIO
                          ) -> tuple[subprocess.Popen[bytes], bool]:
     """A PyTorch training job when torch is installed, else a busy process."""
     if importlib.util.find_spec("torch") is not None:
-        print("demo: starting a PyTorch job (a small CNN on synthetic data)...", file=out,
-              flush=True)
+        # On a GPU when the machine has one: NVML and the probe then both have work to see.
+        device = "cuda" if _cuda_available() else "cpu"
+        print(f"demo: starting a PyTorch job (a small CNN on synthetic data, on {device})...",
+              file=out, flush=True)
         job = subprocess.Popen(
             [sys.executable, "-m", "dlprof_agent.workloads.torch_train", "--seconds",
-             str(seconds), "--threads", str(min(args.threads, os.cpu_count() or 1))],
+             str(seconds), "--threads", str(min(args.threads, os.cpu_count() or 1)),
+             "--device", device, "--batch", "256" if device == "cuda" else "32"],
             stdout=subprocess.PIPE)
         assert job.stdout is not None
         job.stdout.readline()  # "training", or nothing if it failed

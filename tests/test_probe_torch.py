@@ -343,3 +343,21 @@ def test_a_loop_without_torch_optim_still_has_steps(
     values = metrics(port)
     assert values["dlprof_samples_total{phase=steady}"] >= 10 * BATCH
     assert values["dlprof_samples_total{phase=steady}"] % BATCH == 0
+
+
+def test_demo_trains_injects_and_shows_what_prometheus_gets() -> None:
+    """The README's main command, as a user runs it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "dlprof_agent", "demo", "--duration", "4", "--port", "0"],
+        env=agent_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "is training; attaching and injecting the probe" in result.stdout
+    summary = next(line for line in result.stdout.splitlines()
+                   if line.strip().startswith("steps"))
+    assert "steady" in summary and "samples/s" in summary
+    assert "top layers" in result.stdout
+    scraped = [line.strip() for line in result.stdout.splitlines()]
+    assert any(line.startswith("dlprof_probe_up{") and line.endswith(" 1.0")
+               for line in scraped)
+    assert any(line.startswith('dlprof_steps_total{phase="steady"') for line in scraped)

@@ -17,14 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model = small_cnn()
+    device = torch.device(args.device)
+    model = small_cnn().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
-    images = torch.randn(args.batch, 3, 32, 32)
-    labels = torch.randint(0, 10, (args.batch,))
+    images = torch.randn(args.batch, 3, 32, 32, device=device)
+    labels = torch.randint(0, 10, (args.batch,), device=device)
     deadline = time.monotonic() + args.seconds
     announced = False
     while time.monotonic() < deadline:
