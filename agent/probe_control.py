@@ -110,6 +110,17 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _still_running(pid: int, seconds: float = 1.0) -> bool:
+    """Running after ``seconds``: a job that is exiting closes its probe first, then
+    takes a moment (interpreter and framework teardown) to leave."""
+    deadline = time.monotonic() + seconds
+    while _running(pid):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 class ProbeSource:
     """The sampler's view of the probe: a sample per pass, or None once it is gone."""
 
@@ -130,7 +141,7 @@ class ProbeSource:
         except Exception as error:  # a closed socket, a bad frame, a stuck process
             self.client = None
             client.close()
-            if _running(self.pid):  # else the job ended: nothing to report
+            if _still_running(self.pid):  # else the job ended: nothing to report
                 log.warning("lost the probe in pid %d (%s); in-process metrics stop here",
                             self.pid, error or type(error).__name__)
             return None

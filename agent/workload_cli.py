@@ -50,6 +50,12 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                "  dlprof-agent workload run --model lstm --scale tiny --json\n")
     _add_run_options(run)
     run.add_argument("--json", action="store_true", help="print JSON instead of text")
+    run.add_argument("--attach", action="store_true",
+                     help="run under the agent, as `dlprof-agent run --layers` would: serve "
+                          "/metrics on --port while it trains, and print the agent's summary "
+                          "(steps, layer split, CPU by mode) after the workload's own figures")
+    run.add_argument("--port", type=int, default=0,
+                     help="with --attach: the port to serve /metrics on (default: a free one)")
 
     sweep = actions.add_parser(
         "sweep", help="run a grid of settings and write results, a table and plots",
@@ -258,9 +264,26 @@ def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _attached(args: argparse.Namespace) -> int:
+    """The same `workload run`, minus --attach, as a child the agent attaches to."""
+    from dlprof_agent.agent.cli import DEFAULT_LISTEN, ServeOptions, run_command
+    from dlprof_agent.agent.probe_control import ProbeOptions
+
+    child = [sys.executable, "-m", "dlprof_agent", "workload", "run",
+             *_base_run_args(args), "--ranks", str(args.ranks)]
+    child += ["--json"] if args.json else []
+    options = ServeOptions(listen=DEFAULT_LISTEN, port=args.port, interval=1.0, duration=None,
+                           grace=0.0, quiet=False, children=True, gpu=True,
+                           probe=ProbeOptions(inject=False, layers=True,
+                                              warmup_steps=min(args.warmup, 10)))
+    return run_command(child, options)
+
+
 def run_command(args: argparse.Namespace, out: TextIO) -> int:
     from dlprof_agent.workloads.runner import run
 
+    if args.attach:
+        return _attached(args)
     _check_device(args.framework, args.device)
     if args.ranks > 1:
         return _distributed_command(args, out)

@@ -182,3 +182,14 @@ def test_data_parallel_is_pytorch_only_for_now() -> None:
     result = workload("run", "--framework", "tensorflow", "--ranks", "2")
     assert result.returncode == 2
     assert "PyTorch-only" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_run_under_the_agent_prints_the_workloads_and_the_agents_figures() -> None:
+    result = workload("run", "--model", "small-cnn", "--batch-size", "8", "--iterations", "40",
+                      "--warmup", "2", "--threads", "1", "--attach")
+    assert result.returncode == 0, result.stderr
+    assert "time per mini-batch" in result.stdout  # the workload's own
+    assert "dlprof-agent summary for pid" in result.stdout  # the agent's
+    steps = next(line for line in result.stdout.splitlines() if line.strip().startswith("steps"))
+    assert "steady" in steps
+    assert "lost the probe" not in result.stderr  # the job ending is not a loss
