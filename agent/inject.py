@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from dlprof_agent.agent.errors import AgentError, TargetAccessDenied, TargetNotFound
+from dlprof_agent.collectors.process import read_state
 
 # What gdb stops at and calls; both must be defined in the target (readelf --dyn-syms).
 REQUIRED_SYMBOLS = frozenset({"PyEval_SaveThread", "PyRun_SimpleString"})
@@ -243,11 +244,11 @@ def _read_text(path: str) -> str | None:
 
 def _raise_if_gone(pid: int, procfs: str) -> None:
     """The process behind a failed /proc read: TargetNotFound when there is none left."""
-    stat = _read_text(f"{procfs}/{pid}/stat")
-    if stat is None:
+    state = read_state(pid, procfs=procfs)
+    if state is None:
         raise TargetNotFound(f"no process with pid {pid}",
                              "check the pid with `ps -eo pid,user,args | grep python`")
-    if stat[stat.rfind(")") + 2:].startswith(("Z", "X")):
+    if state in ("Z", "X"):
         raise TargetNotFound(f"process {pid} has exited", "attach to a running job")
 
 

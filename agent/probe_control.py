@@ -18,6 +18,7 @@ from dlprof_agent.collectors.probe import (
     ProbeUnavailable,
     find_probe_socket,
 )
+from dlprof_agent.collectors.process import read_state
 
 log = logging.getLogger("dlprof_agent")
 
@@ -102,12 +103,7 @@ def _missing(pid: int, why: str) -> None:
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    return read_state(pid) not in (None, "Z", "X")
 
 
 def _still_running(pid: int, seconds: float = 1.0) -> bool:

@@ -127,7 +127,10 @@ class ProbeClient:
         connection.settimeout(REPLY_SECONDS)
         try:
             connection.connect(path)
-            connection.sendall(encode({"command": "start", "args": options}))
+            # A busy probe answers and hangs up without reading: its reply still waits
+            # in our receive queue, so a failed send is no reason not to read it.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                connection.sendall(encode({"command": "start", "args": options}))
             reply = read_frame(connection, max_bytes=MAX_REPLY_BYTES)
         except (OSError, ConnectionClosed, ProtocolError) as error:
             connection.close()

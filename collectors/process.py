@@ -56,6 +56,17 @@ class ProcessSample:
     open_fds: int | None
 
 
+def read_state(pid: int, *, procfs: str = "/proc") -> str | None:
+    """The one-letter scheduler state of ``pid`` (R, S, D, Z, ...), None if there is no
+    such process. Z (zombie) and X (dead) mean it has exited."""
+    try:
+        with open(f"{procfs}/{pid}/stat") as stat:
+            # The name in parentheses may hold spaces and ')': the state follows the last one.
+            return stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def read_peak_rss_bytes(pid: int, *, procfs: str = "/proc") -> int | None:
     """The kernel's resident high-water mark (VmHWM) since the process started."""
     try:
