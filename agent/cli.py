@@ -374,7 +374,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             client = connect_probe(pid, options.probe, interval=options.interval,
                                    wait_seconds=options.probe_wait_seconds)
             if client is not None:
-                probe_source = sampler.probe = ProbeSource(client)
+                probe_source = sampler.probe = ProbeSource(client,
+                                                           interval=options.interval)
                 log.info("probe active in pid %d (%s)", pid,
                          ", ".join(client.hello.get("frameworks", [])) or
                          "no framework imported yet")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dlprof_agent.agent.errors import AgentError
 from dlprof_agent.collectors.probe import (
+    REPLY_SECONDS,
     ProbeBusy,
     ProbeClient,
     ProbeSample,
@@ -106,23 +107,22 @@ def _running(pid: int) -> bool:
     return read_state(pid) not in (None, "Z", "X")
 
 
-def _still_running(pid: int, seconds: float = 1.0) -> bool:
-    """Running after ``seconds``: a job that is exiting closes its probe first, then
-    takes a moment (interpreter and framework teardown) to leave."""
-    deadline = time.monotonic() + seconds
-    while _running(pid):
-        if time.monotonic() >= deadline:
-            return True
-        time.sleep(0.1)
-    return False
+EXIT_GRACE_SECONDS = 1.0  # a job that is exiting closes its probe, then takes this to leave
 
 
 class ProbeSource:
-    """The sampler's view of the probe: a sample per pass, or None once it is gone."""
+    """The sampler's view of the probe: a sample per pass, or None once it is gone.
 
-    def __init__(self, client: ProbeClient) -> None:
+    It is on the sampling pass, so it never waits long: a reply gets half an interval
+    (a stopped or stuck job must not hold up the process and GPU metrics), and a lost
+    probe is reported on a later pass, once the job has had time to exit if it was
+    exiting."""
+
+    def __init__(self, client: ProbeClient, *, interval: float) -> None:
         self.client: ProbeClient | None = client
         self.pid = client.pid
+        client.set_timeout(max(0.25, min(REPLY_SECONDS, interval / 2)))
+        self._lost: tuple[float, str] | None = None  # when, and why
 
     @property
     def up(self) -> bool:
@@ -131,16 +131,26 @@ class ProbeSource:
     def sample(self) -> ProbeSample | None:
         client = self.client
         if client is None:
+            self._report_loss()
             return None
         try:
             return client.snapshot()
         except Exception as error:  # a closed socket, a bad frame, a stuck process
             self.client = None
             client.close()
-            if _still_running(self.pid):  # else the job ended: nothing to report
-                log.warning("lost the probe in pid %d (%s); in-process metrics stop here",
-                            self.pid, error or type(error).__name__)
+            self._lost = (time.monotonic(), str(error) or type(error).__name__)
             return None
+
+    def _report_loss(self) -> None:
+        if self._lost is None:
+            return
+        since, why = self._lost
+        if not _running(self.pid):
+            self._lost = None  # the job ended: nothing to report
+        elif time.monotonic() - since >= EXIT_GRACE_SECONDS:
+            self._lost = None
+            log.warning("lost the probe in pid %d (%s); in-process metrics stop here",
+                        self.pid, why)
 
     def stop(self) -> None:
         client, self.client = self.client, None

@@ -147,6 +147,10 @@ class ProbeClient:
                                    f"{VERSION}: use the same dlprof-agent version")
         return cls(pid, connection, reply)
 
+    def set_timeout(self, seconds: float) -> None:
+        """How long a reply may take from here on."""
+        self._connection.settimeout(seconds)
+
     def request(self, command: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"command": command}
         if args is not None:
