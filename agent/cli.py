@@ -356,11 +356,13 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 
 def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
-          before_stop: Callable[[int], None] | None = None) -> int:
+          before_stop: Callable[[int], None] | None = None,
+          on_summary: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Attach to ``pid``, serve until the duration, Ctrl-C, SIGTERM or the target's
     exit, then print the summary. Returns the exit code.
 
-    ``before_stop`` gets the port while the endpoint still serves, at the end."""
+    ``before_stop`` gets the port while the endpoint still serves, at the end;
+    ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet."""
     open_target(pid)
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     _configure_logging(status)
@@ -433,6 +435,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         server.stop()
     if status is not None:
         status.clear()
+    if on_summary is not None:
+        on_summary(summary.as_dict(pid))
     if not options.quiet:
         latest = sampler.latest
         print(summary.render(pid, target_exited=bool(latest and not latest.target_up)),
@@ -535,7 +539,10 @@ def _demo_lines(exposition: str) -> list[str]:
             if line.startswith(DEMO_SERIES)][:32]
 
 
-def run_command(command_line: list[str], options: ServeOptions) -> int:
+def run_command(command_line: list[str], options: ServeOptions, *,
+                stdout: TextIO | None = None,
+                on_summary: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """``stdout``: where the command's output goes (default: the agent's own)."""
     if command_line and command_line[0] == "--":
         command_line = command_line[1:]
     if not command_line:
@@ -544,12 +551,13 @@ def run_command(command_line: list[str], options: ServeOptions) -> int:
     from dlprof_agent.probe.bootstrap import preload_environment
 
     try:
-        job = subprocess.Popen(command_line, env=preload_environment(dict(os.environ)))
+        job = subprocess.Popen(command_line, env=preload_environment(dict(os.environ)),
+                               stdout=stdout)
     except OSError as error:
         raise UsageError(f"cannot start {command_line[0]!r}: {error.strerror}",
                          "check the command and its path") from None
     try:
-        serve(job.pid, replace(options, probe_wait_seconds=10.0))
+        serve(job.pid, replace(options, probe_wait_seconds=10.0), on_summary=on_summary)
     except TargetNotFound:
         pass  # the command ended before the agent attached: its exit code says why
     except BaseException:

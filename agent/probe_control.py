@@ -17,6 +17,7 @@ from dlprof_agent.collectors.probe import (
     ProbeClient,
     ProbeSample,
     ProbeUnavailable,
+    ReplyLate,
     find_probe_socket,
 )
 from dlprof_agent.collectors.process import read_state
@@ -107,22 +108,30 @@ def _running(pid: int) -> bool:
     return read_state(pid) not in (None, "Z", "X")
 
 
-EXIT_GRACE_SECONDS = 1.0  # a job that is exiting closes its probe, then takes this to leave
+# A job that is exiting closes its probe, then may take seconds to tear down its
+# framework (thread pools, allocators) before it is gone.
+EXIT_GRACE_SECONDS = 5.0
+# Imports and graph builds can hold the GIL, and so the probe's answer, for seconds.
+LATE_LIMIT_SECONDS = 10.0
 
 
 class ProbeSource:
     """The sampler's view of the probe: a sample per pass, or None once it is gone.
 
     It is on the sampling pass, so it never waits long: a reply gets half an interval
-    (a stopped or stuck job must not hold up the process and GPU metrics), and a lost
-    probe is reported on a later pass, once the job has had time to exit if it was
-    exiting."""
+    (a stopped or stuck job must not hold up the process and GPU metrics). A reply
+    that comes later is taken on a later pass; meanwhile the last sample stands. The
+    probe is lost when its connection breaks or it has not answered for
+    LATE_LIMIT_SECONDS, and that is reported on a later pass, once the job has had
+    time to exit if it was exiting."""
 
     def __init__(self, client: ProbeClient, *, interval: float) -> None:
         self.client: ProbeClient | None = client
         self.pid = client.pid
         client.set_timeout(max(0.25, min(REPLY_SECONDS, interval / 2)))
         self._lost: tuple[float, str] | None = None  # when, and why
+        self._late_since: float | None = None
+        self._last: ProbeSample | None = None
 
     @property
     def up(self) -> bool:
@@ -133,13 +142,25 @@ class ProbeSource:
         if client is None:
             self._report_loss()
             return None
+        now = time.monotonic()
         try:
-            return client.snapshot()
-        except Exception as error:  # a closed socket, a bad frame, a stuck process
-            self.client = None
-            client.close()
-            self._lost = (time.monotonic(), str(error) or type(error).__name__)
+            sample = client.snapshot()
+        except ReplyLate:
+            self._late_since = self._late_since or now
+            if now - self._late_since < LATE_LIMIT_SECONDS:
+                return self._last
+            self._drop(client, f"no reply for {now - self._late_since:.0f} s")
             return None
+        except Exception as error:  # a closed socket, a bad frame
+            self._drop(client, str(error) or type(error).__name__)
+            return None
+        self._late_since, self._last = None, sample
+        return sample
+
+    def _drop(self, client: ProbeClient, why: str) -> None:
+        self.client = None
+        client.close()
+        self._lost = (time.monotonic(), why)
 
     def _report_loss(self) -> None:
         if self._lost is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.probe import LayerSample, ProbeSample
@@ -21,6 +21,7 @@ class TreeTotals:
     rss_bytes: int
     threads: int
     context_switches: int
+    involuntary_switches: int
 
     @classmethod
     def of(cls, snapshot: Snapshot) -> TreeTotals:
@@ -34,6 +35,7 @@ class TreeTotals:
             threads=sum(p.threads for p in ps),
             context_switches=sum(p.voluntary_context_switches
                                  + p.involuntary_context_switches for p in ps),
+            involuntary_switches=sum(p.involuntary_context_switches for p in ps),
         )
 
 
@@ -55,8 +57,26 @@ def _gpu_part(snapshot: Snapshot) -> str:
     return f"gpu {mean} mem {format_bytes(memory)}"
 
 
+LIVE_TOP_LAYERS = 2
+
+
+def _layer_seconds(probe: ProbeSample) -> dict[str, float]:
+    return {layer.name: layer.forward_seconds + layer.backward_seconds for layer in probe.layers}
+
+
+def _top_layers_part(probe: ProbeSample, previous: ProbeSample, step_seconds: float) -> str:
+    """The layers that took most of the last interval's steps, as shares of them."""
+    before = _layer_seconds(previous)
+    spent = sorted(((seconds - before.get(name, 0.0), name)
+                    for name, seconds in _layer_seconds(probe).items()), reverse=True)
+    shares = [f"{name} {seconds / step_seconds:.0%}"
+              for seconds, name in spent[:LIVE_TOP_LAYERS] if seconds > 0]
+    return " | top " + ", ".join(shares) if shares else ""
+
+
 def _probe_part(probe: ProbeSample | None, previous: ProbeSample | None) -> str:
-    """Step time and samples per second over the last interval, once steady."""
+    """Step time, samples per second and the top layers over the last interval,
+    once steady."""
     if probe is None:
         return ""
     if previous is None or probe.steady_steps <= previous.steady_steps:
@@ -69,6 +89,9 @@ def _probe_part(probe: ProbeSample | None, previous: ProbeSample | None) -> str:
     samples = probe.steady_samples - previous.steady_samples
     if samples and step_seconds > 0:
         line += f" {samples / steps / step_seconds:.0f} samples/s"
+    steps_seconds = probe.step_seconds_sum - previous.step_seconds_sum
+    if probe.layers and steps_seconds > 0:
+        line += _top_layers_part(probe, previous, steps_seconds)
     return line
 
 
@@ -139,6 +162,10 @@ class Summary:
         self._gpu_utilization_count = 0
         self.samples = 0
         self.last_probe: ProbeSample | None = None
+        # The first and latest samples that saw steady steps: CPU per steady step
+        # comes from between them, free of start-up and warm-up.
+        self._steady_first: tuple[ProbeSample, TreeTotals, float] | None = None
+        self._steady_last: tuple[ProbeSample, TreeTotals, float] | None = None
 
     def add(self, snapshot: Snapshot) -> None:
         self.samples += 1
@@ -150,6 +177,7 @@ class Summary:
         self._last_up = snapshot
         if snapshot.probe is not None:
             self.last_probe = snapshot.probe
+            self._track_steady(snapshot.probe, totals, snapshot.monotonic_seconds)
         self.peak_rss_bytes = max(self.peak_rss_bytes,
                                   sum(p.rss_peak_bytes for p in snapshot.processes))
         self.peak_threads = max(self.peak_threads, totals.threads)
@@ -162,6 +190,77 @@ class Summary:
                 if device.utilization_ratio is not None:
                     self._gpu_utilization_sum += device.utilization_ratio
                     self._gpu_utilization_count += 1
+
+    def _track_steady(self, probe: ProbeSample, totals: TreeTotals, now: float) -> None:
+        if not probe.steady_steps:
+            return
+        seen = (probe, totals, now)
+        if self._steady_first is None:
+            self._steady_first = seen
+        if self._steady_last is None or probe.steady_steps > self._steady_last[0].steady_steps:
+            self._steady_last = seen
+
+    def steady_window(self) -> dict[str, float] | None:
+        """CPU and context switches per steady step, between the first and latest
+        samples that saw steady steps; None until two such samples differ."""
+        if self._steady_first is None or self._steady_last is None:
+            return None
+        (first, start, started), (last, end, ended) = self._steady_first, self._steady_last
+        steps = last.steady_steps - first.steady_steps
+        if steps <= 0:
+            return None
+        step_seconds = last.step_seconds_sum - first.step_seconds_sum
+        return {
+            "steps": steps,
+            "seconds": ended - started,
+            "step_seconds": step_seconds / steps,
+            "cpu_user_seconds_per_step": (end.user_seconds - start.user_seconds) / steps,
+            "cpu_system_seconds_per_step": (end.system_seconds - start.system_seconds) / steps,
+            "cpu_iowait_seconds_per_step": (end.iowait_seconds - start.iowait_seconds) / steps,
+            "context_switches_per_step": (end.context_switches - start.context_switches) / steps,
+            "involuntary_switches_per_step": ((end.involuntary_switches
+                                               - start.involuntary_switches) / steps),
+        }
+
+    def as_dict(self, target_pid: int) -> dict[str, Any]:
+        """What `render` shows, for scripts: whole-watch figures, and per steady step."""
+        first, last, first_totals = self._first, self._last_up, self._first_totals
+        result: dict[str, Any] = {"pid": target_pid, "samples": self.samples,
+                                  "peak_rss_bytes": self.peak_rss_bytes,
+                                  "peak_threads": self.peak_threads,
+                                  "peak_processes": self.peak_processes,
+                                  "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes or None,
+                                  "gpu_mean_utilization": (
+                                      self._gpu_utilization_sum / self._gpu_utilization_count
+                                      if self._gpu_utilization_count else None)}
+        if first is not None and last is not None and first_totals is not None:
+            totals = TreeTotals.of(last)
+            result.update(
+                watched_seconds=last.monotonic_seconds - first.monotonic_seconds,
+                cpu_user_seconds=totals.user_seconds - first_totals.user_seconds,
+                cpu_system_seconds=totals.system_seconds - first_totals.system_seconds,
+                cpu_iowait_seconds=totals.iowait_seconds - first_totals.iowait_seconds,
+                context_switches=totals.context_switches - first_totals.context_switches,
+                involuntary_switches=(totals.involuntary_switches
+                                      - first_totals.involuntary_switches))
+        probe = self.last_probe
+        if probe is not None:
+            result["probe"] = {
+                "step_source": probe.step_source,
+                "steady_steps": probe.steady_steps,
+                "warmup_steps": dict(probe.steps).get("warmup", 0),
+                "mean_step_seconds": (probe.step_seconds_sum / probe.steady_steps
+                                      if probe.steady_steps else None),
+                "samples_per_second": (probe.steady_samples / probe.step_seconds_sum
+                                       if probe.steady_samples and probe.step_seconds_sum
+                                       else None),
+                "phase_seconds": dict(probe.phase_seconds),
+                "layers": {layer.name: {"forward_seconds": layer.forward_seconds,
+                                        "backward_seconds": layer.backward_seconds}
+                           for layer in probe.layers},
+            }
+        result["steady"] = self.steady_window()
+        return result
 
     def render(self, target_pid: int, *, target_exited: bool) -> str:
         lines = [f"dlprof-agent summary for pid {target_pid}"

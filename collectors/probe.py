@@ -18,6 +18,7 @@ from dlprof_agent.probe.protocol import (
     read_frame,
     runtime_dir_candidates,
     socket_name,
+    take_frame,
 )
 
 REPLY_SECONDS = 2.0  # the probe answers within milliseconds unless its process is stuck
@@ -113,6 +114,12 @@ def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
     return None
 
 
+class ReplyLate(TimeoutError):
+    """The probe has not answered yet. Its reply is still expected, and the next
+    call reads it first: a job holding the GIL (an import, a long native call)
+    answers late, and that is not a lost probe."""
+
+
 class ProbeClient:
     """One connection to one probe. Not thread-safe: the sampler owns it."""
 
@@ -120,6 +127,8 @@ class ProbeClient:
         self.pid = pid
         self._connection = connection
         self.hello = hello
+        self._received = bytearray()  # a reply's bytes so far, kept across timeouts
+        self._awaiting: str | None = None  # the command whose reply has not arrived
 
     @classmethod
     def connect(cls, pid: int, path: str, options: dict[str, Any]) -> ProbeClient:
@@ -151,15 +160,32 @@ class ProbeClient:
         """How long a reply may take from here on."""
         self._connection.settimeout(seconds)
 
+    def _reply(self) -> dict[str, Any]:
+        while (reply := take_frame(self._received, max_bytes=MAX_REPLY_BYTES)) is None:
+            try:
+                chunk = self._connection.recv(1 << 16)
+            except TimeoutError:
+                raise ReplyLate(f"no reply to {self._awaiting} yet") from None
+            if not chunk:
+                raise ConnectionClosed
+            self._received += chunk
+        self._awaiting = None
+        return reply
+
     def request(self, command: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self._awaiting is not None:
+            self._reply()  # an earlier request's late reply: this one supersedes it
         message: dict[str, Any] = {"command": command}
         if args is not None:
             message["args"] = args
         self._connection.sendall(encode(message))
-        return read_frame(self._connection, max_bytes=MAX_REPLY_BYTES)
+        self._awaiting = command
+        return self._reply()
 
     def snapshot(self) -> ProbeSample:
-        reply = self.request("snapshot")
+        """Raises ReplyLate when the probe has not answered within the timeout; the
+        next call then takes that late reply."""
+        reply = self._reply() if self._awaiting == "snapshot" else self.request("snapshot")
         if not reply.get("ok"):
             raise ProbeUnavailable(f"snapshot refused: {reply.get('error')}")
         return ProbeSample.from_reply(self.pid, reply)

@@ -51,21 +51,43 @@ def _read_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket, *, max_bytes: int) -> dict[str, Any]:
-    magic, version, length = HEADER.unpack(_read_exact(sock, HEADER.size))
+def _payload_length(header: bytes, max_bytes: int) -> int:
+    magic, version, length = HEADER.unpack(header)
     if magic != MAGIC:
         raise ProtocolError("malformed", "not a dlprof-agent frame")
     if version != VERSION:
         raise ProtocolError("version", f"protocol version {version}, expected {VERSION}")
     if length > max_bytes:
         raise ProtocolError("oversized", f"{length} bytes, limit {max_bytes}")
+    return int(length)
+
+
+def _decode(payload: bytes) -> dict[str, Any]:
     try:
-        message = json.loads(_read_exact(sock, length))
+        message = json.loads(payload)
     except (UnicodeDecodeError, ValueError) as error:
         raise ProtocolError("malformed", str(error)) from None
     if not isinstance(message, dict):
         raise ProtocolError("malformed", "a frame must hold a JSON object")
     return message
+
+
+def read_frame(sock: socket.socket, *, max_bytes: int) -> dict[str, Any]:
+    length = _payload_length(_read_exact(sock, HEADER.size), max_bytes)
+    return _decode(_read_exact(sock, length))
+
+
+def take_frame(received: bytearray, *, max_bytes: int) -> dict[str, Any] | None:
+    """The first whole frame in ``received``, removed from it; None until all of
+    it has arrived. For readers that must not lose a frame to a timeout."""
+    if len(received) < HEADER.size:
+        return None
+    end = HEADER.size + _payload_length(bytes(received[:HEADER.size]), max_bytes)
+    if len(received) < end:
+        return None
+    payload = bytes(received[HEADER.size:end])
+    del received[:end]
+    return _decode(payload)
 
 
 def runtime_dir_candidates(uid: int, environ: dict[str, str]) -> list[str]:

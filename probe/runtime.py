@@ -225,10 +225,21 @@ class Probe:
         if listener in readable:
             self._accept(listener)
         if session is not None and session is self.session:
-            if session.connection in readable:
+            if session.connection in readable or (
+                    time.monotonic() - session.last_message > session.lease_seconds
+                    and self._readable_now(session.connection)):
+                # The second test: the job may have kept this thread off the GIL past
+                # the lease while a request came in. That agent is alive.
                 self._receive(session)
             elif time.monotonic() - session.last_message > session.lease_seconds:
                 self._end_session()  # the agent is stopped or hung: go dormant
+
+    @staticmethod
+    def _readable_now(connection: socket.socket) -> bool:
+        try:
+            return bool(select.select([connection], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
 
     def _accept(self, listener: socket.socket) -> None:
         try:

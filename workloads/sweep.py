@@ -3,10 +3,11 @@ process (thread pools can be sized only once per process), and writes what it
 measured: results as CSV and JSON, a table laid out like Shi et al.'s Table 7
 (time per mini-batch, one column per value of the swept setting), and plots.
 
-Beside each point's time it records the run's CPU seconds in user and system
-mode and its context switches over the timed iterations: the papers' sign of
-oversubscription is system time and involuntary switches rising with the
-thread count."""
+Beside each point's time it records CPU seconds in user and system mode and
+context switches per mini-batch: the papers' sign of oversubscription is system
+time and involuntary switches rising with the thread count. Under --attach these
+are what the agent saw from outside the job over its steady steps (columns
+``agent_*``); otherwise the run's own rusage over its timed iterations."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from typing import Any
 
 # Setting name -> (the `workload run` option, how to read one value)
 PARAMETERS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "framework": ("--framework", str.lower),
+    "model": ("--model", str.lower),
     "threads": ("--threads", int),
     "inter_op_threads": ("--inter-op-threads", int),
     "batch_size": ("--batch-size", int),
@@ -69,32 +72,95 @@ def run_point(base_args: Sequence[str], point: dict[str, Any]) -> dict[str, Any]
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise SweepError(f"the run with {point} failed: {last}")
     measured: dict[str, Any] = json.loads(result.stdout)
-    return {**point, **measured, "wall_seconds": wall}
+    agent = measured.pop("agent", None)
+    row = {**point, **measured, "wall_seconds": wall}
+    if agent is not None:
+        row.update(agent_columns(agent))
+    return row
 
 
-def table(rows: list[dict[str, Any]], swept: Sequence[str]) -> str:
-    """Seconds per mini-batch, a column per value of the first swept setting and
-    a row per combination of the others."""
+def agent_columns(agent: dict[str, Any]) -> dict[str, Any]:
+    """The agent's summary as flat columns, per mini-batch over the steady steps."""
+    steady = agent.get("steady") or {}
+    probe = agent.get("probe") or {}
+    return {
+        "agent_steps": steady.get("steps"),
+        "agent_seconds_per_batch": steady.get("step_seconds"),
+        "agent_cpu_user_seconds_per_batch": steady.get("cpu_user_seconds_per_step"),
+        "agent_cpu_system_seconds_per_batch": steady.get("cpu_system_seconds_per_step"),
+        "agent_context_switches_per_batch": steady.get("context_switches_per_step"),
+        "agent_involuntary_switches_per_batch": steady.get("involuntary_switches_per_step"),
+        "agent_peak_rss_bytes": agent.get("peak_rss_bytes"),
+        "agent_peak_threads": agent.get("peak_threads"),
+        "agent_probe_mean_step_seconds": probe.get("mean_step_seconds"),
+    }
+
+
+def cpu_columns(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """Whose CPU figures to show: the agent's when every row has them, else the run's."""
+    if rows and all(row.get("agent_cpu_user_seconds_per_batch") is not None for row in rows):
+        return "agent_", "seen by the agent"
+    return "", "the run's own rusage"
+
+
+def table(rows: list[dict[str, Any]], swept: Sequence[str],
+          value: Callable[[dict[str, Any]], float | None] | None = None,
+          caption: str = "seconds per mini-batch (median of the timed iterations)",
+          digits: int = 4) -> str:
+    """A figure per point (default: seconds per mini-batch), a column per value
+    of the first swept setting and a row per combination of the others."""
+    def seconds(row: dict[str, Any]) -> float | None:
+        return float(row["seconds_per_batch"])
+
+    value = value or seconds
     first = swept[0]
     columns = list(dict.fromkeys(row[first] for row in rows))
-    keys = ("framework", "model")
-    others = [*swept[1:], *(["batch_size"] if "batch_size" not in swept else [])]
-    groups: dict[tuple[Any, ...], dict[Any, float]] = {}
+    others = [key for key in ("framework", "model", *swept[1:]) if key != first]
+    if "batch_size" not in swept:
+        others.append("batch_size")
+    groups: dict[tuple[Any, ...], dict[Any, float | None]] = {}
     for row in rows:
-        key = tuple(row[k] for k in (*keys, *others))
-        groups.setdefault(key, {})[row[first]] = row["seconds_per_batch"]
-    header = ["framework", "model", *others, *(f"{first}={value}" for value in columns)]
+        key = tuple(row[k] for k in others)
+        groups.setdefault(key, {})[row[first]] = value(row)
+    header = [*others, *(f"{first}={column}" for column in columns)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for key, times in groups.items():
+    for key, figures in groups.items():
         cells = [str(k) for k in key] + [
-            f"{times[value]:.4f}" if value in times else "-" for value in columns]
+            "-" if figures.get(column) is None else f"{figures[column]:.{digits}f}"
+            for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nseconds per mini-batch (median of the timed iterations)\n"
+    return "\n".join(lines) + f"\n\n{caption}\n"
+
+
+def tables(rows: list[dict[str, Any]], swept: Sequence[str]) -> str:
+    """Time per mini-batch as in Shi et al.'s Table 7, then the CPU figures beside it."""
+    prefix, whose = cpu_columns(rows)
+
+    def system_share(row: dict[str, Any]) -> float | None:
+        user, system = (row.get(f"{prefix}cpu_{mode}_seconds_per_batch")
+                        for mode in ("user", "system"))
+        if user is None or system is None or user + system <= 0:
+            return None
+        return float(system / (user + system))
+
+    def involuntary(row: dict[str, Any]) -> float | None:
+        figure = row.get(f"{prefix}involuntary_switches_per_batch")
+        return None if figure is None else float(figure)
+
+    return "\n".join((
+        table(rows, swept),
+        table(rows, swept, system_share, f"system share of CPU time ({whose})", 3),
+        table(rows, swept, involuntary,
+              f"involuntary context switches per mini-batch ({whose})", 1)))
+
+
+MAX_PLOTTED_GROUPS = 8
 
 
 def plot(rows: list[dict[str, Any]], swept: str, path: Path) -> bool:
-    """Time per mini-batch against the swept setting, with the CPU split and the
-    involuntary context switches beside it. False when matplotlib is missing."""
+    """A row of panels per framework, model and other setting: time per
+    mini-batch against the swept setting, the CPU split by mode, and involuntary
+    context switches. False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -102,25 +168,37 @@ def plot(rows: list[dict[str, Any]], swept: str, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [str(row[swept]) for row in rows]
-    positions = range(len(rows))
-    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 4))
-    left.plot(labels, [row["seconds_per_batch"] * 1000 for row in rows], marker="o")
-    left.set(xlabel=swept, ylabel="ms per mini-batch", title="time per mini-batch")
-    user = [row["cpu_user_seconds_per_batch"] * 1000 for row in rows]
-    system = [row["cpu_system_seconds_per_batch"] * 1000 for row in rows]
-    middle.bar(positions, user, label="user")
-    middle.bar(positions, system, bottom=user, label="system")
-    middle.set_xticks(list(positions), labels)
-    middle.set(xlabel=swept, ylabel="CPU ms per mini-batch", title="CPU by mode")
-    middle.legend()
-    right.bar(positions, [row["involuntary_switches_per_batch"] for row in rows])
-    right.set_xticks(list(positions), labels)
-    right.set(xlabel=swept, ylabel="per mini-batch", title="involuntary context switches")
-    first = rows[0]
-    figure.suptitle(f"{first['framework']} {first['model']}, batch {first['batch_size']}")
+    prefix, whose = cpu_columns(rows)
+    varying = [key for key in rows[0] if key not in (swept, "seconds_per_batch")
+               and key in PARAMETERS and len({str(row.get(key)) for row in rows}) > 1]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        title = f"{row['framework']} {row['model']}, batch {row['batch_size']}" + "".join(
+            f", {key} {row[key]}" for key in varying if key not in ("framework", "model"))
+        groups.setdefault(title, []).append(row)
+    shown = list(groups.items())[:MAX_PLOTTED_GROUPS]
+    figure, axes = plt.subplots(len(shown), 3, figsize=(14, 3.4 * len(shown)), squeeze=False)
+    for (title, group), (left, middle, right) in zip(shown, axes, strict=True):
+        labels = [str(row[swept]) for row in group]
+        positions = list(range(len(group)))
+        left.plot(labels, [row["seconds_per_batch"] * 1000 for row in group], marker="o")
+        left.set(xlabel=swept, ylabel="ms per mini-batch", title=title)
+        left.set_ylim(bottom=0)
+        user = [(row.get(f"{prefix}cpu_user_seconds_per_batch") or 0) * 1000 for row in group]
+        system = [(row.get(f"{prefix}cpu_system_seconds_per_batch") or 0) * 1000
+                  for row in group]
+        middle.bar(positions, user, label="user")
+        middle.bar(positions, system, bottom=user, label="system")
+        middle.set_xticks(positions, labels)
+        middle.set(xlabel=swept, ylabel="CPU ms per mini-batch",
+                   title=f"CPU by mode ({whose})")
+        middle.legend()
+        right.bar(positions, [row.get(f"{prefix}involuntary_switches_per_batch") or 0
+                              for row in group], color="tab:red")
+        right.set_xticks(positions, labels)
+        right.set(xlabel=swept, ylabel="per mini-batch", title="involuntary context switches")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=90)
     plt.close(figure)
     return True
 
@@ -133,7 +211,7 @@ def write_results(rows: list[dict[str, Any]], swept: Sequence[str], out: Path) -
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    written[2].write_text(table(rows, swept))
+    written[2].write_text(tables(rows, swept))
     if plot(rows, swept[0], out / "plot.png"):
         written.append(out / "plot.png")
     return written

@@ -1,0 +1,112 @@
+"""A job that holds the GIL (a long import, a native call that does not release
+it) answers the agent late. That must neither hold up the agent's sampling pass
+nor count as a lost probe; only a probe that stays silent is dropped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from dlprof_agent.agent import probe_control
+from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, connect_probe
+from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
+from dlprof_agent.probe.protocol import HEADER, encode, take_frame
+from tests.conftest import agent_env
+
+# Steps, then a few seconds in one C call that keeps the GIL (sum over a range
+# never returns to the interpreter loop), then steps again.
+JOB = textwrap.dedent("""
+    import sys, time
+    from dlprof_agent import probe
+    probe.enable()
+    print("ready", flush=True)
+    def steps(n):
+        for _ in range(n):
+            time.sleep(0.01)
+            probe.step(samples=1)
+    steps(50)
+    started = time.perf_counter()
+    sum(range(GIL_HOLDING_TERMS))
+    print(f"held {time.perf_counter() - started:.2f}", flush=True)
+    steps(50)
+    time.sleep(30)
+""")
+
+
+@pytest.fixture
+def gil_holding_job() -> Iterator[subprocess.Popen[str]]:
+    job = subprocess.Popen([sys.executable, "-c", JOB.replace("GIL_HOLDING_TERMS",
+                                                              str(150_000_000))],
+                           env=agent_env(), stdout=subprocess.PIPE, text=True)
+    assert job.stdout is not None
+    assert job.stdout.readline().strip() == "ready"
+    yield job
+    job.kill()
+    job.wait(10)
+
+
+def test_a_job_holding_the_gil_answers_late_and_keeps_its_probe(
+        gil_holding_job: subprocess.Popen[str]) -> None:
+    client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False, warmup_steps=0),
+                           interval=0.1)
+    assert client is not None
+    source = ProbeSource(client, interval=0.1)  # a reply may take 0.25 s
+    slowest_pass, repeated = 0.0, 0
+    steps_seen: list[int] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        sample = source.sample()
+        slowest_pass = max(slowest_pass, time.monotonic() - started)
+        assert sample is not None and source.up, "the probe was dropped"
+        if steps_seen and sample.steady_steps == steps_seen[-1]:
+            repeated += 1
+        steps_seen.append(sample.steady_steps)
+        if sample.steady_steps >= 99:  # 100 step marks bound 99 steps
+            break
+        time.sleep(0.1)
+    source.stop()
+    assert gil_holding_job.stdout is not None
+    held = float(gil_holding_job.stdout.readline().split()[1])
+    assert held > 1.5, f"the job held the GIL for only {held} s: too short to test"
+    assert steps_seen[-1] == 99, steps_seen
+    assert steps_seen == sorted(steps_seen)  # late replies never go back in time
+    assert repeated >= 2  # passes during the hold kept the last sample
+    assert slowest_pass < 0.6, f"a sampling pass waited {slowest_pass:.2f} s on the probe"
+
+
+
+def test_a_probe_silent_past_the_limit_is_dropped(
+        monkeypatch: pytest.MonkeyPatch, gil_holding_job: subprocess.Popen[str]) -> None:
+    client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False), interval=0.1)
+    assert client is not None
+    source = ProbeSource(client, interval=0.1)
+    assert source.sample() is not None
+    monkeypatch.setattr(probe_control, "LATE_LIMIT_SECONDS", 0.3)
+
+    def never(self: ProbeClient) -> None:
+        raise ReplyLate("no reply to snapshot yet")
+    monkeypatch.setattr(ProbeClient, "snapshot", never)
+    assert source.sample() is not None  # late: the last sample stands
+    time.sleep(0.35)
+    assert source.sample() is None and not source.up
+
+
+def test_take_frame_waits_for_a_whole_frame_and_keeps_what_follows() -> None:
+    frames = encode({"ok": True, "n": 1}) + encode({"ok": True, "n": 2})
+    received = bytearray()
+    taken = []
+    for byte in frames:  # one byte at a time, as a slow socket might give them
+        received.append(byte)
+        frame = take_frame(received, max_bytes=1024)
+        if frame is not None:
+            taken.append(frame["n"])
+    assert taken == [1, 2] and not received
+    partial = bytearray(encode({"n": 3})[:HEADER.size + 2])
+    assert take_frame(partial, max_bytes=1024) is None
+    assert len(partial) == HEADER.size + 2  # nothing consumed until it is whole
