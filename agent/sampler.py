@@ -166,3 +166,19 @@ class Sampler:
                 missed = int((now - next_deadline) // self.interval_seconds) + 1
                 next_deadline += missed * self.interval_seconds
             stop.wait(next_deadline - now)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    """One pass of the daemon: the node's host and GPUs read once, and a Snapshot
+    per target (without host and GPU) for the processes it watches."""
+
+    timestamp_seconds: float
+    monotonic_seconds: float
+    host: HostSample | None
+    gpu: GpuSample | None
+    targets: tuple[Snapshot, ...]
+    collector_errors: tuple[tuple[str, int], ...] = ()
+    sample_duration_seconds: float = 0.0
+    samples_total: int = 0
+    agent: AgentSelfSample | None = None

@@ -72,12 +72,14 @@ class GpuCollector:
                 return GpuSample(available=False)
             device_samples: list[GpuDeviceSample] = []
             process_samples: list[GpuProcessSample] = []
+            resident: set[int] = set()
             for device in devices:
-                reading, processes = self._read(device, pids)
+                reading, processes = self._read(device, pids, resident)
                 device_samples.append(reading)
                 process_samples.extend(processes)
             return GpuSample(available=True, driver_version=self._driver_version,
-                             devices=tuple(device_samples), processes=tuple(process_samples))
+                             devices=tuple(device_samples), processes=tuple(process_samples),
+                             resident_pids=frozenset(resident))
 
     # -- setup -------------------------------------------------------------
 
@@ -122,19 +124,19 @@ class GpuCollector:
 
     # -- one device --------------------------------------------------------
 
-    def _read(self, device: _Device,
-              pids: frozenset[int]) -> tuple[GpuDeviceSample, list[GpuProcessSample]]:
+    def _read(self, device: _Device, pids: frozenset[int], resident: set[int]
+              ) -> tuple[GpuDeviceSample, list[GpuProcessSample]]:
         try:
             if device.handle is None:
                 raise GpuLost("nvmlDeviceGetHandleByIndex", "GPU is lost")
-            return self._read_up(device, device.handle, pids)
+            return self._read_up(device, device.handle, pids, resident)
         except GpuLost as exc:
             which = f"GPU {device.index} {device.uuid}".rstrip()
             self._errors.record(NAME, f"{which} is lost ({exc})")
             return GpuDeviceSample(device.index, device.uuid, device.name, up=False), []
 
-    def _read_up(self, device: _Device, handle: DeviceHandle,
-                 pids: frozenset[int]) -> tuple[GpuDeviceSample, list[GpuProcessSample]]:
+    def _read_up(self, device: _Device, handle: DeviceHandle, pids: frozenset[int],
+                 resident: set[int]) -> tuple[GpuDeviceSample, list[GpuProcessSample]]:
         nvml = self._nvml
 
         def field(getter: Callable[[DeviceHandle], T | None]) -> T | None:
@@ -171,6 +173,7 @@ class GpuCollector:
         )
 
         running = field(nvml.running_processes) or ()
+        resident.update(p.pid for p in running)
         memory_by_pid = {p.pid: p.used_bytes for p in running if p.pid in pids}
         samples = field(lambda h: nvml.process_utilization(h, device.last_seen_us)) or ()
         # Advance over every sample, ours or not: they are all older than the next call's.

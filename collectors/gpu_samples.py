@@ -47,3 +47,5 @@ class GpuSample:
     driver_version: str | None = None
     devices: tuple[GpuDeviceSample, ...] = ()
     processes: tuple[GpuProcessSample, ...] = ()
+    # Every pid with a context on any GPU, read or not: how the daemon finds jobs.
+    resident_pids: frozenset[int] = frozenset()

@@ -4,8 +4,11 @@ and turns its replies into typed samples once per interval."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +115,23 @@ def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
         if os.path.exists(path):
             return path
     return None
+
+
+PROBE_SOCKET = re.compile(r"probe-(\d+)\.sock")
+
+
+def probe_socket_pids(directories: Iterable[str]) -> set[int]:
+    """Pids with a probe socket in ``directories`` (glob patterns allowed): how a
+    node daemon finds jobs that loaded the probe, without reading every
+    process's environment. A pid may be stale; connecting tells."""
+    pids = set()
+    for pattern in directories:
+        for directory in glob.glob(pattern):
+            with contextlib.suppress(OSError):
+                for name in os.listdir(directory):
+                    if match := PROBE_SOCKET.fullmatch(name):
+                        pids.add(int(match.group(1)))
+    return pids
 
 
 class ReplyLate(TimeoutError):

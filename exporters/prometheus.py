@@ -18,7 +18,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dlprof_agent import __version__
-from dlprof_agent.agent.sampler import Snapshot
+from dlprof_agent.agent.sampler import NodeSnapshot, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.probe import ProbeSample
@@ -209,7 +209,8 @@ def gpu_families(gpu: GpuSample | None) -> list[Metric]:
             throttle, process_memory, process_sm, process_memory_util]
 
 
-def agent_families(snapshot: Snapshot | None, interval_seconds: float) -> list[Metric]:
+def agent_families(snapshot: Snapshot | NodeSnapshot | None, interval_seconds: float
+                   ) -> list[Metric]:
     info = _gauge("dlprof_agent_info", "The agent's version.", ["version"])
     info.add_metric([__version__], 1)
     interval = _gauge("dlprof_agent_interval_seconds", "Time between sampling passes.")
@@ -240,10 +241,14 @@ def agent_families(snapshot: Snapshot | None, interval_seconds: float) -> list[M
                       "The agent's own highest resident memory.")
         peak.add_metric([], snapshot.agent.rss_peak_bytes)
         families += [cpu, rss, peak]
+    return families
+
+
+def target_families(snapshot: Snapshot) -> list[Metric]:
     target_up = _gauge("dlprof_target_up",
                        "1 while the attached process runs, 0 once it has exited.", ["pid"])
     target_up.add_metric([str(snapshot.target_pid)], 1 if snapshot.target_up else 0)
-    return [*families, target_up]
+    return [target_up]
 
 
 def probe_families(target_pid: int, up: bool, probe: ProbeSample | None) -> list[Metric]:
@@ -328,8 +333,49 @@ class SnapshotCollector(Collector):
         yield from agent_families(snapshot, self._interval_seconds)
         if snapshot is None:
             return
+        yield from target_families(snapshot)
         yield from process_families(snapshot.processes)
         if snapshot.host is not None:
             yield from host_families(snapshot.host)
         yield from gpu_families(snapshot.gpu)
         yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe)
+
+
+def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
+    """One family per name, holding every target's samples: an exposition may
+    name a family only once."""
+    families: dict[str, Metric] = {}
+    for target in per_target:
+        for family in target:
+            known = families.get(family.name)
+            if known is None:
+                families[family.name] = family
+            else:
+                known.samples.extend(family.samples)
+    return list(families.values())
+
+
+class NodeCollector(Collector):
+    """Renders the daemon's latest pass: the node once, and every target, each
+    under its own pid. A target that has gone is simply not in the pass."""
+
+    def __init__(self, latest: Callable[[], NodeSnapshot | None], *,
+                 interval_seconds: float) -> None:
+        self._latest = latest
+        self._interval_seconds = interval_seconds
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        node = self._latest()
+        yield from agent_families(node, self._interval_seconds)
+        if node is None:
+            return
+        yield from merged(target_families(target) for target in node.targets)
+        yield from merged(process_families(target.processes) for target in node.targets)
+        if node.host is not None:
+            yield from host_families(node.host)
+        yield from gpu_families(node.gpu)
+        yield from merged(probe_families(target.target_pid, target.probe_up, target.probe)
+                          for target in node.targets)

@@ -354,3 +354,11 @@ def test_the_fake_matches_the_installed_pynvml() -> None:
                 assert getattr(pynvml, name) == getattr(fake, name), name
             elif name.startswith("NVMLError_"):
                 assert issubclass(getattr(pynvml, name), pynvml.NVMLError), name
+
+
+def test_every_pid_on_a_gpu_is_listed_for_discovery_but_only_ours_are_read() -> None:
+    fake = FakeNvml([FakeDevice(compute_processes=[ProcessInfo(10, 1024), ProcessInfo(11, 2048)]),
+                     FakeDevice(uuid="GPU-bbbb", compute_processes=[ProcessInfo(12, 4096)])])
+    sample = collector(fake).sample(frozenset({11}))
+    assert sample.resident_pids == {10, 11, 12}
+    assert [(p.pid, p.memory_bytes) for p in sample.processes] == [(11, 2048)]

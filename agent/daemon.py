@@ -1,0 +1,330 @@
+"""`dlprof-agent daemon`: one agent per node, for DaemonSets, systemd and SLURM.
+
+It finds the jobs to watch by itself, every --scan-interval seconds:
+- every process with a context on a GPU (NVML lists them);
+- every process that loaded the in-process probe (its socket is in a runtime dir);
+- every process whose command line matches a --match pattern.
+--env NAME=VALUE keeps only processes whose environment holds that pair.
+
+Each job is read as `attach` reads one (with its descendants, so a launcher's
+ranks that are its children are not taken twice), the host and the GPUs once
+per pass for all of them, and all of it is served on one /metrics. A job that
+exits is dropped in the same pass, so its series are gone from the next scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TypeVar
+
+import psutil
+from prometheus_client import CollectorRegistry
+
+from dlprof_agent.agent.probe_control import (
+    ProbeAlreadyAttached,
+    ProbeOptions,
+    ProbeSource,
+    connect_probe,
+)
+from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot, Snapshot
+from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.gpu_samples import GpuSample
+from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.probe import probe_socket_pids
+from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
+from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
+
+log = logging.getLogger("dlprof_agent")
+_T = TypeVar("_T")
+
+# Where probes of any user put their sockets (probe.protocol.runtime_dir_candidates).
+PROBE_SOCKET_DIRS = ("/tmp/dlprof-agent-*", "/run/user/*/dlprof-agent")
+
+
+@dataclass(frozen=True)
+class DaemonOptions:
+    interval: float = 1.0
+    scan_interval: float = 2.0
+    matches: tuple[re.Pattern[str], ...] = ()
+    environment: tuple[tuple[str, str], ...] = ()  # (name, value) every target must have
+    probe: ProbeOptions | None = None  # None: never talk to the processes
+    gpu: bool = True
+
+
+def _read_environment(pid: int, procfs: str = "/proc") -> dict[str, str] | None:
+    """None when it cannot be read: another user's process without root, or gone."""
+    try:
+        with open(f"{procfs}/{pid}/environ", "rb") as file:
+            raw = file.read()
+    except OSError:
+        return None
+    environment = {}
+    for entry in raw.split(b"\0"):
+        name, _, value = entry.partition(b"=")
+        environment[name.decode(errors="replace")] = value.decode(errors="replace")
+    return environment
+
+
+class Discovery:
+    """Which processes on this node are jobs to watch, and why."""
+
+    def __init__(self, options: DaemonOptions, *,
+                 socket_dirs: Iterable[str] = PROBE_SOCKET_DIRS) -> None:
+        self._options = options
+        own = os.environ.get(SOCKET_DIR_ENV)
+        self._socket_dirs = (*socket_dirs, *((own,) if own else ()))
+        # The daemon and the processes that started it (a shell, sudo, a prolog)
+        # are never jobs, whatever --match says.
+        self._excluded = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+
+    def candidates(self, gpu_pids: Iterable[int]) -> dict[int, str]:
+        """pid -> why it is a job: "gpu", "probe" or "match"."""
+        found = dict.fromkeys(gpu_pids, "gpu")
+        for pid in probe_socket_pids(self._socket_dirs):
+            found.setdefault(pid, "probe")
+        if self._options.matches:
+            for process in psutil.process_iter(["pid", "cmdline"]):
+                command = " ".join(process.info["cmdline"] or ())
+                if command and any(p.search(command) for p in self._options.matches):
+                    found.setdefault(process.info["pid"], "match")
+        return {pid: why for pid, why in found.items()
+                if pid not in self._excluded and self._environment_matches(pid)}
+
+    def _environment_matches(self, pid: int) -> bool:
+        if not self._options.environment:
+            return True
+        environment = _read_environment(pid)
+        return environment is not None and all(
+            environment.get(name) == value for name, value in self._options.environment)
+
+
+@dataclass
+class Target:
+    pid: int
+    reason: str
+    processes: ProcessCollector
+    probe: ProbeSource | None = None  # set by the connecting thread once ready
+    dropped: bool = False
+    probe_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def attach_probe(self, source: ProbeSource) -> None:
+        with self.probe_lock:
+            if not self.dropped:
+                self.probe = source
+                return
+        source.stop()  # it ended while the probe was connecting
+
+    def drop(self) -> None:
+        with self.probe_lock:
+            self.dropped = True
+            probe, self.probe = self.probe, None
+        if probe is not None:
+            probe.stop()  # the probe removes its hooks: the job is as it was
+
+
+class Daemon:
+    """Finds targets, samples them, and publishes one NodeSnapshot per pass."""
+
+    def __init__(self, options: DaemonOptions, *, discovery: Discovery,
+                 host: HostCollector, gpu: GpuSource | None, errors: ErrorLog,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.options = options
+        self.targets: dict[int, Target] = {}
+        self._discovery = discovery
+        self._host = host
+        self._gpu = gpu
+        self._errors = errors
+        self._clock = clock
+        self._next_scan = float("-inf")
+        self._gpu_pids: frozenset[int] = frozenset()
+        self._samples_total = 0
+        self._latest: NodeSnapshot | None = None
+
+    @property
+    def latest(self) -> NodeSnapshot | None:
+        return self._latest
+
+    # -- finding targets ---------------------------------------------------------
+
+    def scan(self) -> None:
+        candidates = self._discovery.candidates(self._gpu_pids)
+        for pid, reason in sorted(candidates.items()):
+            if pid not in self.targets and not self._covered(pid):
+                self._add(pid, reason)
+
+    def _covered(self, pid: int) -> bool:
+        """A descendant of a target is read with it already."""
+        try:
+            return any(parent.pid in self.targets for parent in psutil.Process(pid).parents())
+        except psutil.Error:
+            return True  # gone already
+
+    def _add(self, pid: int, reason: str) -> None:
+        try:
+            processes = ProcessCollector(pid, children=True, errors=self._errors)
+        except psutil.Error:
+            return  # gone, or not ours to read
+        target = Target(pid, reason, processes)
+        self.targets[pid] = target
+        log.info("watching pid %d (%s; %s)", pid, _name(pid), {
+            "gpu": "it uses a GPU", "probe": "it loaded the probe",
+            "match": "its command line matches"}[reason])
+        if self.options.probe is not None:
+            threading.Thread(target=self._connect, args=(target, self.options.probe),
+                             name=f"dlprof-probe-{pid}", daemon=True).start()
+
+    def _connect(self, target: Target, options: ProbeOptions) -> None:
+        """Off the sampling loop: an injection can take seconds."""
+        try:
+            client = connect_probe(target.pid, options, interval=self.options.interval)
+        except ProbeAlreadyAttached as error:
+            log.warning("no in-process metrics for pid %d: %s", target.pid, error.one_line())
+            return
+        except Exception as error:  # the job's process metrics must go on regardless
+            self._errors.record("probe", error)
+            return
+        if client is not None:
+            target.attach_probe(ProbeSource(client, interval=self.options.interval))
+
+    def _drop(self, target: Target, why: str) -> None:
+        del self.targets[target.pid]
+        target.drop()
+        log.info("stopped watching pid %d: %s", target.pid, why)
+
+    # -- sampling ----------------------------------------------------------------
+
+    def sample_once(self) -> NodeSnapshot:
+        started_wall, started = time.time(), self._clock()
+        if started >= self._next_scan:
+            self._next_scan = started + self.options.scan_interval
+            self.scan()
+        host = self._guarded("host", self._host.sample)
+        read: list[tuple[Target, tuple[ProcessSample, ...]]] = []
+        for target in list(self.targets.values()):
+            try:
+                read.append((target, target.processes.sample()))
+            except TargetGone:
+                self._drop(target, "it exited")
+            except Exception as error:
+                self._errors.record("process", error)
+                read.append((target, ()))
+        gpu = self._sample_gpu(frozenset(p.pid for _, samples in read for p in samples))
+        snapshots = []
+        for target, processes in read:
+            probe_source = target.probe
+            probe = self._guarded("probe", probe_source.sample) if probe_source else None
+            snapshots.append(Snapshot(
+                timestamp_seconds=started_wall, monotonic_seconds=started,
+                target_pid=target.pid, target_up=True, processes=processes,
+                probe=probe, probe_up=probe is not None))
+        self._samples_total += 1
+        node = NodeSnapshot(
+            timestamp_seconds=started_wall, monotonic_seconds=started, host=host, gpu=gpu,
+            targets=tuple(snapshots),
+            collector_errors=tuple(sorted(self._errors.counts().items())),
+            sample_duration_seconds=self._clock() - started,
+            samples_total=self._samples_total, agent=AgentSelfSample.read())
+        self._latest = node
+        return node
+
+    def _sample_gpu(self, pids: frozenset[int]) -> GpuSample | None:
+        gpu_source = self._gpu
+        if gpu_source is None:
+            return None
+        gpu = self._guarded("gpu", lambda: gpu_source.sample(pids))
+        if gpu is not None:
+            self._gpu_pids = gpu.resident_pids
+        return gpu
+
+    def _guarded(self, collector: str, read: Callable[[], _T]) -> _T | None:
+        try:
+            return read()
+        except Exception as error:
+            self._errors.record(collector, error)
+            return None
+
+    def run(self, stop: threading.Event) -> None:
+        """Sample every interval until ``stop`` is set, on fixed deadlines."""
+        next_deadline = self._clock()
+        while not stop.is_set():
+            self.sample_once()
+            next_deadline += self.options.interval
+            now = self._clock()
+            if next_deadline < now:  # overran: skip the missed ticks
+                missed = int((now - next_deadline) // self.options.interval) + 1
+                next_deadline += missed * self.options.interval
+            stop.wait(next_deadline - now)
+
+    def close(self) -> None:
+        for target in list(self.targets.values()):
+            self._drop(target, "the daemon is stopping")
+
+
+def _name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return "?"
+
+
+def registry_for(daemon: Daemon) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(lambda: daemon.latest,
+                                    interval_seconds=daemon.options.interval))
+    return registry
+
+
+def make_daemon(options: DaemonOptions) -> Daemon:
+    from dlprof_agent.collectors.gpu import GpuCollector
+
+    errors = ErrorLog(("process", "host", "probe", *(("gpu",) if options.gpu else ())))
+    return Daemon(options, discovery=Discovery(options), host=HostCollector(),
+                  gpu=GpuCollector(errors=errors) if options.gpu else None, errors=errors)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop
+
+
+Health = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+def serve_node(options: DaemonOptions, listen: str,
+               start_server: Callable[[CollectorRegistry, Health], MetricsServer]) -> int:
+    """Run the daemon until SIGTERM or Ctrl-C; ``start_server`` serves /metrics."""
+    daemon = make_daemon(options)
+
+    def health() -> tuple[bool, dict[str, Any]]:
+        latest = daemon.latest
+        age = None if latest is None else time.monotonic() - latest.monotonic_seconds
+        return (age is not None and age < 3 * options.interval + 1,
+                {"targets": sorted(daemon.targets), "last_sample_age_seconds": age})
+
+    server = start_server(registry_for(daemon), health)
+    stop = threading.Event()
+    previous_term = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        log.info("daemon serving http://%s:%d/metrics; looking for jobs every %g s",
+                 listen, server.port, options.scan_interval)
+        daemon.run(stop)
+    except (KeyboardInterrupt, _Stop):
+        stop.set()
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        daemon.close()
+        server.stop()
+    return 0
