@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
-from dlprof_agent.agent import workload_cli
+from dlprof_agent.agent import grafana_cli, workload_cli
 from dlprof_agent.agent.errors import (
     EXIT_CODES_HELP,
     AgentError,
@@ -137,8 +138,8 @@ def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> Non
                            help="out-of-process metrics only: do not talk to the job at all")
 
 
-def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: float | None
-                         ) -> None:
+def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: float | None,
+                         one_target: bool = True) -> None:
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="ADDRESS",
                         help=f"address to serve /metrics on (default {DEFAULT_LISTEN}; "
                              "0.0.0.0 for every interface)")
@@ -149,6 +150,9 @@ def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: f
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
                              "sample and never trigger one")
+    if not one_target:
+        parser.add_argument("--quiet", action="store_true", help="log warnings only")
+        return
     parser.add_argument("--duration", type=_seconds(MIN_INTERVAL_SECONDS),
                         default=duration_default, metavar="SECONDS",
                         help="stop after this long" + (
@@ -261,8 +265,56 @@ def build_parser() -> argparse.ArgumentParser:
                            "count), or busy worker threads (default 3)")
     _add_serving_options(demo, duration_default=10.0)
     _add_sampling_options(demo)
+    daemon = commands.add_parser(
+        "daemon", help="watch this node: attach to every GPU job and every job with the probe",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_para("One agent per node, for a Kubernetes DaemonSet, a systemd unit or a "
+                    "SLURM prolog. Every --scan-interval seconds it looks for jobs: processes "
+                    "with a context on a GPU (through NVML), processes that loaded the "
+                    "in-process probe (dlprof-agent run, or dlprof_agent.probe.enable()), "
+                    "and processes whose command line matches --match. It reads each as "
+                    "`attach` does, with the probe where it can, serves them all on one "
+                    "/metrics (each process under its own pid label), and drops each job "
+                    "when it exits: its series are gone from the next scrape."),
+        epilog="examples:\n"
+               "  dlprof-agent daemon --listen 0.0.0.0\n"
+               "  dlprof-agent daemon --match 'python .*train' --layers\n"
+               "  dlprof-agent daemon --env SLURM_JOB_ID=$SLURM_JOB_ID --match python "
+               "--port 9951\n\n"
+               "Reading other users' processes needs root (or CAP_SYS_PTRACE and\n"
+               "CAP_DAC_READ_SEARCH); see docs/deploy.md for Kubernetes, systemd and SLURM.\n\n"
+               + EXIT_CODES_HELP)
+    _add_serving_options(daemon, duration_default=None, one_target=False)
+    daemon.add_argument("--scan-interval", type=_seconds(0.1), default=2.0, metavar="SECONDS",
+                        help="how often to look for new jobs (default 2)")
+    daemon.add_argument("--match", action="append", type=_regex, default=[], metavar="REGEX",
+                        help="also watch processes whose command line matches (repeatable), "
+                             "e.g. 'python .*train'")
+    daemon.add_argument("--env", action="append", type=_environment_pair, default=[],
+                        metavar="NAME=VALUE",
+                        help="watch only processes whose environment has NAME=VALUE "
+                             "(repeatable), e.g. SLURM_JOB_ID=1234")
+    daemon.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=True,
+                        help="read GPUs and find GPU jobs through NVML (default: on)")
+    _add_probe_options(daemon, injects=True)
     workload_cli.add_parser(commands, _Parser)
+    grafana_cli.add_parser(commands, _Parser)
     return parser
+
+
+def _regex(text: str) -> re.Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {error}"
+                                         ) from None
+
+
+def _environment_pair(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE, e.g. SLURM_JOB_ID=1234")
+    return name, value
 
 
 @dataclass(frozen=True)
@@ -317,17 +369,22 @@ def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
                          "target_up": bool(latest and latest.target_up),
                          "last_sample_age_seconds": age}
 
+    return _listen(_registry(sampler), health, options.listen, options.port)
+
+
+def _listen(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]],
+            listen: str, port: int) -> MetricsServer:
+    """A started /metrics server, or a one-line error saying why there is none."""
     try:
-        server = MetricsServer(_registry(sampler), host=options.listen, port=options.port,
-                               health=health)
+        server = MetricsServer(registry, host=listen, port=port, health=health)
     except socket.gaierror:
-        raise UsageError(f"cannot listen on {options.listen!r}: not an address of this "
+        raise UsageError(f"cannot listen on {listen!r}: not an address of this "
                          "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None
     except OSError as error:
-        where = f"{options.listen}:{options.port}"
+        where = f"{listen}:{port}"
         if error.errno == errno.EADDRINUSE:
-            raise PortUnavailable(f"port {options.port} on {options.listen} is already in use",
-                                  f"pick another with --port, e.g. --port {options.port + 1}"
+            raise PortUnavailable(f"port {port} on {listen} is already in use",
+                                  f"pick another with --port, e.g. --port {port + 1}"
                                   ) from None
         if error.errno == errno.EACCES:
             raise PortUnavailable(f"no permission to listen on {where}",
@@ -568,6 +625,24 @@ def run_command(command_line: list[str], options: ServeOptions, *,
     return 128 - code if code < 0 else code
 
 
+def daemon_command(args: argparse.Namespace) -> int:
+    from dlprof_agent.agent.daemon import DaemonOptions, serve_node
+
+    _configure_logging(None)
+    if args.quiet:
+        log.setLevel(logging.WARNING)
+    probe = (ProbeOptions(inject=args.inject, layers=args.layers,
+                          warmup_steps=args.warmup_steps) if args.probe else None)
+    options = DaemonOptions(interval=args.interval, scan_interval=args.scan_interval,
+                            matches=tuple(args.match), environment=tuple(args.env),
+                            probe=probe, gpu=args.gpu)
+
+    def start(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]]
+              ) -> MetricsServer:
+        return _listen(registry, health, args.listen, args.port)
+    return serve_node(options, args.listen, start)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -577,9 +652,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "workload":
             return workload_cli.workload_command(args, sys.stdout)
+        if args.command == "grafana":
+            return grafana_cli.grafana_command(args, sys.stdout)
         if args.command == "snapshot":
             return snapshot_command(args.pid, children=args.children, gpu=args.gpu,
                                     out=sys.stdout)
+        if args.command == "daemon":
+            return daemon_command(args)
         probe = None
         if getattr(args, "probe", args.command == "run"):
             probe = ProbeOptions(inject=getattr(args, "inject", False), layers=args.layers,

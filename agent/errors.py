@@ -32,6 +32,12 @@ class PortUnavailable(AgentError):
     exit_code = 5
 
 
+class GrafanaError(AgentError):
+    """Grafana could not be reached, or refused the credentials or a change."""
+
+    exit_code = 7
+
+
 EXIT_CODES_HELP = """exit codes:
   0  finished: duration reached, Ctrl-C, or the target exited
   1  unexpected failure: a bug; please report it with the traceback
@@ -40,4 +46,5 @@ EXIT_CODES_HELP = """exit codes:
   4  no permission to read the process
   5  cannot listen on the address and port
   6  the process already has an agent attached through its probe
+  7  grafana: cannot reach Grafana, or it refused the credentials or a change
   run: the command's own exit code"""

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -56,6 +57,10 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                           "(steps, layer split, CPU by mode) after the workload's own figures")
     run.add_argument("--port", type=int, default=0,
                      help="with --attach: the port to serve /metrics on (default: a free one)")
+    _add_interval_option(run)
+    # Under --attach the agent's live line owns the terminal: the child shows no bar.
+    run.add_argument("--no-progress", dest="progress", action="store_false",
+                     help=argparse.SUPPRESS)
 
     sweep = actions.add_parser(
         "sweep", help="run a grid of settings and write results, a table and plots",
@@ -76,6 +81,18 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                             "batch_size, layout or precision; repeat for a grid")
     sweep.add_argument("--out", metavar="DIR",
                        help="where to write (default: sweep-DATE-TIME in this folder)")
+    sweep.add_argument("--attach", action="store_true",
+                       help="run every point under the agent and record what it saw over "
+                            "the steady steps: CPU user/system per mini-batch and context "
+                            "switches, measured from outside the job (the plots then use "
+                            "these rather than the run's own rusage)")
+    _add_interval_option(sweep)
+
+
+def _add_interval_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--interval", type=float, default=0.25, metavar="SECONDS",
+                        help="with --attach: seconds between the agent's samples (default "
+                             "0.25, so that short runs still get several)")
 
 
 def _add_run_options(run: argparse.ArgumentParser) -> None:
@@ -104,8 +121,10 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
     run.add_argument("--scale", choices=("full", "tiny"), default="full",
                      help="tiny: batch 2, for quick checks")
     run.add_argument("--ranks", type=_positive, default=1, metavar="N",
-                     help="data-parallel over N processes (PyTorch: gloo on CPU, NCCL on "
-                          "GPU), reporting each rank's compute and gradient-exchange time")
+                     help="data-parallel over N processes (PyTorch: torch.distributed, gloo "
+                          "on CPU, NCCL on GPU; TensorFlow: tf.distribute "
+                          "MultiWorkerMirroredStrategy, ring on CPU, NCCL on GPU), reporting "
+                          "each rank's compute and gradient-exchange time")
     run.add_argument("--data", metavar="PATH",
                      help="train on real files instead of synthetic data: a folder with "
                           "MNIST's train-images-idx3-ubyte and train-labels-idx1-ubyte "
@@ -235,11 +254,12 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
-    from dlprof_agent.workloads.distributed import run_distributed
+    # Neither launcher imports its framework: the ranks do.
+    from dlprof_agent.workloads import distributed, tf_distributed
 
-    if args.framework != "pytorch":
-        raise UsageError("data-parallel runs (--ranks) are PyTorch-only so far",
-                         "use --framework pytorch, or --ranks 1")
+    run_distributed: Callable[..., dict[str, Any]] = (
+        tf_distributed.run_distributed if args.framework == "tensorflow"
+        else distributed.run_distributed)
     if args.data or args.precision != "fp32" or args.layout:
         raise UsageError("--ranks runs synthetic fp32 data in the default layout so far",
                          "leave out --data, --precision and --layout")
@@ -251,7 +271,7 @@ def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         out.write(json.dumps(result, indent=2) + "\n")
         return 0
-    out.write(f"pytorch {args.model} data-parallel over {args.ranks} processes on "
+    out.write(f"{args.framework} {args.model} data-parallel over {args.ranks} processes on "
               f"{args.device}, batch {result['batch_size']} per rank, gradients "
               f"{result['gradient_bytes'] / 2**20:.1f} MiB per step\n"
               f"  time per mini-batch  {result['seconds_per_batch'] * 1000:.2f} ms "
@@ -269,14 +289,34 @@ def _attached(args: argparse.Namespace) -> int:
     from dlprof_agent.agent.cli import DEFAULT_LISTEN, ServeOptions, run_command
     from dlprof_agent.agent.probe_control import ProbeOptions
 
+    if not args.interval >= 0.05:
+        raise UsageError(f"--interval {args.interval:g} is too short", "give 0.05 s or more")
     child = [sys.executable, "-m", "dlprof_agent", "workload", "run",
-             *_base_run_args(args), "--ranks", str(args.ranks)]
+             *_base_run_args(args), "--ranks", str(args.ranks), "--no-progress"]
     child += ["--json"] if args.json else []
-    options = ServeOptions(listen=DEFAULT_LISTEN, port=args.port, interval=1.0, duration=None,
-                           grace=0.0, quiet=False, children=True, gpu=True,
+    # The probe's warm-up is the run's: its steady steps are the run's timed ones.
+    options = ServeOptions(listen=DEFAULT_LISTEN, port=args.port, interval=args.interval,
+                           duration=None, grace=0.0, quiet=args.json, children=True, gpu=True,
                            probe=ProbeOptions(inject=False, layers=True,
-                                              warmup_steps=min(args.warmup, 10)))
-    return run_command(child, options)
+                                              warmup_steps=args.warmup))
+    if not args.json:
+        return run_command(child, options)
+    # One JSON document: the run's own figures, and the agent's under "agent".
+    seen: list[dict[str, Any]] = []
+    with tempfile.TemporaryFile("w+") as child_out:
+        code = run_command(child, options, stdout=child_out, on_summary=seen.append)
+        child_out.seek(0)
+        printed = child_out.read()
+    if code != 0:
+        return code
+    try:
+        result = json.loads(printed)
+    except ValueError:
+        raise UsageError("the workload printed no result", "run it without --attach to see "
+                         "why") from None
+    result["agent"] = seen[0] if seen else None
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def run_command(args: argparse.Namespace, out: TextIO) -> int:
@@ -291,7 +331,8 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
     from dlprof_agent.workloads.datasets import DatasetError
 
     try:
-        result = run(config, _progress(f"{args.framework} {args.model}"))
+        result = run(config, _progress(f"{args.framework} {args.model}")
+                     if args.progress else None)
     except DatasetError as error:
         raise UsageError(f"cannot use the data: {error}", "check --data") from None
     except (ValueError, RuntimeError) as error:
@@ -331,6 +372,13 @@ def _base_run_args(args: argparse.Namespace) -> list[str]:
     return base
 
 
+def _sweep_run_args(args: argparse.Namespace) -> list[str]:
+    base = _base_run_args(args)
+    if args.attach:
+        base += ["--attach", "--interval", str(args.interval)]
+    return base
+
+
 def sweep_command(args: argparse.Namespace, out: TextIO) -> int:
     from pathlib import Path
 
@@ -354,7 +402,7 @@ def sweep_command(args: argparse.Namespace, out: TextIO) -> int:
         else:
             progress(index, len(points))
         try:
-            rows.append(sweep.run_point(_base_run_args(args), point))
+            rows.append(sweep.run_point(_sweep_run_args(args), point))
         except sweep.SweepError as error:
             raise UsageError(str(error), "fix that setting, or leave it out") from None
     if progress is not None:

@@ -178,10 +178,21 @@ def test_data_parallel_reports_compute_and_gradient_exchange_per_rank() -> None:
     assert result["global_batch_size"] == 4
 
 
-def test_data_parallel_is_pytorch_only_for_now() -> None:
-    result = workload("run", "--framework", "tensorflow", "--ranks", "2")
-    assert result.returncode == 2
-    assert "PyTorch-only" in result.stderr and len(result.stderr.splitlines()) == 1
+def test_tensorflow_data_parallel_reports_compute_and_gradient_exchange_per_rank() -> None:
+    result = run_json("--framework", "tensorflow", "--model", "alexnet-r", "--ranks", "2",
+                      "--threads", "1")
+    ranks = result["per_rank"]
+    assert isinstance(ranks, list) and [rank["rank"] for rank in ranks] == [0, 1]
+    assert len({rank["pid"] for rank in ranks}) == 2
+    for rank in ranks:
+        assert rank["compute_seconds_per_batch"] > 0
+        assert rank["exchange_seconds_per_batch"] > 0
+    assert result["global_batch_size"] == 2 * result["batch_size"] == 4  # type: ignore[operator]
+    from dlprof_agent.workloads import keras_models
+
+    single_process = keras_models.trainable_parameters(keras_models.build("alexnet-r"))
+    assert result["parameters"] == single_process
+    assert result["gradient_bytes"] == single_process * 4  # float32 gradients, all of them
 
 
 def test_run_under_the_agent_prints_the_workloads_and_the_agents_figures() -> None:
