@@ -430,7 +430,9 @@ def ensure_datasource(grafana: GrafanaSession, *, name: str, prometheus_url: str
     body: dict[str, Any] = dict(existing or {"isDefault": False})
     body.update(uid=DATASOURCE_UID, name=name, type="prometheus", access="proxy",
                 url=prometheus_url)
-    body["jsonData"] = {**(body.get("jsonData") or {}), "httpMethod": "POST"}
+    # timeInterval: the agent is scraped every second; a user's own setting wins.
+    body["jsonData"] = {"timeInterval": "1s", **(body.get("jsonData") or {}),
+                        "httpMethod": "POST"}
     if existing is None:
         grafana.create_datasource(body)
         return f"created (Prometheus at {prometheus_url})"

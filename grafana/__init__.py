@@ -1,6 +1,6 @@
 """Grafana dashboards for the metrics the agent serves, built as code.
 
-`dashboards.py` builds them with the grafana-foundation-sdk; the generated JSON
+`build.py` builds them with the grafana-foundation-sdk; the generated JSON
 lives in `dashboards/` and ships with the package, so using a dashboard needs
 neither the SDK nor Python.
 """
