@@ -281,8 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  dlprof-agent daemon --match 'python .*train' --layers\n"
                "  dlprof-agent daemon --env SLURM_JOB_ID=$SLURM_JOB_ID --match python "
                "--port 9951\n\n"
-               "Reading other users' processes needs root (or CAP_SYS_PTRACE and\n"
-               "CAP_DAC_READ_SEARCH); see docs/deploy.md for Kubernetes, systemd and SLURM.\n\n"
+               "Reading other users' processes needs root, or CAP_SYS_PTRACE (and\n"
+               "CAP_DAC_OVERRIDE to reach their probe sockets); see docs/deploy.md for\n"
+               "Kubernetes, systemd and SLURM.\n\n"
                + EXIT_CODES_HELP)
     _add_serving_options(daemon, duration_default=None, one_target=False)
     daemon.add_argument("--scan-interval", type=_seconds(0.1), default=2.0, metavar="SECONDS",

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -38,7 +38,7 @@ from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot,
 from dlprof_agent.collectors.errors import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
-from dlprof_agent.collectors.probe import probe_socket_pids
+from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector
@@ -91,7 +91,11 @@ class Discovery:
         """pid -> why it is a job: "gpu", "probe" or "match"."""
         found = dict.fromkeys(gpu_pids, "gpu")
         for pid in probe_socket_pids(self._socket_dirs):
-            found.setdefault(pid, "probe")
+            # A socket's name carries the pid its process sees; in a container that
+            # is another process's pid here. Only a pid whose own runtime dir holds
+            # the socket is that job.
+            if pid not in found and find_probe_socket(pid) is not None:
+                found[pid] = "probe"
         if self._options.matches:
             for process in psutil.process_iter(["pid", "cmdline"]):
                 command = " ".join(process.info["cmdline"] or ())
@@ -185,6 +189,8 @@ class Daemon:
 
     def _connect(self, target: Target, options: ProbeOptions) -> None:
         """Off the sampling loop: an injection can take seconds."""
+        if target.reason == "probe":
+            options = replace(options, inject=False)  # it has one: never inject another
         try:
             client = connect_probe(target.pid, options, interval=self.options.interval)
         except ProbeAlreadyAttached as error:

@@ -110,11 +110,25 @@ def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
         for entry in file.read().split(b"\0"):
             key, _, value = entry.partition(b"=")
             environ[key.decode(errors="replace")] = value.decode(errors="replace")
+    # In a container the probe names its socket with its own pid, and its /tmp is
+    # the container's: look there too, through the process's root.
+    names = dict.fromkeys((socket_name(pid), socket_name(_innermost_pid(pid, procfs))))
     for directory in runtime_dir_candidates(uid, environ):
-        path = os.path.join(directory, socket_name(pid))
-        if os.path.exists(path):
-            return path
+        for root in ("", f"{procfs}/{pid}/root"):
+            for name in names:
+                path = root + os.path.join(directory, name)
+                if os.path.exists(path):
+                    return path
     return None
+
+
+def _innermost_pid(pid: int, procfs: str) -> int:
+    """``pid`` as the process itself sees it, in its own pid namespace."""
+    with contextlib.suppress(OSError, ValueError), open(f"{procfs}/{pid}/status") as file:
+        for line in file:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid
 
 
 PROBE_SOCKET = re.compile(r"probe-(\d+)\.sock")
