@@ -115,7 +115,7 @@ def table(rows: list[dict[str, Any]], swept: Sequence[str],
     value = value or seconds
     first = swept[0]
     columns = list(dict.fromkeys(row[first] for row in rows))
-    others = [key for key in ("framework", "model", *swept[1:]) if key != first]
+    others = [key for key in dict.fromkeys(("framework", "model", *swept[1:])) if key != first]
     if "batch_size" not in swept:
         others.append("batch_size")
     groups: dict[tuple[Any, ...], dict[Any, float | None]] = {}
