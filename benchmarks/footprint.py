@@ -1,137 +1,324 @@
-"""The agent's own footprint while attached at a 1 s interval and scraped every second.
+"""Agent footprint: the agent's own CPU seconds per minute and peak resident
+memory, at 1 s and 0.1 s intervals, reading 1, 4 and 16 target processes, side
+by side with prometheus-process-exporter and prometheus-node-exporter.
 
-    python benchmarks/footprint.py [--seconds 60] [--threads 4] [--children 2]
-
-Prints the agent's CPU seconds per minute (and as a share of one core), its peak
-resident memory, the time one sampling pass takes and what a scrape costs.
-Targets: at most 1% of a core and 60 MiB.
+Per window, a launcher (dlprof_agent.workloads.busy) with N-1 children is
+started, lightly loaded, and these run at once against it: `dlprof-agent attach
+LAUNCHER --no-probe`, `dlprof-agent daemon --match` (finding the same N
+processes), prometheus-process-exporter matching the same processes (its
+defaults: per-thread metrics and smaps on) and prometheus-node-exporter (its
+defaults; it does not depend on N). Each is scraped at the agent's rate (1 Hz
+at 1 s, 10 Hz at 0.1 s) with the headers Prometheus sends. After a warm-up,
+each one's CPU time over the window is read from /proc. Windows repeat,
+interleaved; the tables give the median and the spread.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
+import random
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-TARGET_CORE_SHARE = 0.01
-TARGET_RSS_MIB = 60.0
+from benchmarks.common import (
+    CLOCK_TICKS,
+    Column,
+    HostBusy,
+    Option,
+    Processes,
+    Progress,
+    Result,
+    Scraper,
+    Table,
+    TargetCheck,
+    agent_command,
+    child_env,
+    cpu_seconds,
+    float_list,
+    free_port,
+    get,
+    int_list,
+    load_average,
+    metric_sum,
+    metric_value,
+    peak_rss_bytes,
+    positive_float,
+    positive_int,
+    spread,
+    wait_until,
+)
+
+NAME = "footprint"
+TITLE = "Agent footprint"
+SUMMARY = ("the agent's CPU seconds per minute and peak RSS at 1 s and 0.1 s with 1, 4 and "
+           "16 target processes, beside prometheus-process-exporter and node-exporter")
+TARGETS = ("CPU <= prometheus-process-exporter's at the same rate (~0.9% of a core at "
+           "1 Hz) and <= 60 MiB RSS")
+RSS_TARGET_BYTES = 60 * 2**20
+NOMINAL_PROCESS_EXPORTER_SHARE = 0.009  # the issue's figure at 1 Hz, when it is not installed
+
+OPTIONS = (
+    Option("--targets", [1, 4, 16], [2], "target processes: a launcher and N-1 children",
+           int_list, "LIST"),
+    Option("--intervals", [1.0, 0.1], [1.0, 0.1], "agent intervals in seconds; scrapes at "
+           "the same rate", float_list, "LIST"),
+    Option("--seconds", 20.0, 1.5, "measured time per window", positive_float, "S"),
+    Option("--warmup", 3.0, 0.5, "left out at the start of a window: imports, first samples",
+           positive_float, "S"),
+    Option("--repeats", 3, 1, "windows per (targets, interval), interleaved", positive_int,
+           "N"),
+    Option("--target-threads", 2, 2, "busy threads in the launcher (children have one)",
+           positive_int, "N"),
+    Option("--target-duty", 0.02, 0.02, "share of time each busy thread computes",
+           positive_float, "F"),
+)
 
 
-def cpu_seconds(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+@dataclass(frozen=True)
+class Tool:
+    key: str
+    label: str
 
 
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM")
+TOOLS = (Tool("attach", "dlprof-agent attach"), Tool("daemon", "dlprof-agent daemon --match"),
+         Tool("process-exporter", "prometheus-process-exporter"),
+         Tool("node-exporter", "prometheus-node-exporter"))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+@dataclass
+class Measured:
+    cpu_share: float  # of one core over the window
+    peak_rss_bytes: int
+    scrape_median_seconds: float | None
+    sample_pass_seconds: float | None  # the agent's own pass, from its metrics
 
 
-def scrape(url: str) -> tuple[float, bytes]:
-    started = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=5) as response:
-        body = response.read()
-    return time.perf_counter() - started, body
+def _process_exporter_config(directory: Path, token: str) -> Path:
+    path = directory / "process-exporter.yml"
+    # cmdline entries are regular expressions matched against the joined command line.
+    path.write_text("process_names:\n  - name: \"{{.Comm}}\"\n    cmdline:\n"
+                    f"    - '{token}'\n")
+    return path
 
 
-def sample_duration(exposition: bytes) -> float | None:
-    for line in exposition.decode().splitlines():
-        if line.startswith("dlprof_agent_sample_duration_seconds "):
-            return float(line.split()[1])
-    return None
+def _serving(port: int) -> Callable[[], bool]:
+    return lambda: get(port, "/metrics").status == 200
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=60.0, help="measured time (default 60)")
-    parser.add_argument("--warmup", type=float, default=5.0,
-                        help="left out at the start: imports and the first samples (default 5)")
-    parser.add_argument("--threads", type=int, default=4, help="busy threads in the target")
-    parser.add_argument("--children", type=int, default=2, help="child processes of the target")
-    args = parser.parse_args()
-
-    target = subprocess.Popen(
-        [sys.executable, "-m", "dlprof_agent.workloads.busy", "--threads", str(args.threads),
-         "--children", str(args.children), "--duty", "0.5"],
-        cwd=REPO, stdout=subprocess.PIPE)
-    assert target.stdout is not None
-    target.stdout.readline()
+def _start_tools(processes: Processes, *, launcher: int, token: str, environment: str,
+                 interval: float, directory: Path, available: dict[str, str]
+                 ) -> dict[str, tuple[subprocess.Popen[str], int]]:
+    started: dict[str, tuple[subprocess.Popen[str], int]] = {}
     port = free_port()
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "dlprof_agent", "attach", str(target.pid), "--port", str(port),
-         "--interval", "1", "--quiet", "--grace", "0"], cwd=REPO)
-    url = f"http://127.0.0.1:{port}/metrics"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                scrape(url)
-                break
-            except OSError:
-                if time.monotonic() > deadline or agent.poll() is not None:
-                    raise SystemExit("the agent did not start") from None
-                time.sleep(0.2)
-        time.sleep(args.warmup)
-
-        cpu_before, started = cpu_seconds(agent.pid), time.monotonic()
-        latencies: list[float] = []
-        passes: list[float] = []
-        size = 0
-        next_scrape = started
-        while time.monotonic() - started < args.seconds:
-            latency, body = scrape(url)
-            latencies.append(latency)
-            size = len(body)
-            duration = sample_duration(body)
-            if duration is not None:
-                passes.append(duration)
-            next_scrape += 1.0
-            time.sleep(max(0.0, next_scrape - time.monotonic()))
-        elapsed = time.monotonic() - started
-        cpu_used = cpu_seconds(agent.pid) - cpu_before
-        rss = peak_rss_mib(agent.pid)
-    finally:
-        agent.terminate()
-        agent.wait(10)
-        target.terminate()
-        target.wait(10)
-
-    core_share = cpu_used / elapsed
-    latencies.sort()
-    print(f"dlprof-agent footprint: {elapsed:.0f} s attached to a process tree of "
-          f"{1 + args.children} processes, {args.threads} busy threads, "
-          f"1 s interval, {len(latencies)} scrapes")
-    print(f"  cpu           {60 * core_share:.3f} s per minute = {100 * core_share:.2f}% of "
-          f"a core (target <= {100 * TARGET_CORE_SHARE:.0f}%): "
-          + ("ok" if core_share <= TARGET_CORE_SHARE else "OVER"))
-    print(f"  peak rss      {rss:.1f} MiB (target <= {TARGET_RSS_MIB:.0f} MiB): "
-          + ("ok" if rss <= TARGET_RSS_MIB else "OVER"))
-    if passes:
-        print(f"  sample pass   median {1000 * statistics.median(passes):.2f} ms, "
-              f"max {1000 * max(passes):.2f} ms")
-    print(f"  scrape        median {1000 * statistics.median(latencies):.2f} ms, "
-          f"p95 {1000 * latencies[int(0.95 * (len(latencies) - 1))]:.2f} ms, "
-          f"{size / 1024:.1f} KiB exposition")
-    return 0
+    started["attach"] = (processes.start(agent_command(
+        "attach", str(launcher), "--no-probe", "--interval", str(interval), "--port",
+        str(port), "--quiet", "--grace", "0")), port)
+    port = free_port()
+    # --env keeps out jobs of other users of this machine that match or have a probe.
+    started["daemon"] = (processes.start(agent_command(
+        "daemon", "--match", token, "--env", f"DLPROF_BENCHMARK={environment}", "--no-probe",
+        "--interval", str(interval), "--port", str(port), "--quiet"),), port)
+    if available.get("process-exporter"):
+        port = free_port()
+        started["process-exporter"] = (processes.start(
+            [available["process-exporter"], "-config.path",
+             str(_process_exporter_config(directory, token)),
+             "-web.listen-address", f"127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL), port)
+    if available.get("node-exporter"):
+        port = free_port()
+        started["node-exporter"] = (processes.start(
+            [available["node-exporter"], f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL), port)
+    for key, (process, port) in started.items():
+        wait_until(_serving(port), f"{key} to serve /metrics", alive=process)
+    return started
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _sees(key: str, port: int, targets: int) -> Callable[[], bool]:
+    return lambda: _processes_seen(key, port) >= targets
+
+
+def _processes_seen(key: str, port: int) -> float:
+    """How many of the targets a tool reads: each must read all of them."""
+    body = get(port, "/metrics").body
+    if key == "process-exporter":
+        return metric_sum(body, "namedprocess_namegroup_num_procs")
+    return metric_sum(body, "dlprof_process_info")
+
+
+def window(targets: int, interval: float, settings: dict[str, Any],
+           available: dict[str, str], busy: HostBusy) -> dict[str, Measured]:
+    # A run time no one else uses makes the command line unique: the daemon and
+    # process-exporter find the targets by it.
+    seconds = f"{3600 + random.random():.9f}"
+    token = r"dlprof_agent\.workloads\.busy .*--seconds " + re.escape(seconds)
+    with Processes() as processes, tempfile.TemporaryDirectory(prefix="footprint-") as tmp:
+        launcher = processes.start(
+            [sys.executable, "-m", "dlprof_agent.workloads.busy", "--threads",
+             str(settings["target_threads"]), "--children", str(targets - 1), "--duty",
+             str(settings["target_duty"]), "--seconds", seconds],
+            stdout=subprocess.PIPE, env=child_env({"DLPROF_BENCHMARK": seconds}),
+            stop_signal=signal.SIGINT)  # busy stops its children on Ctrl-C
+        assert launcher.stdout is not None
+        launcher.stdout.readline()  # printed once its threads and children run
+        tools = _start_tools(processes, launcher=launcher.pid, token=token,
+                             environment=seconds, interval=interval, directory=Path(tmp),
+                             available=available)
+        for key in ("attach", "daemon", "process-exporter"):
+            if key in tools:
+                process, port = tools[key]
+                wait_until(_sees(key, port, targets), f"{key} to read {targets} processes",
+                           timeout=30, alive=process)
+        scrapers = {key: Scraper(port, period=interval, keep_last_body=key in (
+            "attach", "daemon")).start() for key, (_, port) in tools.items()}
+        try:
+            time.sleep(float(settings["warmup"]))
+            before = {key: cpu_seconds(process.pid) for key, (process, _) in tools.items()}
+            started = time.monotonic()
+            busy.start()
+            time.sleep(float(settings["seconds"]))
+            busy.stop()
+            elapsed = time.monotonic() - started
+            after = {key: cpu_seconds(process.pid) for key, (process, _) in tools.items()}
+            peaks = {key: peak_rss_bytes(process.pid) for key, (process, _) in tools.items()}
+        finally:
+            for scraper in scrapers.values():
+                scraper.stop()
+        measured = {}
+        for key in tools:
+            scraper = scrapers[key]
+            passes = None
+            if scraper.last_body:
+                passes = metric_value(scraper.last_body, "dlprof_agent_sample_duration_seconds")
+            measured[key] = Measured(
+                (after[key] - before[key]) / elapsed, peaks[key],
+                statistics.median(scraper.latencies) if scraper.latencies else None, passes)
+        return measured
+
+
+def _available() -> tuple[dict[str, str], list[str]]:
+    found: dict[str, str] = {}
+    missing: list[str] = []
+    for key, binary, package in (
+            ("process-exporter", "prometheus-process-exporter", "prometheus-process-exporter"),
+            ("node-exporter", "prometheus-node-exporter", "prometheus-node-exporter")):
+        path = shutil.which(binary)
+        if path:
+            found[key] = path
+        else:
+            missing.append(f"{binary}: not installed (apt-get install {package}); its "
+                           "column is empty")
+    return found, missing
+
+
+def run(settings: dict[str, Any]) -> Result:
+    result = Result(NAME, TITLE, __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
+                    settings["smoke"], settings)
+    available, missing = _available()
+    result.unavailable += missing
+    grid = [(n, i) for n in settings["targets"] for i in settings["intervals"]]
+    if min(settings["targets"]) < 1:
+        raise SystemExit("footprint: --targets counts processes: give 1 or more")
+    repeats = int(settings["repeats"])
+    progress = Progress(NAME, repeats * len(grid))
+    busy = HostBusy()
+    load_start = load_average()
+    samples: dict[tuple[int, float], list[dict[str, Measured]]] = {cell: [] for cell in grid}
+    for repeat in range(repeats):
+        for cell in grid[repeat % len(grid):] + grid[:repeat % len(grid)]:
+            measured = window(cell[0], cell[1], settings, available, busy)
+            samples[cell].append(measured)
+            progress.advance(f"{cell[0]} target(s) at {cell[1]:g} s: " + ", ".join(
+                f"{key} {m.cpu_share:.2%}" for key, m in measured.items()))
+    load_end = load_average()
+
+    table = Table("footprint", "CPU (share of one core, and seconds per minute) and peak "
+                  "RSS, median over windows", [
+                      Column("targets", "target processes", "int"),
+                      Column("interval", "interval / scrape period"),
+                      Column("tool", "tool"),
+                      Column("cpu_share", "CPU, % of a core", "pct"),
+                      Column("cpu_seconds_per_minute", "CPU s/min", "float"),
+                      Column("cpu_spread", "spread over windows", "pct"),
+                      Column("peak_rss_bytes", "peak RSS", "mib"),
+                      Column("sample_pass_seconds", "sampling pass", "ms"),
+                      Column("scrape_seconds", "scrape (median)", "ms"),
+                      Column("verdict", "CPU ≤ process-exporter, RSS ≤ 60 MiB", "met")])
+    spreads: list[float] = []
+    for cell in grid:
+        targets, interval = cell
+        windows = samples[cell]
+        shares: dict[str, float] = {}
+        for tool in TOOLS:
+            values = [w[tool.key] for w in windows if tool.key in w]
+            if not values:
+                continue
+            share = statistics.median(v.cpu_share for v in values)
+            shares[tool.key] = share
+            peak = max(v.peak_rss_bytes for v in values)
+            cell_spread = spread([v.cpu_share for v in values]) if len(values) > 1 else 0.0
+            if tool.key in ("attach", "daemon") and len(values) > 1:
+                spreads.append(cell_spread)
+            passes = [v.sample_pass_seconds for v in values if v.sample_pass_seconds]
+            scrapes = [v.scrape_median_seconds for v in values if v.scrape_median_seconds]
+            row: dict[str, Any] = {
+                "targets": targets, "interval": f"{interval:g} s", "tool": tool.label,
+                "cpu_share": share, "cpu_seconds_per_minute": 60 * share,
+                "cpu_spread": cell_spread, "peak_rss_bytes": peak,
+                "sample_pass_seconds": statistics.median(passes) if passes else None,
+                "scrape_seconds": statistics.median(scrapes) if scrapes else None}
+            if tool.key in ("attach", "daemon"):
+                reference = shares.get("process-exporter")
+                if reference is None and "process-exporter" in available:
+                    reference = statistics.median(w["process-exporter"].cpu_share
+                                                  for w in windows)
+                basis = "process-exporter here"
+                if reference is None and interval == 1.0:
+                    reference, basis = NOMINAL_PROCESS_EXPORTER_SHARE, "nominal 0.9%"
+                # CPU time is counted in clock ticks: one tick over the window is the
+                # resolution, and a difference below it is no difference.
+                tick = 1 / (CLOCK_TICKS * float(settings["seconds"]))
+                met = None if reference is None else (
+                    share <= reference + tick and peak <= RSS_TARGET_BYTES)
+                row["verdict"] = met
+                result.targets.append(TargetCheck(
+                    f"{tool.label}, {targets} process(es), {interval:g} s",
+                    f"CPU ≤ process-exporter ({basis}), RSS ≤ 60 MiB",
+                    f"{share:.2%} of a core"
+                    + (f" vs {reference:.2%}" if reference is not None else
+                       " (no process-exporter to compare)")
+                    + f", {peak / 2**20:.1f} MiB", met))
+            slug = f"{targets}x{interval:g}s.{tool.key}"
+            result.figures[f"{slug}.cpu_share"] = share
+            result.figures[f"{slug}.peak_rss_bytes"] = float(peak)
+            table.rows.append(row)
+    table.notes.append(
+        "process-exporter reads /proc for every process on the machine at each scrape to "
+        "find its matches, so its cost also grows with what else runs; the daemon looks "
+        "for jobs every 2 s (--scan-interval) the same way.")
+    result.tables.append(table)
+    result.noise = {"agent_cpu_spread_over_windows": spreads,
+                    "host_busy_share": statistics.fmean(busy.shares),
+                    "load_average_start": load_start[0], "load_average_end": load_end[0]}
+    result.noise_summary = (
+        (f"the agent's CPU share varied by up to {max(spreads):.0%} between windows of the "
+         "same cell (max-min over median); " if spreads else
+         "one window per cell, so no spread between windows; ")
+        + f"the machine's cores were {statistics.fmean(busy.shares):.0%} busy during "
+        f"windows (targets and tools included); load average {load_start[0]:.2f} at the "
+        f"start, {load_end[0]:.2f} at the end.")
+    result.notes.append(
+        f"Targets: busy launcher with {settings['target_threads']} threads, children with "
+        f"one, each computing {float(settings['target_duty']):.0%} of the time. The "
+        "scrapes come from the harness, whose own CPU is not counted.")
+    return result

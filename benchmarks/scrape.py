@@ -1,0 +1,289 @@
+"""Scrape cost: how long /metrics takes to render and serve, and how big it is,
+at about 100, 1,000 and 10,000 series, with 1 and 4 concurrent scrapers; then
+the same while a training job runs, and the job's slowdown during a scrape storm.
+
+The series are a realistic node's (benchmarks.exposition: jobs, processes,
+thread names and up to 512 layers per job) rendered by the agent's real
+exporter (NodeCollector) behind its real server (MetricsServer), in a process
+of their own, and fetched over HTTP with the headers Prometheus sends. Each
+scraper fetches back to back; latency runs from connect to the last byte.
+In-process render time (no HTTP) is given beside it. The storm part runs a
+PyTorch small CNN (benchmarks.training_job) in blocks, interleaved: no
+scrapes, one scrape a second (Prometheus at 1 s), and 4 back-to-back scrapers.
+"""
+
+from __future__ import annotations
+
+import gzip
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import choose_encoder
+
+from benchmarks.common import (
+    CORES,
+    PROMETHEUS_HEADERS,
+    Column,
+    HostBusy,
+    Option,
+    Processes,
+    Progress,
+    Result,
+    Scraper,
+    Table,
+    TargetCheck,
+    cpu_seconds,
+    int_list,
+    load_average,
+    percentile,
+    positive_float,
+    positive_int,
+    scrape,
+    spread,
+)
+from benchmarks.exposition import node_snapshot, registry_for, shape_for
+from benchmarks.overhead import SETTLE_STEPS, TrainingJob
+
+NAME = "scrape"
+TITLE = "Scrape cost"
+SUMMARY = ("/metrics render latency (p50, p99) and payload at 100, 1,000 and 10,000 "
+           "series with 1 and 4 scrapers, idle and while training; the job's slowdown "
+           "during a scrape storm")
+TARGETS = "/metrics p99 <= 10 ms at 1,000 series"
+P99_TARGET_SECONDS = 0.010
+
+OPTIONS = (
+    Option("--series", [100, 1000, 10000], [100, 1000], "about this many series",
+           int_list, "LIST"),
+    Option("--scrapers", [1, 4], [1, 4], "concurrent scrapers", int_list, "LIST"),
+    Option("--cell-seconds", 5.0, 0.5, "scraping time per (series, scrapers) cell",
+           positive_float, "S"),
+    Option("--renders", 50, 5, "in-process renders per series count", positive_int, "N"),
+    Option("--storm-series", 10000, 1000, "series served during the storm rounds",
+           positive_int, "N"),
+    Option("--rounds", 5, 1, "storm rounds: each configuration once per round",
+           positive_int, "N"),
+    Option("--block-seconds", 4.0, 0.5, "training time per storm block", positive_float,
+           "S"),
+    Option("--threads", CORES, 1, "the job's intra-op threads", positive_int, "N",
+           "the number of cores"),
+    Option("--batch", 32, 8, "the job's batch", positive_int, "N"),
+)
+
+STORM_CONFIGS = (("quiet", "no scrapes", 0, 0.0), ("1hz", "1 scraper, once a second", 1, 1.0),
+                 ("storm", "4 scrapers, back to back", 4, 0.0))
+
+
+class Server:
+    """A benchmarks.exposition process serving about ``series`` series."""
+
+    def __init__(self, processes: Processes, series: int) -> None:
+        self.process = processes.start([sys.executable, "-m", "benchmarks.exposition",
+                                        "--series", str(series)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.process.stdout is not None
+        words = self.process.stdout.readline().split()
+        if len(words) != 4 or words[0] != "port":
+            raise RuntimeError(f"the /metrics server for {series} series did not start")
+        self.port, self.series = int(words[1]), int(words[3])
+
+
+def _latencies(port: int, scrapers: int, seconds: float) -> tuple[list[float], int]:
+    """Back-to-back scrapes from ``scrapers`` threads for ``seconds``."""
+    results: list[list[float]] = [[] for _ in range(scrapers)]
+    failures = [0] * scrapers
+    stop = threading.Event()
+
+    def loop(index: int) -> None:
+        while not stop.is_set():
+            try:
+                answer = scrape(port)
+            except OSError:
+                failures[index] += 1
+                continue
+            if answer.status == 200:
+                results[index].append(answer.seconds)
+            else:
+                failures[index] += 1
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(scrapers)]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    return [x for r in results for x in r], sum(failures)
+
+
+@dataclass(frozen=True)
+class Render:
+    seconds: float  # CPU per render, in the format Prometheus's Accept header selects
+    text_seconds: float  # the same in the classic text format (0.0.4)
+    payload_bytes: int
+    gzip_bytes: int
+
+
+def _render(series: int, renders: int) -> Render:
+    """Render in-process, without HTTP: the exporter's own cost."""
+    registry = registry_for(node_snapshot(shape_for(series)[0]))
+    accept = PROMETHEUS_HEADERS.split("\r\n")[0].removeprefix("Accept: ")
+    encoder, _ = choose_encoder(accept)
+    payload = encoder(registry)
+
+    def cpu(render: Callable[[CollectorRegistry], bytes]) -> float:
+        times = []
+        for _ in range(renders):
+            started = time.thread_time()
+            render(registry)
+            times.append(time.thread_time() - started)
+        return statistics.median(times)
+
+    return Render(cpu(encoder), cpu(generate_latest), len(payload),
+                  len(gzip.compress(payload, 6)))
+
+
+def run(settings: dict[str, Any]) -> Result:
+    result = Result(NAME, TITLE, __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
+                    settings["smoke"], settings)
+    series_list: list[int] = settings["series"]
+    scrapers_list: list[int] = settings["scrapers"]
+    rounds = int(settings["rounds"])
+    progress = Progress(NAME, len(series_list) * (1 + len(scrapers_list))
+                        + rounds * len(STORM_CONFIGS))
+    busy = HostBusy()
+    load_start = load_average()
+
+    idle = Table("idle", "Idle machine: /metrics over HTTP", [
+        Column("series", "series", "int"), Column("shape", "node"),
+        Column("payload_bytes", "payload", "kib"),
+        Column("gzip_bytes", "gzip would send", "kib"),
+        Column("render_seconds", "render in-process (CPU)", "ms"),
+        Column("text_seconds", "as text 0.0.4", "ms"),
+        Column("scrapers", "scrapers", "int"), Column("p50", "latency p50", "ms"),
+        Column("p99", "p99", "ms"), Column("rate", "scrapes", "rate"),
+        Column("server_cpu_per_scrape", "server CPU per scrape", "ms"),
+        Column("verdict", "p99 ≤ 10 ms (1,000 series)", "met")])
+    with Processes() as processes:
+        for series in series_list:
+            render = _render(series, int(settings["renders"]))
+            server = Server(processes, series)
+            shape = shape_for(series)[0]
+            progress.advance(f"{server.series} series: render {render.seconds * 1e3:.2f} ms")
+            result.figures[f"{series}.payload_bytes"] = float(render.payload_bytes)
+            result.figures[f"{series}.render_seconds"] = render.seconds
+            for scrapers in scrapers_list:
+                busy.start()
+                cpu_before = cpu_seconds(server.process.pid)
+                latencies, failures = _latencies(server.port, scrapers,
+                                                 float(settings["cell_seconds"]))
+                server_cpu = cpu_seconds(server.process.pid) - cpu_before
+                busy.stop()
+                if not latencies:
+                    raise RuntimeError(f"no scrape of {series} series succeeded")
+                p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+                row: dict[str, Any] = {
+                    "series": server.series, "shape": shape.describe(),
+                    "payload_bytes": render.payload_bytes, "gzip_bytes": render.gzip_bytes,
+                    "render_seconds": render.seconds, "text_seconds": render.text_seconds,
+                    "scrapers": scrapers, "p50": p50, "p99": p99,
+                    "rate": len(latencies) / float(settings["cell_seconds"]),
+                    "server_cpu_per_scrape": server_cpu / len(latencies) or None}
+                if failures:
+                    result.notes.append(f"{failures} scrape(s) of {series} series with "
+                                        f"{scrapers} scrapers failed")
+                if series == 1000 and scrapers == 1:
+                    row["verdict"] = p99 <= P99_TARGET_SECONDS
+                    result.targets.append(TargetCheck(
+                        "/metrics p99 at 1,000 series", "≤ 10 ms (idle, one scraper)",
+                        f"{p99 * 1e3:.2f} ms (p50 {p50 * 1e3:.2f} ms, {len(latencies)} "
+                        "scrapes)", p99 <= P99_TARGET_SECONDS))
+                idle.rows.append(row)
+                result.figures[f"{series}.scrapers{scrapers}.p50_seconds"] = p50
+                result.figures[f"{series}.scrapers{scrapers}.p99_seconds"] = p99
+                progress.advance(f"{server.series} series, {scrapers} scraper(s): p50 "
+                                 f"{p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+            processes.stop(server.process)
+    idle.notes.append(
+        "The agent's server does not compress: the payload is sent as rendered, though "
+        "Prometheus asks for gzip. Server CPU per scrape is the server process's CPU time "
+        "over the cell divided by the scrapes served.")
+    result.tables.append(idle)
+
+    storm = _storm(settings, progress, busy, result)
+    result.tables.append(storm)
+    load_end = load_average()
+    result.noise.update(host_busy_share=statistics.fmean(busy.shares),
+                        load_average_start=load_start[0], load_average_end=load_end[0])
+    result.noise_summary = (
+        f"the job's no-scrape blocks spread by {result.noise['quiet_spread']:.1%} across "
+        f"rounds (max-min over median); the machine's cores were "
+        f"{statistics.fmean(busy.shares):.0%} busy while measuring (scrapers, server and "
+        f"job included); load average {load_start[0]:.2f} at the start, "
+        f"{load_end[0]:.2f} at the end.")
+    return result
+
+
+def _storm(settings: dict[str, Any], progress: Progress, busy: HostBusy, result: Result
+           ) -> Table:
+    rounds = int(settings["rounds"])
+    steps_by_config: dict[str, list[float]] = {key: [] for key, *_ in STORM_CONFIGS}
+    latencies: dict[str, list[float]] = {key: [] for key, *_ in STORM_CONFIGS}
+    with Processes() as processes:
+        server = Server(processes, int(settings["storm_series"]))
+        job = TrainingJob(processes, "pytorch", "small-cnn", batch=int(settings["batch"]),
+                          threads=int(settings["threads"]),
+                          warmup_seconds=0.5 if settings["smoke"] else 3.0)
+        steps = max(SETTLE_STEPS + 10,
+                    round(float(settings["block_seconds"]) / job.step_seconds))
+        for round_index in range(rounds):
+            shift = round_index % len(STORM_CONFIGS)
+            for key, _, scrapers, period in STORM_CONFIGS[shift:] + STORM_CONFIGS[:shift]:
+                pool = [Scraper(server.port, period=period).start() for _ in range(scrapers)]
+                busy.start()
+                try:
+                    durations = job.run_block(steps + SETTLE_STEPS)
+                finally:
+                    for scraper in pool:
+                        scraper.stop()
+                busy.stop()
+                steps_by_config[key].append(statistics.median(durations[SETTLE_STEPS:]))
+                for scraper in pool:
+                    latencies[key] += scraper.latencies
+                progress.advance(f"training, round {round_index + 1}: {key} "
+                                 f"{steps_by_config[key][-1] * 1e3:.2f} ms/step")
+    quiet = steps_by_config["quiet"]
+    result.noise["quiet_spread"] = spread(quiet)
+    table = Table("training", f"While a PyTorch small CNN trains (batch {job.batch}, "
+                  f"{settings['threads']} threads): {server.series} series, {rounds} round(s)", [
+                      Column("config", "scrapes"), Column("step", "job's median step", "ms"),
+                      Column("slowdown_median", "job slowdown: median", "spct"),
+                      Column("slowdown_min", "min", "spct"),
+                      Column("slowdown_max", "max", "spct"),
+                      Column("p50", "scrape p50", "ms"), Column("p99", "p99", "ms"),
+                      Column("scrapes", "scrapes", "int")])
+    for key, label, _, _ in STORM_CONFIGS:
+        ratios = [on / off - 1 for on, off in zip(steps_by_config[key], quiet, strict=True)]
+        row: dict[str, Any] = {"config": label, "step": statistics.median(steps_by_config[key]),
+                               "scrapes": len(latencies[key])}
+        if key != "quiet":
+            row.update(slowdown_median=statistics.median(ratios), slowdown_min=min(ratios),
+                       slowdown_max=max(ratios))
+            result.figures[f"training.{key}.slowdown_median"] = statistics.median(ratios)
+        if latencies[key]:
+            row.update(p50=percentile(latencies[key], 50), p99=percentile(latencies[key], 99))
+            result.figures[f"training.{key}.p99_seconds"] = row["p99"]
+        result.figures[f"training.{key}.step_seconds"] = row["step"]
+        table.rows.append(row)
+    table.notes.append(
+        f"The job uses {settings['threads']} thread(s) on {CORES} cores: during a storm "
+        "the server and the scrapers take CPU from it, which is the slowdown shown. The "
+        "agent's server runs in the agent's process, never in the job's.")
+    return table

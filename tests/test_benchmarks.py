@@ -1,0 +1,111 @@
+"""The benchmark harness works: each benchmark runs in --smoke mode and writes a
+result with the expected structure and finite figures. Speed is never asserted:
+these are figures for people, produced by full runs on a quiet machine."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.common import Column, Result, Table, fit_line, percentile, rerun_command
+from benchmarks.common import render_markdown as markdown
+from tests.conftest import REPO, agent_env
+
+TOP_LEVEL = {"benchmark", "title", "what", "smoke", "date", "duration_seconds", "command",
+             "machine", "settings", "noise", "figures", "targets", "tables", "unavailable",
+             "owed", "notes"}
+MACHINE = {"cores", "cpu_model", "kernel", "python", "torch", "tensorflow"}
+# Figures that are a time, a size or a rate: positive whatever the machine's noise.
+POSITIVE = {
+    "overhead": (".step_seconds",),
+    "footprint": (".peak_rss_bytes",),
+    "scrape": (".payload_bytes", ".render_seconds", "_seconds"),
+    "probe": ("recorder.", "poll."),
+    "scaling": (".per_interval_seconds",),
+}
+
+
+def run_smoke(name: str, out: Path) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-m", "benchmarks.run", name, "--smoke",
+                             "--out", str(out)], cwd=REPO, env=agent_env(),
+                            capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[" in result.stderr, "no progress on stderr"
+    data: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    return data
+
+
+@pytest.mark.parametrize("name", list(POSITIVE))
+def test_smoke_run_writes_a_complete_result(name: str, tmp_path: Path) -> None:
+    data = run_smoke(name, tmp_path)
+    assert set(data) >= TOP_LEVEL
+    assert data["benchmark"] == name and data["smoke"] is True
+    assert set(data["machine"]) >= MACHINE and data["machine"]["cores"] >= 1
+    assert data["command"].startswith(f"python -m benchmarks.run {name} --smoke")
+    assert str(tmp_path) not in data["command"], "the command must not name this machine's paths"
+    assert data["noise"]["summary"]
+    assert data["tables"], "no table"
+    for table in data["tables"]:
+        keys = {column["key"] for column in table["columns"]}
+        assert table["rows"], f"table {table['name']} is empty"
+        for row in table["rows"]:
+            assert set(row) <= keys, (table["name"], set(row) - keys)
+    assert data["figures"]
+    for key, value in data["figures"].items():
+        assert isinstance(value, int | float) and math.isfinite(value), (key, value)
+        if any(part in key for part in POSITIVE[name]) and "slowdown" not in key:
+            assert value > 0, (key, value)
+    for target in data["targets"]:
+        assert target["met"] in (True, False, None) and target["target"] and target["measured"]
+    text = (tmp_path / f"{name}.md").read_text()
+    assert "Smoke run" in text and data["command"] in text and "**Noise**" in text
+
+
+def test_help_names_every_benchmark_and_its_targets() -> None:
+    result = subprocess.run([sys.executable, "-m", "benchmarks.run", "--help"], cwd=REPO,
+                            env=agent_env(), capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    for name in (*POSITIVE, "all"):
+        assert f"  {name}" in result.stdout
+    assert "targets" in result.stdout and "p99 <= 10 ms" in result.stdout
+    detail = subprocess.run([sys.executable, "-m", "benchmarks.run", "overhead", "--help"],
+                            cwd=REPO, env=agent_env(), capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert "0.5%" in detail.stdout and "--smoke" in detail.stdout
+
+
+def test_rerun_command_names_no_path_of_this_machine(tmp_path: Path) -> None:
+    inside = REPO / "docs" / "results"
+    assert rerun_command(["scrape", "--out", str(inside)], inside, inside) == (
+        "python -m benchmarks.run scrape")
+    assert rerun_command(["scrape", f"--out={tmp_path}"], tmp_path, inside) == (
+        "python -m benchmarks.run scrape --out DIR")
+    assert rerun_command(["scrape", "--out", str(REPO / "x")], REPO / "x", inside) == (
+        "python -m benchmarks.run scrape --out x")
+
+
+def test_statistics() -> None:
+    fit = fit_line([1, 2, 3, 4], [3, 5, 7, 9])
+    assert fit.slope == pytest.approx(2) and fit.intercept == pytest.approx(1)
+    assert fit.r2 == pytest.approx(1) and fit.solve(11) == pytest.approx(5)
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile(list(range(101)), 99) == pytest.approx(99)
+
+
+def test_markdown_marks_targets_and_missing_values() -> None:
+    result = Result("x", "X", "What.", smoke=False, settings={"rounds": 5},
+                    tables=[Table("t", "T", [Column("a", "A", "ms"),
+                                             Column("ok", "verdict", "met")],
+                                  rows=[{"a": 0.0015, "ok": False}, {"a": None}])])
+    data = result.as_dict("python -m benchmarks.run x", datetime.datetime.now(), 1.0)
+    text = markdown(result, data)
+    assert "| 1.50 ms | **missed** |" in text and "| - | - |" in text
+    assert "Smoke run" not in text
