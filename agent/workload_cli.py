@@ -86,6 +86,10 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                             "the steady steps: CPU user/system per mini-batch and context "
                             "switches, measured from outside the job (the plots then use "
                             "these rather than the run's own rusage)")
+    sweep.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                       help="run the whole grid N times, point after point in turn (so a "
+                            "slow spell of the machine hits every point alike), and report "
+                            "each point's median, with the min and max time per mini-batch")
     _add_interval_option(sweep)
 
 
@@ -393,20 +397,25 @@ def sweep_command(args: argparse.Namespace, out: TextIO) -> int:
         raise UsageError("a setting is swept twice", "give each --param name once")
     _check_device(args.framework, args.device)
     points = sweep.grid(params)
+    runs = [(index, round_) for round_ in range(args.repeat) for index in range(len(points))]
     progress = _progress("sweep")
-    rows = []
-    for index, point in enumerate(points):
+    measured: list[list[dict[str, Any]]] = [[] for _ in points]
+    for done, (index, round_) in enumerate(runs):
+        point = points[index]
         if progress is None:
-            out.write(f"[{index + 1}/{len(points)}] {point}\n")
+            label = f" (round {round_ + 1}/{args.repeat})" if args.repeat > 1 else ""
+            out.write(f"[{done + 1}/{len(runs)}] {point}{label}\n")
             out.flush()
         else:
-            progress(index, len(points))
+            progress(done, len(runs))
         try:
-            rows.append(sweep.run_point(_sweep_run_args(args), point))
+            measured[index].append(sweep.run_point(_sweep_run_args(args), point))
         except sweep.SweepError as error:
             raise UsageError(str(error), "fix that setting, or leave it out") from None
     if progress is not None:
-        progress(len(points), len(points))
+        progress(len(runs), len(runs))
+    rows = [sweep.combine_repeats(point_runs) if args.repeat > 1 else point_runs[0]
+            for point_runs in measured]
     target = Path(args.out) if args.out else sweep.default_out_dir()
     written = sweep.write_results(rows, names, target)
     out.write((target / "table.md").read_text())

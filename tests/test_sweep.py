@@ -89,3 +89,14 @@ def test_a_sweep_under_the_agent_records_what_the_agent_saw(tmp_path: Path) -> N
     table = (out / "table.md").read_text()
     assert "(seen by the agent)" in table
     assert (out / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_repeats_are_combined_into_medians_with_the_spread() -> None:
+    runs = [{"threads": 2, "framework": "pytorch", "batch_size": 32, "seconds_per_batch": t,
+             "agent_cpu_user_seconds_per_batch": t / 2, "agent_steps": None}
+            for t in (0.30, 0.10, 0.20)]
+    row = sweep.combine_repeats(runs)
+    assert row["seconds_per_batch"] == 0.20 and row["agent_cpu_user_seconds_per_batch"] == 0.10
+    assert (row["seconds_per_batch_min"], row["seconds_per_batch_max"]) == (0.10, 0.30)
+    assert row["repeats"] == 3
+    assert row["threads"] == 2 and row["batch_size"] == 32 and row["agent_steps"] is None

@@ -15,6 +15,7 @@ import csv
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -76,6 +77,23 @@ def run_point(base_args: Sequence[str], point: dict[str, Any]) -> dict[str, Any]
     row = {**point, **measured, "wall_seconds": wall}
     if agent is not None:
         row.update(agent_columns(agent))
+    return row
+
+
+def combine_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a point run several times: the median of every figure, plus
+    the spread of the time per mini-batch, which says how noisy the machine was."""
+    row = dict(runs[0])
+    for key, first in runs[0].items():
+        values = [run.get(key) for run in runs]
+        numbers = [float(v) for v in values if isinstance(v, (int, float))]
+        if (isinstance(first, (int, float)) and not isinstance(first, bool)
+                and key not in PARAMETERS and key != "batch_size"
+                and len(numbers) == len(values)):
+            row[key] = statistics.median(numbers)
+    times = [run["seconds_per_batch"] for run in runs]
+    row.update(repeats=len(runs), seconds_per_batch_min=min(times),
+               seconds_per_batch_max=max(times))
     return row
 
 
@@ -147,8 +165,20 @@ def tables(rows: list[dict[str, Any]], swept: Sequence[str]) -> str:
         figure = row.get(f"{prefix}involuntary_switches_per_batch")
         return None if figure is None else float(figure)
 
+    def spread(row: dict[str, Any]) -> float | None:
+        if "seconds_per_batch_max" not in row:
+            return None
+        return float((row["seconds_per_batch_max"] - row["seconds_per_batch_min"])
+                     / row["seconds_per_batch"])
+
+    repeats = rows[0].get("repeats") if rows else None
+    noise = (table(rows, swept, spread, f"spread of the time per mini-batch over {repeats} "
+                   "interleaved repeats, (max - min) / median: differences smaller than "
+                   "this are noise", 2),) if repeats else ()
     return "\n".join((
-        table(rows, swept),
+        table(rows, swept, caption="seconds per mini-batch (median of the timed iterations"
+              + (f", then of {repeats} repeats)" if repeats else ")")),
+        *noise,
         table(rows, swept, system_share, f"system share of CPU time ({whose})", 3),
         table(rows, swept, involuntary,
               f"involuntary context switches per mini-batch ({whose})", 1)))
