@@ -26,7 +26,7 @@ import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
-from dlprof_agent.agent import grafana_cli, workload_cli
+from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
 from dlprof_agent.agent.errors import (
     EXIT_CODES_HELP,
     AgentError,
@@ -130,6 +130,9 @@ def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> Non
     group.add_argument("--warmup-steps", type=_warmup, default=10, metavar="N",
                        help="steps counted as warm-up and kept out of the steady-state "
                             "figures (default 10)")
+    group.add_argument("--no-kernels", dest="kernels", action="store_false",
+                       help="no continuous CUPTI kernel and memcpy tracing in GPU jobs (on by "
+                            "default when the job has cupti-python; `trace` still works)")
     if injects:
         group.add_argument("--no-inject", dest="inject", action="store_false",
                            help="never inject the probe; use one only if the job started "
@@ -181,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics\n"
                "  dlprof-agent run -- python train.py           start a job with the probe\n"
                "  dlprof-agent snapshot 4242 | grep cpu        print the metrics once\n"
+               "  dlprof-agent trace 4242 --steps 5            5 steps of kernels, as a "
+               "timeline\n"
                "  dlprof-agent demo                            see it work on a busy process\n"
                "\nrun `dlprof-agent COMMAND --help` for each command's options.\n\n"
                + EXIT_CODES_HELP)
@@ -298,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=True,
                         help="read GPUs and find GPU jobs through NVML (default: on)")
     _add_probe_options(daemon, injects=True)
+    trace_cli.add_parser(commands, _pid)
     workload_cli.add_parser(commands, _Parser)
     grafana_cli.add_parser(commands, _Parser)
     return parser
@@ -633,7 +639,8 @@ def daemon_command(args: argparse.Namespace) -> int:
     if args.quiet:
         log.setLevel(logging.WARNING)
     probe = (ProbeOptions(inject=args.inject, layers=args.layers,
-                          warmup_steps=args.warmup_steps) if args.probe else None)
+                          warmup_steps=args.warmup_steps, kernels=args.kernels)
+             if args.probe else None)
     options = DaemonOptions(interval=args.interval, scan_interval=args.scan_interval,
                             matches=tuple(args.match), environment=tuple(args.env),
                             probe=probe, gpu=args.gpu)
@@ -660,10 +667,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     out=sys.stdout)
         if args.command == "daemon":
             return daemon_command(args)
+        if args.command == "trace":
+            return trace_cli.trace_command(args, sys.stdout, sys.stderr)
         probe = None
         if getattr(args, "probe", args.command == "run"):
             probe = ProbeOptions(inject=getattr(args, "inject", False), layers=args.layers,
-                                 warmup_steps=args.warmup_steps)
+                                 warmup_steps=args.warmup_steps, kernels=args.kernels)
         options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                                duration=args.duration, grace=args.grace, quiet=args.quiet,
                                children=args.children, gpu=args.gpu, probe=probe)

@@ -38,6 +38,12 @@ class GrafanaError(AgentError):
     exit_code = 7
 
 
+class TraceUnavailable(AgentError):
+    """No trace can be taken: no probe, no GPU in use, kernel tracing busy or unavailable."""
+
+    exit_code = 8
+
+
 EXIT_CODES_HELP = """exit codes:
   0  finished: duration reached, Ctrl-C, or the target exited
   1  unexpected failure: a bug; please report it with the traceback
@@ -47,4 +53,5 @@ EXIT_CODES_HELP = """exit codes:
   5  cannot listen on the address and port
   6  the process already has an agent attached through its probe
   7  grafana: cannot reach Grafana, or it refused the credentials or a change
+  8  trace: no probe in the process, no GPU in use, or kernel tracing busy or unavailable
   run: the command's own exit code"""

@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from dlprof_agent.agent.errors import AgentError
+from dlprof_agent.agent.errors import AgentError, TraceUnavailable
 from dlprof_agent.collectors.probe import (
     REPLY_SECONDS,
     ProbeBusy,
@@ -23,6 +25,7 @@ from dlprof_agent.collectors.probe import (
 from dlprof_agent.collectors.process import read_state
 
 log = logging.getLogger("dlprof_agent")
+_T = TypeVar("_T")
 
 SOCKET_WAIT_SECONDS = 10.0  # an injected bootstrap runs at the target's next safe point
 
@@ -37,11 +40,17 @@ class ProbeOptions:
     layers: bool = False
     warmup_steps: int = 10
     wait_seconds: float = SOCKET_WAIT_SECONDS
+    kernels: bool = True  # continuous CUPTI kernel tracing while the job uses CUDA
 
 
 def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
-    return {"interval_seconds": interval, "layers": options.layers,
-            "warmup_steps": options.warmup_steps, "agent_pid": os.getpid()}
+    started: dict[str, object] = {"interval_seconds": interval, "layers": options.layers,
+                                  "warmup_steps": options.warmup_steps,
+                                  "agent_pid": os.getpid()}
+    if not options.kernels:
+        # Sent only when off: a probe older than kernel tracing refuses unknown options.
+        started["kernels"] = False
+    return started
 
 
 def _wait_for_socket(pid: int, seconds: float) -> str | None:
@@ -62,41 +71,83 @@ def _connect(pid: int, path: str, options: ProbeOptions, interval: float) -> Pro
             f"scrape that agent, or stop it first (kill {busy.agent_pid})") from None
 
 
-def connect_probe(pid: int, options: ProbeOptions, *, interval: float,
-                  wait_seconds: float = 0.0) -> ProbeClient | None:
-    """A started probe client, or None with the reason logged once."""
+class _NoProbe(Exception):
+    """Why the process has no probe to talk to, in plain words."""
+
+
+def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
+                 connect: Callable[[str], _T]) -> _T:
+    """``connect(socket path)`` to the probe of ``pid``, injecting one first where
+    there is none and the options allow it. Raises _NoProbe."""
     path = _wait_for_socket(pid, wait_seconds) if wait_seconds else find_probe_socket(pid)
     if path is not None:
         try:
-            return _connect(pid, path, options, interval)
+            return connect(path)
+        except ProbeBusy:
+            raise
         except ProbeUnavailable as error:
             if not options.inject:
-                _missing(pid, f"the probe in it is unreachable: {error}")
-                return None
+                raise _NoProbe(f"the probe in it is unreachable: {error}") from None
             # A stale socket of an earlier process with this pid: inject afresh.
     if not options.inject:
-        _missing(pid, "it has no probe and --no-inject was given; start the job with "
-                      "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
-        return None
+        raise _NoProbe("it has no probe and --no-inject was given; start the job with "
+                       "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
     from dlprof_agent.agent import inject
     from dlprof_agent.probe.bootstrap import injection_code
 
     try:
         inject.inject(pid, injection_code())
     except inject.InjectionError as error:
-        _missing(pid, error.one_line())
-        return None
+        raise _NoProbe(error.one_line()) from None
     path = _wait_for_socket(pid, options.wait_seconds)
     if path is None:
-        _missing(pid, f"the injected probe did not start within {options.wait_seconds:g} s "
-                      "(the main thread may be stuck in native code, or the job's Python "
-                      "is older than 3.10)")
-        return None
+        raise _NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
+                       "(the main thread may be stuck in native code, or the job's Python "
+                       "is older than 3.10)")
     try:
-        return _connect(pid, path, options, interval)
+        return connect(path)
+    except ProbeBusy:
+        raise
     except ProbeUnavailable as error:
-        _missing(pid, f"the injected probe did not answer: {error}")
+        raise _NoProbe(f"the injected probe did not answer: {error}") from None
+
+
+def connect_probe(pid: int, options: ProbeOptions, *, interval: float,
+                  wait_seconds: float = 0.0) -> ProbeClient | None:
+    """A started probe client, or None with the reason logged once."""
+    try:
+        return _reach_probe(pid, options, wait_seconds,
+                            lambda path: _connect(pid, path, options, interval))
+    except _NoProbe as why:
+        _missing(pid, str(why))
         return None
+
+
+TRACE_INTERVAL_SECONDS = 1.0  # the trace client's own session: it polls well within the lease
+
+
+def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, object]
+                       ) -> tuple[ProbeClient, dict[str, Any] | None]:
+    """A connection to ask the probe of ``pid`` for a trace: our own session (the
+    reply is None: say ``trace`` next), or, beside an attached agent, a second
+    connection that said ``trace`` already (with the probe's reply)."""
+    def connect(path: str) -> tuple[ProbeClient, dict[str, Any] | None]:
+        try:
+            return ProbeClient.connect(pid, path, _start_options(
+                options, TRACE_INTERVAL_SECONDS)), None
+        except ProbeBusy:
+            return ProbeClient.connect_beside(pid, path, {"command": "trace",
+                                                          "args": trace_args})
+    try:
+        return _reach_probe(pid, options, 0.0, connect)
+    except ProbeBusy as busy:
+        raise TraceUnavailable(
+            f"process {pid} has an agent attached (pid {busy.agent_pid}) whose probe is "
+            "too old to trace beside it", "restart the job with this dlprof-agent version"
+        ) from None
+    except _NoProbe as why:
+        raise TraceUnavailable(f"no probe in process {pid}: {why}",
+                               "kernel traces are taken by the in-process probe") from None
 
 
 def _missing(pid: int, why: str) -> None:
@@ -132,6 +183,7 @@ class ProbeSource:
         self._lost: tuple[float, str] | None = None  # when, and why
         self._late_since: float | None = None
         self._last: ProbeSample | None = None
+        self._kernel_state: tuple[str, str] | None = None
 
     @property
     def up(self) -> bool:
@@ -155,7 +207,17 @@ class ProbeSource:
             self._drop(client, str(error) or type(error).__name__)
             return None
         self._late_since, self._last = None, sample
+        self._report_kernel_state(sample)
         return sample
+
+    def _report_kernel_state(self, sample: ProbeSample) -> None:
+        """Say once per change what the kernel tracer does, and why not."""
+        kernels = sample.kernels
+        if kernels is None or (kernels.state, kernels.reason) == self._kernel_state:
+            return
+        self._kernel_state = (kernels.state, kernels.reason)
+        log.info("kernel tracing in pid %d: %s%s", self.pid, kernels.state,
+                 f" ({kernels.reason})" if kernels.reason else "")
 
     def _drop(self, client: ProbeClient, why: str) -> None:
         self.client = None

@@ -47,6 +47,74 @@ class LayerSample:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelRow:
+    """One kernel (short name, or ``other``) on one CUDA device."""
+
+    kernel: str
+    device: int  # CUDA device ordinal, as the job sees it
+    launches: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class KernelDurations:
+    device: int
+    bucket_counts: tuple[int, ...]  # per bucket, not cumulative; one more than the bounds
+    seconds_sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemcpyRow:
+    device: int
+    kind: str  # h2d, d2h, d2d, p2p, h2h, other
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGpuRow:
+    layer: str
+    phase: str  # forward or backward
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSample:
+    """The probe's CUPTI tracer: its state, and totals since the agent attached."""
+
+    state: str  # active, busy or unavailable
+    reason: str  # why busy or unavailable; "" when active
+    kernels: tuple[KernelRow, ...] = ()
+    duration_bucket_bounds: tuple[float, ...] = ()  # upper bounds, seconds; +Inf implied
+    durations: tuple[KernelDurations, ...] = ()
+    memcpy: tuple[MemcpyRow, ...] = ()
+    layers: tuple[LayerGpuRow, ...] = ()
+    overhead_seconds: float = 0.0
+    dropped_records: int = 0
+    devices: tuple[tuple[int, str], ...] = ()  # (CUDA ordinal, GPU UUID)
+    traced: bool = False  # the tracer has run at some point: its counters are real
+
+    @classmethod
+    def from_reply(cls, kernels: dict[str, Any]) -> KernelSample:
+        traced = "kernels" in kernels
+        return cls(
+            state=str(kernels["state"]), reason=str(kernels.get("reason", "")),
+            kernels=tuple(KernelRow(str(k), int(d), int(n), float(s))
+                          for k, d, n, s in kernels.get("kernels", [])),
+            duration_bucket_bounds=tuple(float(b) for b in kernels.get("duration_buckets", [])),
+            durations=tuple(KernelDurations(int(d), tuple(int(c) for c in counts), float(s))
+                            for d, counts, s in kernels.get("durations", [])),
+            memcpy=tuple(MemcpyRow(int(d), str(k), int(b), float(s))
+                         for d, k, b, s in kernels.get("memcpy", [])),
+            layers=tuple(LayerGpuRow(str(n), str(p), float(s))
+                         for n, p, s in kernels.get("layers", [])),
+            overhead_seconds=float(kernels.get("overhead_seconds", 0.0)),
+            dropped_records=int(kernels.get("dropped_records", 0)),
+            devices=tuple(sorted((int(d), str(u)) for d, u in kernels.get("devices", {}).items())),
+            traced=traced)
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeSample:
     """Totals since the probe was started by this agent."""
 
@@ -63,6 +131,7 @@ class ProbeSample:
     hook_errors: int
     dropped_messages: tuple[tuple[str, int], ...]  # (reason, count)
     settings: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # per framework
+    kernels: KernelSample | None = None  # None: a probe older than kernel tracing
 
     @property
     def steady_steps(self) -> int:
@@ -95,6 +164,8 @@ class ProbeSample:
             settings=tuple(sorted(
                 (str(framework), tuple(sorted((str(k), str(v)) for k, v in values.items())))
                 for framework, values in reply.get("settings", {}).items())),
+            kernels=(KernelSample.from_reply(reply["kernels"])
+                     if isinstance(reply.get("kernels"), dict) else None),
         )
 
 
@@ -189,6 +260,27 @@ class ProbeClient:
             raise ProbeUnavailable(f"it speaks protocol {reply.get('version')}, this agent "
                                    f"{VERSION}: use the same dlprof-agent version")
         return cls(pid, connection, reply)
+
+    @classmethod
+    def connect_beside(cls, pid: int, path: str, message: dict[str, Any]
+                       ) -> tuple[ProbeClient, dict[str, Any]]:
+        """A second connection while an agent is attached, whose first frame is
+        ``message`` (a probe takes only a ``trace`` that way); with its reply."""
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.settimeout(REPLY_SECONDS)
+        try:
+            connection.connect(path)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                connection.sendall(encode(message))
+            reply = read_frame(connection, max_bytes=MAX_REPLY_BYTES)
+        except (OSError, ConnectionClosed, ProtocolError) as error:
+            connection.close()
+            why = str(error) or type(error).__name__
+            raise ProbeUnavailable(f"its socket {path} did not answer ({why})") from None
+        if reply.get("error") == "busy":  # a probe that serves no one beside its agent
+            connection.close()
+            raise ProbeBusy(int(reply.get("agent_pid", 0)))
+        return cls(pid, connection, {}), reply
 
     def set_timeout(self, seconds: float) -> None:
         """How long a reply may take from here on."""

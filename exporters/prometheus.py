@@ -7,7 +7,7 @@ here are the contract documented in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -21,7 +21,7 @@ from dlprof_agent import __version__
 from dlprof_agent.agent.sampler import NodeSnapshot, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
-from dlprof_agent.collectors.probe import ProbeSample
+from dlprof_agent.collectors.probe import KernelSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 
 CPU_MODES = ("user", "system", "iowait")
@@ -31,6 +31,7 @@ FRAMEWORK_LABELS = ("framework", "framework_version", "device", "intra_op_thread
                     "openblas_num_threads", "blas", "cudnn_autotune", "precision",
                     "data_layout", "layer_timing")
 LOAD_WINDOWS = ("1m", "5m", "15m")
+KERNEL_TRACING_STATES = ("active", "busy", "unavailable")
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
@@ -251,7 +252,80 @@ def target_families(snapshot: Snapshot) -> list[Metric]:
     return [target_up]
 
 
-def probe_families(target_pid: int, up: bool, probe: ProbeSample | None) -> list[Metric]:
+def _histogram_buckets(bounds: Iterable[float], counts: Iterable[int]
+                       ) -> list[tuple[str, float]]:
+    cumulative = 0
+    buckets: list[tuple[str, float]] = []
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    return buckets
+
+
+def gpu_labels(gpu: GpuSample | None) -> dict[str, str]:
+    """GPU UUID -> the ``gpu`` label NVML's series carry (its device index)."""
+    if gpu is None:
+        return {}
+    return {device.uuid: str(device.index) for device in gpu.devices}
+
+
+def kernel_families(pid: str, kernels: KernelSample, nvml_index: Mapping[str, str]
+                    ) -> list[Metric]:
+    """The CUPTI tracer's series. ``gpu`` is NVML's index where the device's UUID
+    is known to both, else the CUDA ordinal the job sees."""
+    uuids = dict(kernels.devices)
+
+    def gpu(device: int) -> str:
+        return nvml_index.get(uuids.get(device, ""), str(device))
+
+    state = _gauge("dlprof_kernel_tracing_state",
+                   "1 for the kernel tracer's current state (active, busy: another CUPTI "
+                   "client holds the process, unavailable), with the reason.",
+                   ["pid", "state", "reason"])
+    for name in KERNEL_TRACING_STATES:
+        current = name == kernels.state
+        state.add_metric([pid, name, kernels.reason if current else ""], 1 if current else 0)
+    if not kernels.traced:
+        return [state]
+    seconds = _counter("dlprof_kernel_seconds_total",
+                       "GPU time in each kernel (CUPTI); the top kernels by time, the rest "
+                       "summed as kernel other.", ["pid", "gpu", "kernel"])
+    launches = _counter("dlprof_kernel_launches_total", "Launches of each kernel.",
+                        ["pid", "gpu", "kernel"])
+    for row in kernels.kernels:
+        labels = [pid, gpu(row.device), row.kernel]
+        seconds.add_metric(labels, row.seconds)
+        launches.add_metric(labels, row.launches)
+    duration = HistogramMetricFamily("dlprof_kernel_duration_seconds",
+                                     "Duration of each kernel run.", labels=["pid", "gpu"])
+    for entry in kernels.durations:
+        duration.add_metric([pid, gpu(entry.device)],
+                            _histogram_buckets(kernels.duration_bucket_bounds,
+                                               entry.bucket_counts), entry.seconds_sum)
+    copied = _counter("dlprof_memcpy_bytes_total",
+                      "Bytes copied, by direction (h2d, d2h, d2d, p2p).", ["pid", "gpu", "kind"])
+    copying = _counter("dlprof_memcpy_seconds_total", "Time spent copying, by direction.",
+                       ["pid", "gpu", "kind"])
+    for copy in kernels.memcpy:
+        labels = [pid, gpu(copy.device), copy.kind]
+        copied.add_metric(labels, copy.bytes)
+        copying.add_metric(labels, copy.seconds)
+    layers = _counter("dlprof_layer_gpu_seconds_total",
+                      "GPU time of the kernels each layer launched, by phase (with --layers).",
+                      ["pid", "layer", "phase"])
+    for layer in kernels.layers:
+        layers.add_metric([pid, layer.layer, layer.phase], layer.seconds)
+    overhead = _counter("dlprof_cupti_overhead_seconds_total",
+                        "Time CUPTI itself spent (its overhead records).", ["pid"])
+    overhead.add_metric([pid], kernels.overhead_seconds)
+    dropped = _counter("dlprof_cupti_dropped_records_total",
+                       "Activity records CUPTI dropped for want of buffer space.", ["pid"])
+    dropped.add_metric([pid], kernels.dropped_records)
+    return [state, seconds, launches, duration, copied, copying, layers, overhead, dropped]
+
+
+def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
+                   gpu: GpuSample | None = None) -> list[Metric]:
     probe_up = _gauge("dlprof_probe_up",
                       "1 while the agent reads the in-process probe of the process, else 0.",
                       ["pid"])
@@ -272,12 +346,9 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None) -> list
     duration = HistogramMetricFamily(
         "dlprof_step_duration_seconds",
         "Steady-state training step time, from one step's end to the next.", labels=["pid"])
-    cumulative, buckets = 0, []
-    for bound, count in zip((*probe.step_bucket_bounds, float("inf")),
-                            probe.step_bucket_counts, strict=True):
-        cumulative += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-    duration.add_metric([pid], buckets, probe.step_seconds_sum)
+    duration.add_metric([pid], _histogram_buckets(probe.step_bucket_bounds,
+                                                  probe.step_bucket_counts),
+                        probe.step_seconds_sum)
     phases = _counter("dlprof_step_phase_seconds_total",
                       "Steady-state step time by phase: forward and backward (summed over "
                       "layers, with --layers), optimizer, and other (data, loss, Python).",
@@ -312,8 +383,10 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None) -> list
                        "unknown, wrong version, or from another user.", ["pid", "reason"])
     for reason, count in probe.dropped_messages:
         dropped.add_metric([pid, reason], count)
+    kernels = (kernel_families(pid, probe.kernels, gpu_labels(gpu))
+               if probe.kernels is not None else [])
     return [probe_up, steps, samples, duration, phases, layer_seconds, layer_calls, info,
-            hook_errors, dropped]
+            hook_errors, dropped, *kernels]
 
 
 class SnapshotCollector(Collector):
@@ -338,7 +411,8 @@ class SnapshotCollector(Collector):
         if snapshot.host is not None:
             yield from host_families(snapshot.host)
         yield from gpu_families(snapshot.gpu)
-        yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe)
+        yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe,
+                                  snapshot.gpu)
 
 
 def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
@@ -377,5 +451,6 @@ class NodeCollector(Collector):
         if node.host is not None:
             yield from host_families(node.host)
         yield from gpu_families(node.gpu)
-        yield from merged(probe_families(target.target_pid, target.probe_up, target.probe)
+        yield from merged(probe_families(target.target_pid, target.probe_up, target.probe,
+                                         node.gpu)
                           for target in node.targets)

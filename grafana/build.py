@@ -35,9 +35,9 @@ from grafana_foundation_sdk.models import prometheus as prometheus_models
 
 DEFAULT_DIRECTORY = Path(__file__).parent / "dashboards"
 
-# Served by the CUPTI tracer, which a later release adds; until then the panels
-# that read them stay empty, like the GPU panels on a machine without a GPU.
-# Name -> labels (a histogram's labels without `le`).
+# Served by the probe's CUPTI tracer (probe/kernel_tracer.py) in a job that uses
+# CUDA; elsewhere the panels that read them stay empty, like the GPU panels on a
+# machine without a GPU. Name -> labels (a histogram's labels without `le`).
 KERNEL_METRICS: dict[str, tuple[str, ...]] = {
     "dlprof_layer_gpu_seconds_total": ("pid", "layer", "phase"),
     "dlprof_kernel_seconds_total": ("pid", "gpu", "kernel"),
@@ -47,7 +47,8 @@ KERNEL_METRICS: dict[str, tuple[str, ...]] = {
     "dlprof_memcpy_seconds_total": ("pid", "gpu", "kind"),
     "dlprof_cupti_overhead_seconds_total": ("pid",),
     "dlprof_cupti_dropped_records_total": ("pid",),
-    "dlprof_kernel_tracing_state": ("pid", "state"),  # state: active, busy, unavailable
+    # state: active, busy, unavailable; reason: why busy or unavailable, "" otherwise
+    "dlprof_kernel_tracing_state": ("pid", "state", "reason"),
 }
 
 # Recording rules of deploy/prometheus/rules.yml (level:metric:operations). They

@@ -19,7 +19,9 @@ VERSION = 1
 HEADER = struct.Struct("!4sB3xI")  # magic, version, padding, payload length
 MAX_REQUEST_BYTES = 64 * 1024  # agent -> probe: commands are small
 MAX_REPLY_BYTES = 4 * 1024 * 1024  # probe -> agent: 512 layers fit many times over
-COMMANDS = ("start", "stop", "configure", "snapshot")
+# "trace" and "trace_status" came later: an older probe answers them "unknown
+# command", and the snapshot reply's "kernels" is absent; the frame is unchanged.
+COMMANDS = ("start", "stop", "configure", "snapshot", "trace", "trace_status")
 SOCKET_DIR_ENV = "DLPROF_AGENT_RUNTIME_DIR"
 
 

@@ -48,6 +48,8 @@ class Recorder:
         self.hook_errors = 0
         self.hook_error_kinds: dict[str, str] = {}
         self.steady = False  # past warm-up: layer time counts from here
+        # A windowed trace being taken (kernel_tracer.Capture): sees each step boundary.
+        self.capture: Any = None
         self.set_warmup_steps(warmup_steps)
 
     def set_warmup_steps(self, steps: int) -> None:
@@ -64,6 +66,9 @@ class Recorder:
             current = SOURCE_RANK.get(self.step_source, 0)
             if rank < current:
                 return
+            capture = self.capture
+            if capture is not None:
+                capture.step(now)
             if rank > current:  # a better source appeared: restart from here
                 self.step_source = source
                 self._restart(now)

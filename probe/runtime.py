@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from dlprof_agent.probe.kernel_tracer import KernelTracer
 from dlprof_agent.probe.protocol import (
     COMMANDS,
     MAX_REQUEST_BYTES,
@@ -39,6 +40,8 @@ HANDSHAKE_SECONDS = 5.0  # a connection must say start within this
 FRAME_SECONDS = 2.0  # a frame, once begun, must arrive within this
 MIN_LEASE_SECONDS = 2.0
 ORPHAN_SECONDS = 60.0  # an injected probe no agent connects to closes after this
+SIDE_READ_SECONDS = 0.5  # a second connection must say what it wants within this
+MAX_TRACE_STEPS = 100_000
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -75,6 +78,9 @@ class _Session:
                                  max_layers=int(options["max_layers"]))
         self.hooks: dict[str, Any] = {}
         self.last_message = time.monotonic()
+        self.tracer = KernelTracer(continuous=bool(options["kernels"]),
+                                   max_layers=int(options["max_layers"]))
+        self.tracer.recorder = self.recorder
 
     @property
     def lease_seconds(self) -> float:
@@ -90,6 +96,9 @@ class _Session:
                 module = __import__(hooks_module, fromlist=[class_name])
                 hooks = getattr(module, class_name)(self.recorder, layers=self.layers)
                 self.hooks[module_name] = hooks
+                if self.layers and hasattr(hooks, "layer_labels"):
+                    hooks.kernels = self.tracer  # kernel time per layer, while tracing
+                    self.tracer.set_layers(hooks.layer_labels)
                 hooks.install()
             except Exception as error:
                 errors["install"] = errors.get("install", 0) + 1
@@ -97,9 +106,31 @@ class _Session:
 
     def remove_hooks(self) -> None:
         hooks, self.hooks = self.hooks, {}
+        self.tracer.set_layers(None)
         for installed in hooks.values():
             with contextlib.suppress(Exception):
                 installed.remove()
+
+    def start_trace(self, args: Any) -> dict[str, Any]:
+        """A windowed trace of the next N steps (command ``trace``)."""
+        if not isinstance(args, dict) or set(args) - {"steps", "max_seconds"}:
+            raise ValueError("bad trace arguments")
+        steps, max_seconds = args.get("steps", 10), args.get("max_seconds", 600)
+        if (not isinstance(steps, int) or isinstance(steps, bool)
+                or not 1 <= steps <= MAX_TRACE_STEPS):
+            raise ValueError("steps out of range")
+        if (not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool)
+                or not 1 <= max_seconds <= 86400):
+            raise ValueError("max_seconds out of range")
+        error = self.tracer.start_capture(steps, float(max_seconds))
+        return {"ok": False, "error": error} if error else {
+            "ok": True, "layers": self.layers, "frameworks": sorted(self.hooks)}
+
+    def trace_status(self, args: Any) -> dict[str, Any]:
+        offset = args.get("offset", 0) if isinstance(args, dict) else None
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError("bad offset")
+        return self.tracer.capture_status(offset)
 
     def settings(self) -> dict[str, dict[str, str]]:
         result = {}
@@ -117,10 +148,10 @@ def _options(args: Any, current: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("args must be an object")
     merged = dict(current)
     checks = {"interval_seconds": (int, float), "layers": (bool,), "warmup_steps": (int,),
-              "max_layers": (int,), "agent_pid": (int,)}
+              "max_layers": (int,), "agent_pid": (int,), "kernels": (bool,)}
     for key, value in args.items():
         kinds = checks.get(key)
-        # bool is an int in Python; only "layers" may be one.
+        # bool is an int in Python; only "layers" and "kernels" may be one.
         if kinds is None or not isinstance(value, kinds) or (
                 isinstance(value, bool) and bool not in kinds):
             raise ValueError(f"bad argument {key!r}")
@@ -136,7 +167,10 @@ def _options(args: Any, current: dict[str, Any]) -> dict[str, Any]:
 
 DEFAULT_OPTIONS: dict[str, Any] = {"interval_seconds": 1.0, "layers": False,
                                    "warmup_steps": DEFAULT_WARMUP_STEPS,
-                                   "max_layers": DEFAULT_MAX_LAYERS, "agent_pid": 0}
+                                   "max_layers": DEFAULT_MAX_LAYERS, "agent_pid": 0,
+                                   "kernels": True}
+# What this probe does beyond the first protocol's commands, told in its hello.
+CAPABILITIES = ("kernels", "trace")
 
 
 class Probe:
@@ -146,6 +180,7 @@ class Probe:
         self.path = ""
         self.dropped: dict[str, int] = {}
         self.session: _Session | None = None
+        self._side: socket.socket | None = None  # a trace client beside the agent
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -216,6 +251,11 @@ class Probe:
             return
         watched = [listener] if session is None else [listener, session.connection]
         timeout = 1.0 if session is None else min(1.0, session.interval)
+        if session is not None:
+            timeout = min(timeout, session.tracer.tick_seconds or timeout)
+        side = self._side
+        if side is not None:
+            watched.append(side)
         try:
             readable, _, _ = select.select(watched, [], [], timeout)
         except (OSError, ValueError):
@@ -233,6 +273,11 @@ class Probe:
                 self._receive(session)
             elif time.monotonic() - session.last_message > session.lease_seconds:
                 self._end_session()  # the agent is stopped or hung: go dormant
+        if side is not None and side is self._side and side in readable:
+            self._receive_side(side)
+        session = self.session
+        if session is not None:
+            session.tracer.tick()
 
     @staticmethod
     def _readable_now(connection: socket.socket) -> bool:
@@ -254,17 +299,70 @@ class Probe:
                 connection.close()
                 return
             if self.session is not None:
-                connection.settimeout(0.5)
-                with contextlib.suppress(OSError):
-                    connection.sendall(encode({
-                        "ok": False, "error": "busy", "agent_pid": self.session.peer_pid}))
-                connection.close()
+                self._second_connection(connection, self.session)
                 return
             self._handshake(connection, peer_pid)
         except Exception:
             self._count("malformed")
             with contextlib.suppress(OSError):
                 connection.close()
+
+    def _second_connection(self, connection: socket.socket, session: _Session) -> None:
+        """An agent is attached: a trace client may work beside it; anyone else
+        hears that the probe is busy, and with whom."""
+        connection.settimeout(SIDE_READ_SECONDS)
+        message: dict[str, Any] = {}
+        with contextlib.suppress(ProtocolError, ConnectionClosed, OSError):
+            message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES)
+        if message.get("command") == "trace" and self._side is None:
+            try:
+                reply = session.start_trace(message.get("args", {}))
+            except ValueError as error:
+                self._count("malformed")
+                reply = {"ok": False, "error": str(error)}
+            self._reply(connection, reply)
+            if reply.get("ok"):
+                connection.settimeout(FRAME_SECONDS)
+                self._side = connection
+                return
+        elif message.get("command") == "trace":
+            self._reply(connection, {"ok": False, "error": "tracing busy: another trace "
+                                                           "client is connected"})
+        else:
+            self._reply(connection, {"ok": False, "error": "busy",
+                                     "agent_pid": session.peer_pid})
+        connection.close()
+
+    def _receive_side(self, connection: socket.socket) -> None:
+        session = self.session
+        try:
+            message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES)
+        except (ProtocolError, ConnectionClosed, OSError) as error:
+            if isinstance(error, ProtocolError):
+                self._count(error.reason)
+            self._close_side(cancel=True)
+            return
+        command = message.get("command")
+        if session is None or command not in ("trace_status", "trace"):
+            self._count("unknown" if command not in COMMANDS else "malformed")
+            self._reply(connection, {"ok": False, "error": "only trace commands here"})
+            return
+        try:
+            reply = (session.trace_status(message.get("args", {})) if command == "trace_status"
+                     else session.start_trace(message.get("args", {})))
+        except ValueError as error:
+            self._count("malformed")
+            reply = {"ok": False, "error": str(error)}
+        self._reply(connection, reply)
+
+    def _close_side(self, *, cancel: bool) -> None:
+        side, self._side = self._side, None
+        if side is None:
+            return
+        if cancel and self.session is not None:
+            self.session.tracer.cancel_capture()
+        with contextlib.suppress(OSError):
+            side.close()
 
     def _handshake(self, connection: socket.socket, peer_pid: int) -> None:
         connection.settimeout(HANDSHAKE_SECONDS)
@@ -297,7 +395,8 @@ class Probe:
         self._reply(connection, {"ok": True, "version": VERSION, "pid": self.pid,
                                  "python": sys.version.split()[0],
                                  "persistent": self.persistent,
-                                 "frameworks": sorted(session.hooks)})
+                                 "frameworks": sorted(session.hooks),
+                                 "capabilities": list(CAPABILITIES)})
 
     def _receive(self, session: _Session) -> None:
         try:
@@ -314,15 +413,18 @@ class Probe:
         command = message.get("command")
         if command == "snapshot":
             session.install_new_hooks(self.dropped)
+            session.tracer.tick()
             self._reply(session.connection, {
                 "ok": True, "probe": session.recorder.snapshot(),
-                "settings": session.settings(), "dropped": dict(self.dropped)})
+                "settings": session.settings(), "dropped": dict(self.dropped),
+                "kernels": session.tracer.snapshot()})
         elif command == "configure":
             try:
                 options = _options(message.get("args", {}), {
                     "interval_seconds": session.interval, "layers": session.layers,
                     "warmup_steps": session.recorder.warmup_steps,
-                    "max_layers": session.recorder.max_layers, "agent_pid": 0})
+                    "max_layers": session.recorder.max_layers, "agent_pid": 0,
+                    "kernels": session.tracer.continuous})
             except ValueError as error:
                 self._count("malformed")
                 self._reply(session.connection, {"ok": False, "error": str(error)})
@@ -334,7 +436,16 @@ class Probe:
                 session.layers = bool(options["layers"])
                 session.remove_hooks()
                 session.install_new_hooks(self.dropped)
+            session.tracer.set_continuous(bool(options["kernels"]))
             self._reply(session.connection, {"ok": True})
+        elif command in ("trace", "trace_status"):
+            try:
+                reply = (session.start_trace(message.get("args", {})) if command == "trace"
+                         else session.trace_status(message.get("args", {})))
+            except ValueError as error:
+                self._count("malformed")
+                reply = {"ok": False, "error": str(error)}
+            self._reply(session.connection, reply)
         elif command == "stop":
             self._reply(session.connection, {"ok": True})
             self._end_session()
@@ -347,10 +458,12 @@ class Probe:
             connection.sendall(encode(message))
 
     def _end_session(self) -> None:
+        self._close_side(cancel=False)
         session, self.session = self.session, None
         if session is None:
             return
         session.remove_hooks()
+        session.tracer.stop()
         with contextlib.suppress(OSError):
             session.connection.close()
         if not self.persistent and not self._closing:
@@ -389,7 +502,7 @@ def _forget_in_child() -> None:
     if probe is not None:
         session, probe.session = probe.session, None
         if session is not None:
-            session.remove_hooks()
+            session.remove_hooks()  # CUPTI is left alone: the parent's, not the child's
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

@@ -12,7 +12,11 @@ the moment it reaches the next layer's, or the end of the backward pass: the
 layer's own gradients plus the glue between it and the next layer. No tensor
 is wrapped, so in-place operations behave as without the probe.
 On a GPU these are host-side times (launch and synchronisation); kernel time
-is the CUPTI tracer's job.
+is the CUPTI tracer's job. While it traces, each layer's forward and backward
+push an external correlation id (``probe.kernel_tracer``), so CUPTI ties every
+kernel launched meanwhile to the layer and phase. CUPTI keeps those ids per
+thread, and autograd runs backward on its own threads: a backward id is popped
+on the thread that pushed it, the next time a hook runs there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -60,6 +65,13 @@ class TorchHooks:
         self._blas: str | None = None
         self.model_name = ""
         self._torch: Any = sys.modules["torch"]  # the probe only hooks an imported torch
+        # Kernel attribution: the kernel tracer (its ``correlator`` may come and go),
+        # each hooked layer's index in ``layer_labels``, and what is pushed where.
+        self.kernels: Any = None
+        self.layer_labels: list[str] = []
+        self._layer_index: dict[int, int] = {}
+        self._pushed: dict[int, Any] = {}  # id of a module in forward -> its correlator
+        self._backward_pushed: dict[int, Any] = {}  # thread ident -> correlator
 
     # Lifecycle, from the probe thread.
 
@@ -84,6 +96,8 @@ class TorchHooks:
         self._seen.clear()
         self._layer_started.clear()
         self._labels.clear()
+        self._pushed.clear()
+        self._backward_pushed.clear()
 
     # Hooks, on the training thread. Each catches everything: the job never sees them fail.
 
@@ -150,6 +164,8 @@ class TorchHooks:
             if next(module.children(), None) is not None:
                 continue  # containers: their time is their leaves' time
             self._labels[id(module)] = name or type(module).__name__
+            self._layer_index[id(module)] = len(self.layer_labels)
+            self.layer_labels.append(self._labels[id(module)])
             self._handles.append(module.register_forward_pre_hook(self._layer_pre))
             self._handles.append(module.register_forward_hook(self._layer_post,
                                                               always_call=True))
@@ -172,24 +188,44 @@ class TorchHooks:
 
     def _layer_pre(self, module: Any, args: Any) -> None:
         self._layer_started[id(module)] = time.perf_counter()
+        kernels = self.kernels
+        if kernels is not None and kernels.correlator is not None:
+            self._push_forward(id(module))
+
+    def _push_forward(self, key: int) -> None:
+        try:
+            correlator = self.kernels.correlator
+            if correlator is not None:
+                correlator.push(correlator.base | self._layer_index[key] << 1)
+                self._pushed[key] = correlator
+        except Exception as error:
+            self.recorder.hook_failed("layer_forward", error)
 
     def _layer_post(self, module: Any, args: Any, output: Any) -> None:
         try:
             now = time.perf_counter()
+            if self._pushed:
+                correlator = self._pushed.pop(id(module), None)
+                if correlator is not None:
+                    correlator.pop()
             started = self._layer_started.pop(id(module), None)
             if started is None:
                 return
             label = self._labels[id(module)]
             self.recorder.add_layer_time(label, "forward", now - started)
+            capture = self.recorder.capture
+            if capture is not None:
+                capture.layer(label, "forward", started, now)
             node = getattr(output, "grad_fn", None)
             if node is None and isinstance(output, (tuple, list)):
                 node = getattr(_first_tensor(output, self._torch.Tensor), "grad_fn", None)
             if node is not None:
-                node.register_prehook(functools.partial(self._backward_reached, label))
+                node.register_prehook(functools.partial(
+                    self._backward_reached, label, self._layer_index[id(module)]))
         except Exception as error:
             self.recorder.hook_failed("layer_forward", error)
 
-    def _backward_reached(self, label: str, grad_outputs: Any) -> None:
+    def _backward_reached(self, label: str, index: int, grad_outputs: Any) -> None:
         """Autograd reached ``label``'s output: the previous layer's backward ends."""
         try:
             now = time.perf_counter()
@@ -198,17 +234,38 @@ class TorchHooks:
                 self._torch.autograd.Variable._execution_engine.queue_callback(
                     self._backward_done)
             else:
-                self.recorder.add_layer_time(previous, "backward", now - self._segment_start)
+                self._backward_segment(previous, now)
             self._segment_label, self._segment_start = label, now
+            kernels = self.kernels
+            if kernels is not None and (kernels.correlator is not None or self._backward_pushed):
+                self._switch_backward(index)
         except Exception as error:
             self.recorder.hook_failed("layer_backward", error)
+
+    def _backward_segment(self, label: str, now: float) -> None:
+        self.recorder.add_layer_time(label, "backward", now - self._segment_start)
+        capture = self.recorder.capture
+        if capture is not None:
+            capture.layer(label, "backward", self._segment_start, now)
+
+    def _switch_backward(self, index: int | None) -> None:
+        """Pop this thread's backward id, and push ``index``'s (None: push nothing)."""
+        thread = threading.get_ident()
+        pushed = self._backward_pushed.pop(thread, None)
+        if pushed is not None:
+            pushed.pop()
+        correlator = self.kernels.correlator if self.kernels is not None else None
+        if index is not None and correlator is not None:
+            correlator.push(correlator.base | index << 1 | 1)
+            self._backward_pushed[thread] = correlator
 
     def _backward_done(self) -> None:
         try:
             label, self._segment_label = self._segment_label, None
             if label is not None:
-                self.recorder.add_layer_time(label, "backward",
-                                             time.perf_counter() - self._segment_start)
+                self._backward_segment(label, time.perf_counter())
+            if self._backward_pushed:
+                self._switch_backward(None)
         except Exception as error:
             self.recorder.hook_failed("layer_backward", error)
 

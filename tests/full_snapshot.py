@@ -8,7 +8,15 @@ import time
 from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
-from dlprof_agent.collectors.probe import LayerSample, ProbeSample
+from dlprof_agent.collectors.probe import (
+    KernelDurations,
+    KernelRow,
+    KernelSample,
+    LayerGpuRow,
+    LayerSample,
+    MemcpyRow,
+    ProbeSample,
+)
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 
@@ -48,7 +56,17 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
                        ("other", 0.5)),
         layers=(LayerSample("features.0", 0.5, 20, 1.0, 20),), hook_errors=1,
         dropped_messages=(("malformed", 1),),
-        settings=(("torch", (("framework", "pytorch"), ("framework_version", "2.13.0"))),))
+        settings=(("torch", (("framework", "pytorch"), ("framework_version", "2.13.0"))),),
+        kernels=KernelSample(
+            state="active", reason="",
+            kernels=(KernelRow("at::native::vectorized_elementwise_kernel", 0, 100, 0.002),
+                     KernelRow("other", 0, 5, 0.0001)),
+            duration_bucket_bounds=(1e-05, 0.001), durations=(KernelDurations(0, (60, 45, 0),
+                                                                               0.0021),),
+            memcpy=(MemcpyRow(0, "h2d", 1 << 20, 0.0001),),
+            layers=(LayerGpuRow("features.0", "forward", 0.001),),
+            overhead_seconds=0.0005, dropped_records=0, devices=((0, "GPU-0000"),),
+            traced=True))
     return Snapshot(timestamp_seconds=time.time(), monotonic_seconds=time.monotonic(),
                     target_pid=pid, target_up=True, processes=(process, child), host=host,
                     gpu=gpu, collector_errors=(("gpu", 1),), sample_duration_seconds=0.002,

@@ -163,8 +163,8 @@ def test_another_users_process_without_cap_sys_ptrace_is_exit_4(
 # --- what works --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [[], ["attach"], ["snapshot"], ["demo"]],
-                         ids=["top", "attach", "snapshot", "demo"])
+@pytest.mark.parametrize("command", [[], ["attach"], ["snapshot"], ["demo"], ["trace"]],
+                         ids=["top", "attach", "snapshot", "demo", "trace"])
 def test_help_exits_0_with_examples(command: list[str]) -> None:
     result = agent(*command, "--help")
     assert result.returncode == 0, result.stderr

@@ -34,6 +34,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--loop", choices=("optimizer", "manual-sgd"), default="optimizer")
     parser.add_argument("--enable-probe", action="store_true")
+    parser.add_argument("--fake-cupti", action="store_true",
+                        help="the probe traces a simulated GPU (tests.fake_cupti)")
     parser.add_argument("--log", required=True)
     parser.add_argument("--until", metavar="FILE",
                         help="stop after the step during which FILE appears")
@@ -42,6 +44,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    if args.fake_cupti:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))))
+        from tests.fake_cupti import install_simulated_gpu
+
+        install_simulated_gpu()
     if args.enable_probe:
         import dlprof_agent.probe
 

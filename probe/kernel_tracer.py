@@ -1,0 +1,571 @@
+"""Kernel tracing in the probe: when CUPTI is started, given up and taken back,
+how its buffers become totals, and how a windowed trace is captured.
+
+The probe thread calls ``tick()`` a few times a second. Tracing starts once the
+job uses CUDA (``torch.cuda.is_initialized()``, or libcuda mapped for other
+frameworks) and kernels are wanted; it reports one of three states:
+
+- ``active``: CUPTI is ours, buffers are decoded and folded in each tick;
+- ``busy``: another CUPTI client holds the process (torch.profiler, Nsight, an
+  injection library), named where CUPTI or the environment says. We retry now
+  and then, and yield at once when torch.profiler starts while we trace;
+- ``unavailable``: with the reason, e.g. "no CUDA in use", "cupti-python not
+  installed", a CUDA major mismatch, or a failure of our own (counted).
+
+Nothing here may hurt the job: every entry point catches everything. Imports
+are the standard library's until tracing starts (``cupti_binding`` and
+``kernel_records`` load numpy and CUPTI only then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dlprof_agent.probe import cupti_binding
+from dlprof_agent.probe.cupti_binding import CuptiBusy, CuptiUnavailable
+
+ACTIVE, BUSY, UNAVAILABLE = "active", "busy", "unavailable"
+STATES = (ACTIVE, BUSY, UNAVAILABLE)
+TICK_SECONDS = 0.25  # drain this often: buffers go back to the pool before it runs dry
+CUDA_CHECK_SECONDS = 1.0
+BUSY_RETRY_SECONDS = 10.0
+YIELD_RETRY_SECONDS = 2.0
+COLLECT_SECONDS = 1.5  # after a window: CUPTI's flush period and a drain, with margin
+MAX_COLLECT_SECONDS = 10.0
+MAX_TRACE_RECORDS = 500_000  # GPU records kept for one trace
+MAX_TRACE_RANGES = 500_000  # layer ranges kept for one trace
+TRACE_CHUNK_CHARS = 1 << 20  # per trace_status reply: well under the protocol's 4 MiB
+
+# CUpti_ActivityKind: what continuous tracing enables, and what attribution and
+# the trace window's launch times add.
+KINDS = (10, 1, 2, 17)  # CONCURRENT_KERNEL, MEMCPY, MEMSET, OVERHEAD
+API_KINDS = (5, 4)  # RUNTIME, DRIVER: external correlation records come with these
+ATTRIBUTION_KINDS = (39, *API_KINDS)  # EXTERNAL_CORRELATION
+
+
+def cuda_in_use() -> bool:
+    """Whether the job has started CUDA; never starts it itself."""
+    from dlprof_agent.probe.runtime import REQUIRED_MODULES, _imported
+
+    if "torch" in sys.modules and _imported(REQUIRED_MODULES["torch"]):
+        with contextlib.suppress(Exception):
+            if sys.modules["torch"].cuda.is_initialized():
+                return True
+    if "torch" not in sys.modules or "tensorflow" in sys.modules:
+        with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+            return any("/libcuda.so" in line for line in maps)
+    return False
+
+
+def foreign_profiler() -> str:
+    """The name of a profiler of the job's own that needs CUPTI now, or ""."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ""
+    with contextlib.suppress(Exception):
+        if torch._C._autograd._profiler_enabled():
+            return "torch.profiler"
+    return ""
+
+
+def device_uuids() -> dict[str, str]:
+    """CUDA device ordinal -> its UUID, so the agent can label it as NVML does."""
+    torch = sys.modules.get("torch")
+    found: dict[str, str] = {}
+    with contextlib.suppress(Exception):
+        if torch is not None and torch.cuda.is_initialized():
+            for ordinal in range(torch.cuda.device_count()):
+                uuid = str(torch.cuda.get_device_properties(ordinal).uuid)
+                found[str(ordinal)] = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    return found
+
+
+class Capture:
+    """One windowed trace: N steps of kernels, copies, layer ranges and step
+    boundaries. ``step`` and ``layer`` run on the job's threads: appends only."""
+
+    def __init__(self, steps: int, deadline: float, offset_ns: int) -> None:
+        self.wanted = steps
+        self.deadline = deadline  # monotonic
+        self.offset_ns = offset_ns  # CUPTI's clock minus perf_counter's, ns
+        self.phase = "waiting"  # waiting, recording, collecting, done, failed
+        self.error = ""
+        self.boundaries: list[float] = []  # perf_counter seconds
+        self.layers: list[tuple[str, int, float, float, int]] = []
+        self.gpu: list[Any] = []  # decoded batches, with their full-name and layer columns
+        self.records = 0
+        self.truncated = False
+        self.collect_since = 0.0
+        self.latest_gpu_ns = 0  # the latest start of GPU work kept, CUPTI's clock
+        self.payload = ""
+
+    @property
+    def steps_done(self) -> int:
+        return max(0, len(self.boundaries) - 1)
+
+    def step(self, now: float) -> None:
+        if self.phase == "waiting":
+            self.boundaries.append(now)
+            self.phase = "recording"
+        elif self.phase == "recording":
+            self.boundaries.append(now)
+            if len(self.boundaries) > self.wanted:
+                self.phase = "collecting"
+
+    def layer(self, label: str, phase: str, start: float, end: float) -> None:
+        if self.phase == "recording":
+            if len(self.layers) < MAX_TRACE_RANGES:
+                self.layers.append((label, phase == "backward", start, end,
+                                    threading.get_ident()))
+            else:
+                self.truncated = True
+
+
+# The seam for tests: what a tracer gets when its caller names none. A test job
+# sets these before enabling the probe, to run on a simulated GPU.
+BINDING_FACTORY: Callable[[], Any] = cupti_binding.CuptiBinding
+CUDA_CHECK: Callable[[], bool] = cuda_in_use
+
+
+class KernelTracer:
+    """CUPTI for one probe session. Every public method catches everything."""
+
+    def __init__(self, *, continuous: bool, max_layers: int,
+                 binding_factory: Callable[[], Any] | None = None,
+                 cuda_check: Callable[[], bool] | None = None,
+                 profiler_check: Callable[[], str] = foreign_profiler,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.continuous = continuous
+        self.max_layers = max_layers
+        self._factory = binding_factory or BINDING_FACTORY
+        self._cuda_check = cuda_check or CUDA_CHECK
+        self._profiler_check = profiler_check
+        self._clock = clock
+        self.state = UNAVAILABLE
+        self.reason = "switched off (--no-kernels)" if not continuous else "no CUDA in use"
+        self.errors = 0
+        self.correlator: Any = None  # for the layer hooks: push/pop external ids
+        self.layer_labels: list[str] | None = None  # the hooks' labels; None: no attribution
+        self.capture: Capture | None = None
+        self.recorder: Any = None  # gets ``capture`` set while a trace window is open
+        self._binding: Any = None
+        self._aggregator: Any = None
+        self._splitter: Any = None
+        self._records: Any = None  # the kernel_records module, once loaded
+        self._generation = 0
+        self._next_attempt = 0.0
+        self._last_drain = 0.0
+        self._extra_kinds: list[int] = []
+        self._temporary = False  # started for a trace only: stop after it
+        self._dropped_before = 0
+        self._dropped_base = 0
+        self._devices: dict[str, str] = {}
+
+    # The probe thread.
+
+    def tick(self) -> None:
+        try:
+            self._tick(self._clock())
+        except Exception as error:
+            self._fail(error)
+
+    def _tick(self, now: float) -> None:
+        if self._binding is None:
+            if (self.continuous or self.capture_open) and now >= self._next_attempt:
+                self._start(now)
+            self._expire_capture(now)
+            return
+        holder = self._profiler_check()
+        if holder:
+            self._yield(now, holder)
+            return
+        if now - self._last_drain >= TICK_SECONDS or self.capture_open:
+            self._drain(now)
+        self._advance_capture(now)
+
+    @property
+    def capture_open(self) -> bool:
+        return self.capture is not None and self.capture.phase in (
+            "waiting", "recording", "collecting")
+
+    @property
+    def tick_seconds(self) -> float | None:
+        """How soon the probe thread should call tick() again; None: no hurry."""
+        if self._binding is not None or self.capture_open:
+            return TICK_SECONDS
+        return CUDA_CHECK_SECONDS if self.continuous else None
+
+    def _set(self, state: str, reason: str) -> None:
+        self.state, self.reason = state, reason[:160]
+
+    def _start(self, now: float) -> None:
+        if not self._cuda_check():
+            self._set(UNAVAILABLE, "no CUDA in use")
+            self._next_attempt = now + CUDA_CHECK_SECONDS
+            return
+        holder = self._profiler_check()
+        if holder:
+            self._set(BUSY, f"{holder} is running")
+            self._next_attempt = now + YIELD_RETRY_SECONDS
+            return
+        binding = self._factory()
+        try:
+            binding.open(*cupti_binding.framework_cuda())
+            binding.enable(list(KINDS))
+            if self.layer_labels is not None:
+                binding.enable(list(ATTRIBUTION_KINDS))
+        except CuptiBusy as busy:
+            self._set(BUSY, busy.reason)
+            self._next_attempt = now + BUSY_RETRY_SECONDS
+            return
+        except CuptiUnavailable as unavailable:
+            self._set(UNAVAILABLE, unavailable.reason)
+            self._next_attempt = float("inf")  # it will not get better in this session
+            return
+        self._activate(binding, now)
+
+    def _activate(self, binding: Any, now: float) -> None:
+        from dlprof_agent.probe import kernel_records
+
+        self._records = kernel_records
+        if self._aggregator is None:  # kept across restarts: the counters stay monotonic
+            self._aggregator = kernel_records.KernelAggregator()
+        self._aggregator.names.forget_pointers()  # a restarted CUPTI has new strings
+        self._splitter = kernel_records.RecordSplitter()  # sizes learned from this CUPTI
+        self._generation = self._generation % 127 + 1
+        base = self._generation << 24
+        self.correlator = binding.correlator(base)
+        # The hooks' own list, not a copy: it grows as they hook layers.
+        labels = self.layer_labels if self.layer_labels is not None else []
+        self._aggregator.layer_ids = kernel_records.LayerIds(base, labels, self.max_layers)
+        self._dropped_base = binding.counters().get("dropped_records", 0)
+        self._devices = device_uuids()
+        self._binding = binding
+        self._last_drain = now
+        self._set(ACTIVE, "")
+
+    def set_layers(self, labels: list[str] | None) -> None:
+        """Attribute kernel time to these layers (the hooks' own list), or stop."""
+        try:
+            self.layer_labels = labels
+            if self._aggregator is not None and self._records is not None:
+                base = self._aggregator.layer_ids.base if self._aggregator.layer_ids else 0
+                self._aggregator.layer_ids = self._records.LayerIds(
+                    base, labels if labels is not None else [], self.max_layers)
+            if labels is not None and self._binding is not None:
+                self._binding.enable(list(ATTRIBUTION_KINDS))
+        except Exception as error:
+            self._fail(error)
+
+    def set_continuous(self, continuous: bool) -> None:
+        """Switch continuous tracing on or off (``configure``); a trace window
+        being taken finishes first."""
+        try:
+            if continuous == self.continuous:
+                return
+            self.continuous = continuous
+            if continuous:
+                self._temporary = False
+                self._next_attempt = 0.0
+                return
+            if self.capture_open:
+                self._temporary = True
+                return
+            binding, self._binding = self._binding, None
+            self.correlator = None
+            if binding is not None:
+                with contextlib.suppress(Exception):
+                    self._drain_from(binding, self._clock())
+                binding.close()
+            self._set(UNAVAILABLE, "switched off (--no-kernels)")
+        except Exception as error:
+            self._fail(error)
+
+    def _yield(self, now: float, holder: str) -> None:
+        """The job's own profiler took CUPTI over: let it be, and come back after."""
+        binding, self._binding = self._binding, None
+        self.correlator = None
+        with contextlib.suppress(Exception):
+            self._drain_from(binding, now)
+        self._dropped_before += binding.counters().get("dropped_records", 0) - self._dropped_base
+        binding.abandon()
+        self._temporary = False
+        self._set(BUSY, f"{holder} is running")
+        self._next_attempt = now + YIELD_RETRY_SECONDS
+        if self.capture_open and self.capture is not None:
+            self.capture.phase, self.capture.error = "failed", f"{holder} started"
+            if self.recorder is not None:
+                self.recorder.capture = None
+
+    def _fail(self, error: BaseException) -> None:
+        """A failure of our own: stop tracing for this session, say why, go on."""
+        self.errors += 1
+        binding, self._binding = self._binding, None
+        self.correlator = None
+        if binding is not None:
+            with contextlib.suppress(Exception):
+                binding.close()
+        self._temporary = False
+        self._set(UNAVAILABLE, f"tracer failed: {type(error).__name__}: {error}")
+        self._next_attempt = float("inf")
+        if self.capture_open and self.capture is not None:
+            self.capture.phase, self.capture.error = "failed", self.reason
+            if self.recorder is not None:
+                self.recorder.capture = None
+
+    def stop(self) -> None:
+        """The session ends: hand CUPTI back."""
+        binding, self._binding = self._binding, None
+        self.correlator = None
+        if self.recorder is not None:
+            self.recorder.capture = None
+        if binding is not None:
+            with contextlib.suppress(Exception):
+                self._drain_from(binding, self._clock())
+            with contextlib.suppress(Exception):
+                binding.close()
+                binding.trim()
+
+    # Buffers into totals.
+
+    def _drain(self, now: float) -> None:
+        self._drain_from(self._binding, now)
+
+    def _drain_from(self, binding: Any, now: float) -> None:
+        records = self._records
+        batches = []
+        for buffer in binding.take_buffers():
+            try:
+                batches.append(records.decode(
+                    buffer.data, buffer.valid_bytes, self._splitter,
+                    lambda offset, buffer=buffer: binding.record_size(buffer, offset)))
+            finally:
+                binding.release(buffer)
+        elapsed, self._last_drain = now - self._last_drain, now
+        if not batches:
+            return
+        batch = records.Batch.concat(batches)
+        full_ids = self._aggregator.add(batch, elapsed)
+        capture = self.capture
+        if capture is not None and capture.phase in ("recording", "collecting"):
+            self._keep_for_trace(capture, batch, full_ids)
+
+    # Windowed traces.
+
+    def start_capture(self, steps: int, max_seconds: float) -> str:
+        """Begin a trace of the next ``steps`` steps; "" or why it cannot be had."""
+        try:
+            return self._start_capture(steps, max_seconds)
+        except Exception as error:
+            self._fail(error)
+            return f"kernel tracing failed: {self.reason}"
+
+    def _start_capture(self, steps: int, max_seconds: float) -> str:
+        if self.capture_open:
+            return "tracing busy: a trace of this process is already being taken"
+        now = self._clock()
+        if self._binding is None:
+            if not self._cuda_check():
+                return "no GPU in use: the process has not started CUDA"
+            if self.state == UNAVAILABLE and self._next_attempt == float("inf"):
+                return f"kernel tracing unavailable: {self.reason}"
+            self._start(now)
+            if self._binding is None:
+                prefix = "tracing busy" if self.state == BUSY else "kernel tracing unavailable"
+                return f"{prefix}: {self.reason}"
+            self._temporary = not self.continuous
+        binding = self._binding
+        # The launches' own times (runtime/driver API records) mark a step's kernels.
+        added = [kind for kind in (*API_KINDS, *(ATTRIBUTION_KINDS if self.layer_labels
+                                                  is not None else ()))
+                 if kind not in binding.enabled]
+        binding.enable(added)
+        self._extra_kinds = added
+        self._drain(now)  # what came before the window is not part of it
+        capture = Capture(steps, now + max_seconds, self._clock_offset(binding))
+        self.capture = capture
+        if self.recorder is not None:
+            self.recorder.capture = capture
+        return ""
+
+    @staticmethod
+    def _clock_offset(binding: Any) -> int:
+        """CUPTI's clock minus perf_counter's, in ns, from the tightest of a few reads."""
+        best: tuple[int, int] | None = None
+        for _ in range(5):
+            before = time.perf_counter_ns()
+            cupti_now = binding.timestamp_ns()
+            after = time.perf_counter_ns()
+            if best is None or after - before < best[0]:
+                best = (after - before, cupti_now - (before + after) // 2)
+        assert best is not None
+        return best[1]
+
+    def _keep_for_trace(self, capture: Capture, batch: Any, full_ids: Any) -> None:
+        if capture.records >= MAX_TRACE_RECORDS:
+            capture.truncated = True
+            return
+        aggregator = self._aggregator
+        found, external = aggregator.attribution.lookup(batch.kernel_correlation)
+        layer, phase = aggregator.layer_ids.decode(external)
+        layer[~found] = -1
+        capture.gpu.append((batch, full_ids, layer, phase))
+        capture.records += len(batch.kernel_start) + len(batch.copy_start)
+        if len(batch.kernel_start):
+            capture.latest_gpu_ns = max(capture.latest_gpu_ns, int(batch.kernel_start.max()))
+
+    def _expire_capture(self, now: float) -> None:
+        capture = self.capture
+        if capture is not None and capture.phase in ("waiting", "recording") \
+                and now > capture.deadline:
+            capture.phase = "failed"
+            capture.error = (f"only {capture.steps_done} of {capture.wanted} steps before the "
+                             "time limit" if capture.boundaries else
+                             "no training step was seen before the time limit")
+            self._end_capture()
+
+    def _advance_capture(self, now: float) -> None:
+        capture = self.capture
+        if capture is None:
+            return
+        self._expire_capture(now)
+        if capture.phase != "collecting":
+            return
+        if not capture.collect_since:
+            capture.collect_since = now
+            self._binding.flush()  # not forced: only finished work is handed over
+            return
+        waited = now - capture.collect_since
+        window_end_ns = round(capture.boundaries[-1] * 1e9) + capture.offset_ns
+        # Done once the GPU has run work from after the window (it has caught up with
+        # the window's launches), or after a longer wait for a GPU gone idle.
+        if waited < COLLECT_SECONDS or (capture.latest_gpu_ns < window_end_ns
+                                        and waited < MAX_COLLECT_SECONDS):
+            self._binding.flush()
+            self._drain(now)
+            return
+        self._binding.flush()
+        self._drain(now)
+        capture.payload = json.dumps(self._payload(capture), separators=(",", ":"))
+        capture.gpu, capture.layers = [], []
+        capture.phase = "done"
+        self._end_capture()
+
+    def _end_capture(self) -> None:
+        if self.recorder is not None:
+            self.recorder.capture = None
+        binding = self._binding
+        if binding is None:
+            return
+        binding.disable(self._extra_kinds)
+        self._extra_kinds = []
+        if self._temporary:
+            self._temporary = False
+            self._binding = None
+            self.correlator = None
+            with contextlib.suppress(Exception):
+                binding.close()
+            self._set(UNAVAILABLE, "switched off (--no-kernels)")
+            self._next_attempt = float("inf") if not self.continuous else 0.0
+
+    def _payload(self, capture: Capture) -> dict[str, Any]:
+        """The window's records, columnar, on CUPTI's clock (ns), for the agent's
+        trace writer (``probe.trace_writer``)."""
+        import numpy as np
+
+        offset = capture.offset_ns
+        bounds = [round(t * 1e9) + offset for t in capture.boundaries]
+        first, last = bounds[0], bounds[-1]
+        batch = self._records.Batch.concat([part[0] for part in capture.gpu])
+        full_ids = np.concatenate([part[1] for part in capture.gpu] or [np.zeros(0, int)])
+        layer = np.concatenate([part[2] for part in capture.gpu] or [np.zeros(0, int)])
+        phase = np.concatenate([part[3] for part in capture.gpu] or [np.zeros(0, int)])
+        # Kernels launched inside the window (by their API call's time), whenever they ran.
+        launched = batch.api_correlation[(batch.api_start >= first) & (batch.api_start <= last)]
+
+        def in_window(correlation: Any, start: Any) -> Any:
+            if len(batch.api_start):
+                return np.isin(correlation, launched)
+            return (start >= first) & (start <= last)
+
+        kernels = in_window(batch.kernel_correlation, batch.kernel_start) & (
+            batch.kernel_end > batch.kernel_start)
+        copies = in_window(batch.copy_correlation, batch.copy_start) & (
+            batch.copy_end > batch.copy_start)
+        names = self._aggregator.names
+        labels = list(self.layer_labels or [])
+        return {
+            "steps": bounds,
+            "kernels": {"start": batch.kernel_start[kernels].tolist(),
+                        "end": batch.kernel_end[kernels].tolist(),
+                        "device": batch.kernel_device[kernels].tolist(),
+                        "stream": batch.kernel_stream[kernels].tolist(),
+                        "correlation": batch.kernel_correlation[kernels].tolist(),
+                        "name": full_ids[kernels].tolist(),
+                        "layer": layer[kernels].tolist(), "phase": phase[kernels].tolist()},
+            "names": list(names.names), "full_names": list(names.full),
+            "full_to_name": list(names.full_to_name),
+            "memcpy": {"start": batch.copy_start[copies].tolist(),
+                       "end": batch.copy_end[copies].tolist(),
+                       "device": batch.copy_device[copies].tolist(),
+                       "stream": batch.copy_stream[copies].tolist(),
+                       "kind": [self._records.MEMCPY_KINDS[min(k, 10)]
+                                for k in batch.copy_kind[copies].tolist()],
+                       "bytes": batch.copy_bytes[copies].tolist()},
+            "labels": labels,
+            "layers": [[label, int(backward), round(start * 1e9) + offset,
+                        round(end * 1e9) + offset, thread]
+                       for label, backward, start, end, thread in capture.layers],
+            "devices": dict(self._devices),
+            "truncated": capture.truncated,
+        }
+
+    def capture_status(self, offset: int) -> dict[str, Any]:
+        capture = self.capture
+        if capture is None:
+            return {"ok": False, "error": "no trace was asked for"}
+        reply: dict[str, Any] = {"ok": capture.phase != "failed", "phase": capture.phase,
+                                 "steps": capture.steps_done, "wanted": capture.wanted}
+        if capture.phase == "failed":
+            reply["error"] = capture.error
+        elif capture.phase == "done":
+            reply["size"] = len(capture.payload)
+            reply["data"] = capture.payload[offset:offset + TRACE_CHUNK_CHARS]
+            if offset + TRACE_CHUNK_CHARS >= len(capture.payload):
+                self.capture = None  # delivered: free it
+        return reply
+
+    def cancel_capture(self) -> None:
+        if self.capture_open:
+            with contextlib.suppress(Exception):
+                self._end_capture()
+        self.capture = None
+
+    # The snapshot reply.
+
+    def snapshot(self) -> dict[str, Any]:
+        try:
+            if self._binding is not None:
+                self._drain(self._clock())  # what completed since the last tick, too
+        except Exception as error:
+            self._fail(error)
+        result: dict[str, Any] = {"state": self.state, "reason": self.reason,
+                                  "errors": self.errors}
+        try:
+            if self._aggregator is not None:
+                result.update(self._aggregator.snapshot())
+                dropped = self._dropped_before
+                if self._binding is not None:
+                    dropped += (self._binding.counters().get("dropped_records", 0)
+                                - self._dropped_base)
+                result["dropped_records"] = dropped
+                result["devices"] = dict(self._devices)
+        except Exception as error:
+            self._fail(error)
+        return result

@@ -1,0 +1,137 @@
+"""The kernel tracer's snapshot, through the agent's typed sample, to the
+Prometheus families the dashboards read."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuSample
+from dlprof_agent.collectors.probe import KernelSample, ProbeSample
+from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.probe import kernel_tracer as kt
+from tests.cupti_records import DTOH, HTOD, BufferBuilder
+from tests.fake_cupti import FakeBinding
+from tests.full_snapshot import full_snapshot
+
+PID = 4242
+
+
+def reply(kernels: dict[str, Any] | None) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "ok": True, "settings": {}, "dropped": {},
+        "probe": {"step_source": "optimizer", "steps": {"steady": 1}, "samples": {},
+                  "step_buckets": [1.0], "step_bucket_counts": [1, 0], "step_seconds_sum": 0.1,
+                  "last_step_seconds": 0.1, "phase_seconds": {}, "layers": [],
+                  "hook_errors": 0}}
+    if kernels is not None:
+        message["kernels"] = kernels
+    return message
+
+
+def traced_snapshot() -> dict[str, Any]:
+    """What a probe's snapshot reply carries after some GPU work, from a real tracer."""
+    binding = FakeBinding()
+    tracer = kt.KernelTracer(continuous=True, max_layers=512, binding_factory=lambda: binding,
+                             cuda_check=lambda: True, profiler_check=lambda: "")
+    tracer.set_layers(["conv"])
+    tracer.tick()
+    base = tracer.correlator.base
+    binding.deliver(BufferBuilder()
+                    .external(1, base).api(1).kernel("ampere_sgemm_128x64_nn", 0, 30_000,
+                                                     correlation=1)
+                    .kernel("ampere_sgemm_128x64_nn", 0, 10_000, device=1)
+                    .memcpy(HTOD, 1 << 20, 0, 100_000).memcpy(DTOH, 4, 0, 1_000)
+                    .overhead(0, 2_000))
+    binding.dropped = 7
+    tracer.tick()
+    snapshot = tracer.snapshot()
+    snapshot["devices"] = {"0": "GPU-aaaa", "1": "GPU-bbbb"}
+    return snapshot
+
+
+def registry(probe: ProbeSample, *, nvml: tuple[tuple[int, str], ...] = ()) -> CollectorRegistry:
+    snapshot = full_snapshot(PID)
+    devices = tuple(dataclasses.replace(snapshot.gpu.devices[0], index=index, uuid=uuid)
+                    for index, uuid in nvml) if snapshot.gpu else ()
+    gpu = GpuSample(available=True, driver_version="570", devices=devices, processes=())
+    snapshot = dataclasses.replace(snapshot, probe=probe, gpu=gpu if nvml else None)
+    result = CollectorRegistry()
+    result.register(SnapshotCollector(lambda: snapshot, interval_seconds=1.0))
+    return result
+
+
+def test_the_tracers_totals_become_the_documented_families() -> None:
+    probe = ProbeSample.from_reply(PID, reply(traced_snapshot()))
+    assert probe.kernels is not None and probe.kernels.traced
+    value = registry(probe, nvml=((3, "GPU-aaaa"),)).get_sample_value
+    pid = str(PID)
+
+    # GPU-aaaa is NVML's device 3; GPU-bbbb is unknown to NVML: its CUDA ordinal stays.
+    gemm = {"pid": pid, "kernel": "ampere_sgemm_128x64_nn"}
+    assert value("dlprof_kernel_seconds_total", {**gemm, "gpu": "3"}) == pytest.approx(30e-6)
+    assert value("dlprof_kernel_launches_total", {**gemm, "gpu": "3"}) == 1
+    assert value("dlprof_kernel_seconds_total", {**gemm, "gpu": "1"}) == pytest.approx(10e-6)
+    assert value("dlprof_kernel_duration_seconds_count", {"pid": pid, "gpu": "3"}) == 1
+    assert value("dlprof_kernel_duration_seconds_bucket",
+                 {"pid": pid, "gpu": "3", "le": "2.5e-05"}) == 0
+    assert value("dlprof_kernel_duration_seconds_bucket",
+                 {"pid": pid, "gpu": "3", "le": "5e-05"}) == 1
+    assert value("dlprof_kernel_duration_seconds_bucket",
+                 {"pid": pid, "gpu": "3", "le": "+Inf"}) == 1
+    assert value("dlprof_memcpy_bytes_total", {"pid": pid, "gpu": "3", "kind": "h2d"}) == 1 << 20
+    assert value("dlprof_memcpy_seconds_total",
+                 {"pid": pid, "gpu": "3", "kind": "d2h"}) == pytest.approx(1e-6)
+    assert value("dlprof_layer_gpu_seconds_total",
+                 {"pid": pid, "layer": "conv", "phase": "forward"}) == pytest.approx(30e-6)
+    assert value("dlprof_cupti_overhead_seconds_total", {"pid": pid}) == pytest.approx(2e-6)
+    assert value("dlprof_cupti_dropped_records_total", {"pid": pid}) == 7
+    assert value("dlprof_kernel_tracing_state",
+                 {"pid": pid, "state": "active", "reason": ""}) == 1
+    assert value("dlprof_kernel_tracing_state",
+                 {"pid": pid, "state": "busy", "reason": ""}) == 0
+
+
+def test_a_tracer_that_never_ran_shows_its_state_and_reason_only() -> None:
+    probe = ProbeSample.from_reply(PID, reply({"state": "unavailable",
+                                               "reason": "no CUDA in use", "errors": 0}))
+    exposition = generate_latest(registry(probe)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(exposition)}
+    state = families["dlprof_kernel_tracing_state"]
+    assert {(s.labels["state"], s.labels["reason"], s.value) for s in state.samples} == {
+        ("active", "", 0), ("busy", "", 0), ("unavailable", "no CUDA in use", 1)}
+    assert not [name for name in families if name.startswith(("dlprof_kernel_seconds",
+                                                                "dlprof_memcpy", "dlprof_cupti"))]
+
+
+def test_a_probe_older_than_kernel_tracing_has_no_kernel_series() -> None:
+    probe = ProbeSample.from_reply(PID, reply(None))
+    assert probe.kernels is None
+    exposition = generate_latest(registry(probe)).decode()
+    assert "dlprof_kernel" not in exposition
+
+
+def test_the_dashboards_kernel_metrics_are_exported_with_exactly_their_labels() -> None:
+    dashboards = pytest.importorskip("dlprof_agent.grafana.build")
+    probe = ProbeSample.from_reply(PID, reply(traced_snapshot()))
+    exposition = generate_latest(registry(probe)).decode()
+    exported = {}
+    for family in text_string_to_metric_families(exposition):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        exported[name] = {label for sample in family.samples for label in sample.labels
+                          if label != "le"}
+    for name, labels in dashboards.KERNEL_METRICS.items():
+        assert exported[name] == set(labels), name
+
+
+def test_the_sample_is_typed_and_immutable() -> None:
+    sample = KernelSample.from_reply(traced_snapshot())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sample.state = "busy"  # type: ignore[misc]
+    assert sample.devices == ((0, "GPU-aaaa"), (1, "GPU-bbbb"))
+    assert {row.kind for row in sample.memcpy} == {"h2d", "d2h"}
+    assert isinstance(GpuDeviceSample, type)

@@ -1,0 +1,324 @@
+"""The kernel tracer's life in the probe: when it starts, busy and unavailable
+states, giving way to torch.profiler, failures, and windowed traces. CUPTI is
+the fake binding (``tests.fake_cupti``), fed synthetic buffers."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from dlprof_agent.probe import kernel_tracer as kt
+from dlprof_agent.probe import trace_writer
+from dlprof_agent.probe.recorder import Recorder
+from tests.cupti_records import HTOD, BufferBuilder
+from tests.fake_cupti import FakeBinding, busy, now_on_cupti_clock, unavailable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    """What the tracer looks at: CUDA in use, a profiler of the job's, the time."""
+
+    def __init__(self, binding: FakeBinding | None = None, *, cuda: bool = True) -> None:
+        self.cuda = cuda
+        self.profiler = ""
+        self.clock = Clock()
+        self.bindings: list[FakeBinding] = []
+        self.next_binding = binding
+
+    def factory(self) -> FakeBinding:
+        binding = self.next_binding or FakeBinding()
+        self.next_binding = None
+        self.bindings.append(binding)
+        return binding
+
+    def tracer(self, *, continuous: bool = True, labels: list[str] | None = None
+               ) -> kt.KernelTracer:
+        tracer = kt.KernelTracer(continuous=continuous, max_layers=512,
+                                 binding_factory=self.factory, cuda_check=lambda: self.cuda,
+                                 profiler_check=lambda: self.profiler, clock=self.clock)
+        tracer.recorder = Recorder(warmup_steps=0)
+        if labels is not None:
+            tracer.set_layers(labels)
+        return tracer
+
+    def tick(self, tracer: kt.KernelTracer, seconds: float = 0.3) -> None:
+        self.clock.now += seconds
+        tracer.tick()
+
+
+def kernels(snapshot: dict[str, Any]) -> dict[str, tuple[int, Any]]:
+    return {name: (launches, seconds) for name, _, launches, seconds in snapshot["kernels"]}
+
+
+def test_switched_off_it_never_touches_cupti() -> None:
+    world = World()
+    tracer = world.tracer(continuous=False)
+    world.tick(tracer)
+    assert world.bindings == []
+    assert tracer.snapshot() == {"state": "unavailable", "reason": "switched off (--no-kernels)",
+                                 "errors": 0}
+
+
+def test_it_waits_for_the_job_to_use_cuda_then_traces() -> None:
+    world = World(cuda=False)
+    tracer = world.tracer()
+    world.tick(tracer)
+    assert (tracer.state, tracer.reason) == ("unavailable", "no CUDA in use")
+    assert world.bindings == []
+
+    world.cuda = True
+    world.tick(tracer, kt.CUDA_CHECK_SECONDS)
+    assert tracer.state == "active" and tracer.reason == ""
+    binding = world.bindings[0]
+    assert set(binding.enabled) == set(kt.KINDS)  # no attribution kinds without layers
+    binding.deliver(BufferBuilder().kernel("ampere_sgemm_128x64_nn", 0, 2_000)
+                    .memcpy(HTOD, 4096, 0, 1_000).overhead(0, 300))
+    binding.dropped = 3
+    world.tick(tracer)
+
+    snapshot = tracer.snapshot()
+    assert kernels(snapshot) == {"ampere_sgemm_128x64_nn": (1, pytest.approx(2e-6))}
+    assert snapshot["memcpy"] == [[0, "h2d", 4096, pytest.approx(1e-6)]]
+    assert snapshot["overhead_seconds"] == pytest.approx(3e-7)
+    assert snapshot["dropped_records"] == 3
+    assert binding.released == 1  # the buffer went back to the pool
+    assert binding.size_questions == 3  # each kind's size asked of CUPTI once
+
+
+def test_a_busy_cupti_is_reported_with_its_holder_and_retried() -> None:
+    world = World(busy("CUPTI is held by nsys"))
+    tracer = world.tracer()
+    world.tick(tracer)
+    assert (tracer.state, tracer.reason) == ("busy", "CUPTI is held by nsys")
+    world.tick(tracer, 1.0)
+    assert len(world.bindings) == 1  # not before BUSY_RETRY_SECONDS
+    world.tick(tracer, kt.BUSY_RETRY_SECONDS)
+    assert len(world.bindings) == 2 and tracer.state == "active"
+
+
+def test_unavailable_says_why_and_is_not_retried() -> None:
+    world = World(unavailable())
+    tracer = world.tracer()
+    world.tick(tracer)
+    world.tick(tracer, 3600)
+    assert (tracer.state, tracer.reason) == (
+        "unavailable", "cupti-python not installed in the job's environment")
+    assert len(world.bindings) == 1
+
+
+def test_it_gives_way_to_torch_profiler_and_comes_back_with_its_counters() -> None:
+    world = World()
+    tracer = world.tracer()
+    world.tick(tracer)
+    first = world.bindings[0]
+    first.deliver(BufferBuilder().kernel("k", 0, 1_000))
+    world.tick(tracer)
+
+    world.profiler = "torch.profiler"
+    first.deliver(BufferBuilder().kernel("k", 0, 1_000))  # completed before it yielded
+    world.tick(tracer)
+    assert (tracer.state, tracer.reason) == ("busy", "torch.profiler is running")
+    assert first.abandoned and not first.closed  # its kinds are the profiler's now
+    assert tracer.correlator is None
+
+    world.profiler = ""
+    world.tick(tracer, kt.YIELD_RETRY_SECONDS)
+    assert tracer.state == "active" and len(world.bindings) == 2
+    world.bindings[1].deliver(BufferBuilder().kernel("k", 0, 1_000))
+    world.tick(tracer)
+    assert kernels(tracer.snapshot()) == {"k": (3, pytest.approx(3e-6))}
+
+
+def test_a_failure_of_its_own_is_counted_and_never_raised() -> None:
+    world = World()
+    tracer = world.tracer()
+    world.tick(tracer)
+    world.bindings[0].fail_on_take = RuntimeError("boom")
+    world.tick(tracer)  # does not raise
+    assert tracer.state == "unavailable"
+    assert tracer.reason == "tracer failed: RuntimeError: boom"
+    assert tracer.errors == 1
+    assert world.bindings[0].closed
+    world.tick(tracer, 3600)
+    assert len(world.bindings) == 1
+
+
+def test_stop_hands_cupti_back_after_the_last_records() -> None:
+    world = World()
+    tracer = world.tracer()
+    world.tick(tracer)
+    world.bindings[0].deliver(BufferBuilder().kernel("k", 0, 1_000))
+    tracer.stop()
+    assert world.bindings[0].closed
+    assert kernels(tracer.snapshot()) == {"k": (1, pytest.approx(1e-6))}
+
+
+def test_layers_get_their_kernel_time_through_the_correlator() -> None:
+    world = World()
+    labels = ["conv", "fc"]
+    tracer = world.tracer(labels=labels)
+    world.tick(tracer)
+    binding = world.bindings[0]
+    assert {39, 5, 4} <= set(binding.enabled)  # external correlation, runtime, driver
+    base = tracer.correlator.base
+    binding.deliver(BufferBuilder()
+                    .external(1, base | 1 << 1).api(1).kernel("gemm", 0, 4_000, correlation=1)
+                    .external(2, base | 0 << 1 | 1).api(2).kernel("wgrad", 0, 1_000,
+                                                                  correlation=2))
+    world.tick(tracer)
+    assert sorted(tracer.snapshot()["layers"]) == [["conv", "backward", pytest.approx(1e-6)],
+                                                   ["fc", "forward", pytest.approx(4e-6)]]
+
+
+# --- windowed traces ----------------------------------------------------------------
+
+
+def step_at(tracer: kt.KernelTracer, perf_seconds: float) -> None:
+    tracer.recorder.step_boundary("optimizer", perf_seconds)
+
+
+def test_a_trace_window_holds_the_steps_layers_and_the_kernels_launched_in_it() -> None:
+    world = World()
+    tracer = world.tracer(labels=["conv"])
+    world.tick(tracer)
+    binding = world.bindings[0]
+    assert tracer.start_capture(2, 60) == ""
+    assert {5, 4} <= set(binding.enabled)  # launch times for the window's cut
+
+    t0 = time.perf_counter()
+    cupti = now_on_cupti_clock
+    base = tracer.correlator.base
+    before = BufferBuilder().api(1, start=cupti(t0 - 0.5)).kernel("early", cupti(t0 - 0.4),
+                                                                   cupti(t0 - 0.3), correlation=1)
+    binding.deliver(before)
+    world.tick(tracer)
+    step_at(tracer, t0)  # the window opens
+    tracer.capture.layer("conv", "forward", t0 + 0.01, t0 + 0.02)  # type: ignore[union-attr]
+    inside = (BufferBuilder()
+              .external(2, base | 0).api(2, start=cupti(t0 + 0.011))
+              .kernel("conv_kernel", cupti(t0 + 0.012), cupti(t0 + 0.015), correlation=2,
+                      stream=13)
+              .api(3, start=cupti(t0 + 0.03))
+              .memcpy(HTOD, 1 << 20, cupti(t0 + 0.031), cupti(t0 + 0.032), correlation=3))
+    binding.deliver(inside)
+    world.tick(tracer)
+    step_at(tracer, t0 + 0.1)
+    step_at(tracer, t0 + 0.2)  # two steps: the window closes
+    late = (BufferBuilder().api(4, start=cupti(t0 + 0.19))
+            .kernel("last_kernel_runs_late", cupti(t0 + 0.25), cupti(t0 + 0.26), correlation=4)
+            .api(5, start=cupti(t0 + 0.21)).kernel("next_step", cupti(t0 + 0.27),
+                                                    cupti(t0 + 0.28), correlation=5))
+    binding.deliver(late)
+    assert tracer.capture_status(0)["phase"] == "collecting"
+    world.tick(tracer)
+    world.tick(tracer, kt.COLLECT_SECONDS)
+    status = tracer.capture_status(0)
+
+    assert status["phase"] == "done" and status["steps"] == 2
+    assert binding.flushes >= 1
+    payload = json.loads(status["data"])
+    assert len(status["data"]) == status["size"]
+    assert tracer.capture is None  # delivered and freed
+    names = [payload["names"][payload["full_to_name"][i]] for i in payload["kernels"]["name"]]
+    assert names == ["conv_kernel", "last_kernel_runs_late"]
+    assert payload["kernels"]["layer"] == [0, -1] and payload["labels"] == ["conv"]
+    assert payload["memcpy"]["kind"] == ["h2d"]
+    # The clocks are aligned by sampling both: good to a few microseconds.
+    assert payload["steps"] == pytest.approx([cupti(t0), cupti(t0 + 0.1), cupti(t0 + 0.2)],
+                                             abs=5_000)
+    assert payload["layers"][0][:2] == ["conv", 0]
+    assert payload["layers"][0][2:4] == pytest.approx([cupti(t0 + 0.01), cupti(t0 + 0.02)],
+                                                      abs=5_000)
+    assert set(binding.enabled) == set(kt.KINDS) | {39, 5, 4}  # attribution keeps its kinds
+
+    trace = trace_writer.chrome_trace(payload, pid=4242)
+    kernel = next(e for e in trace["traceEvents"] if e.get("name") == "conv_kernel")
+    assert kernel["ts"] == pytest.approx(12_000, abs=1) and kernel["dur"] == pytest.approx(
+        3_000, abs=1)
+    assert kernel["args"]["layer"] == "conv" and kernel["tid"] == 13
+
+
+def test_without_launch_records_the_window_is_cut_by_start_time() -> None:
+    world = World()
+    tracer = world.tracer()
+    world.tick(tracer)
+    binding = world.bindings[0]
+    assert tracer.start_capture(1, 60) == ""
+    t0 = time.perf_counter()
+    step_at(tracer, t0)
+    step_at(tracer, t0 + 0.1)
+    binding.deliver(BufferBuilder()
+                    .kernel("before", now_on_cupti_clock(t0 - 0.01), now_on_cupti_clock(t0))
+                    .kernel("inside", now_on_cupti_clock(t0 + 0.05),
+                            now_on_cupti_clock(t0 + 0.06)))
+    world.tick(tracer)
+    world.tick(tracer, kt.COLLECT_SECONDS)
+    # No GPU work after the window yet: it may still be running the window's.
+    assert tracer.capture_status(0)["phase"] == "collecting"
+    world.tick(tracer, kt.MAX_COLLECT_SECONDS)  # a GPU gone idle: wait no longer
+    payload = json.loads(tracer.capture_status(0)["data"])
+    assert [payload["names"][payload["full_to_name"][i]]
+            for i in payload["kernels"]["name"]] == ["inside"]
+    assert set(world.bindings[0].enabled) == set(kt.KINDS)  # the window's kinds are off again
+
+
+def test_a_trace_says_why_it_cannot_be_had() -> None:
+    world = World(cuda=False)
+    tracer = world.tracer()
+    assert tracer.start_capture(3, 60) == "no GPU in use: the process has not started CUDA"
+
+    world = World(busy("CUPTI is held by Nsight Systems"))
+    tracer = world.tracer()
+    assert tracer.start_capture(3, 60) == "tracing busy: CUPTI is held by Nsight Systems"
+
+    world = World(unavailable())
+    tracer = world.tracer()
+    world.tick(tracer)
+    assert tracer.start_capture(3, 60) == (
+        "kernel tracing unavailable: cupti-python not installed in the job's environment")
+
+    world = World()
+    tracer = world.tracer()
+    assert tracer.start_capture(3, 60) == ""
+    assert tracer.start_capture(3, 60) == (
+        "tracing busy: a trace of this process is already being taken")
+
+
+def test_a_window_that_never_fills_fails_at_its_deadline() -> None:
+    world = World()
+    tracer = world.tracer()
+    assert tracer.start_capture(5, 10) == ""
+    step_at(tracer, time.perf_counter())
+    step_at(tracer, time.perf_counter())
+    world.tick(tracer, 11)
+    status = tracer.capture_status(0)
+    assert status == {"ok": False, "phase": "failed", "steps": 1, "wanted": 5,
+                      "error": "only 1 of 5 steps before the time limit"}
+    assert tracer.recorder.capture is None
+
+
+def test_with_kernels_switched_off_a_trace_starts_cupti_for_its_window_only() -> None:
+    world = World()
+    tracer = world.tracer(continuous=False)
+    assert tracer.start_capture(1, 60) == ""
+    assert tracer.state == "active"
+    t0 = time.perf_counter()
+    step_at(tracer, t0)
+    step_at(tracer, t0 + 0.01)
+    world.tick(tracer)
+    world.tick(tracer, kt.MAX_COLLECT_SECONDS)
+    assert tracer.capture_status(0)["phase"] == "done"
+    assert world.bindings[0].closed
+    assert (tracer.state, tracer.reason) == ("unavailable", "switched off (--no-kernels)")
+    world.tick(tracer, 60)
+    assert len(world.bindings) == 1
