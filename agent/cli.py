@@ -376,14 +376,18 @@ def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
                          "target_up": bool(latest and latest.target_up),
                          "last_sample_age_seconds": age}
 
-    return _listen(_registry(sampler), health, options.listen, options.port)
+    return _listen(_registry(sampler), health, options.listen, options.port,
+                   version=lambda: sampler.latest)
 
 
 def _listen(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]],
-            listen: str, port: int) -> MetricsServer:
-    """A started /metrics server, or a one-line error saying why there is none."""
+            listen: str, port: int, *, version: Callable[[], object] | None = None
+            ) -> MetricsServer:
+    """A started /metrics server, or a one-line error saying why there is none.
+    ``version``: the published sample; a scrape renders each one at most once."""
     try:
-        server = MetricsServer(registry, host=listen, port=port, health=health)
+        server = MetricsServer(registry, host=listen, port=port, health=health,
+                               version=version)
     except socket.gaierror:
         raise UsageError(f"cannot listen on {listen!r}: not an address of this "
                          "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None
@@ -645,9 +649,9 @@ def daemon_command(args: argparse.Namespace) -> int:
                             matches=tuple(args.match), environment=tuple(args.env),
                             probe=probe, gpu=args.gpu)
 
-    def start(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]]
-              ) -> MetricsServer:
-        return _listen(registry, health, args.listen, args.port)
+    def start(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]],
+              version: Callable[[], object]) -> MetricsServer:
+        return _listen(registry, health, args.listen, args.port, version=version)
     return serve_node(options, args.listen, start)
 
 

@@ -310,7 +310,8 @@ Health = Callable[[], tuple[bool, dict[str, Any]]]
 
 
 def serve_node(options: DaemonOptions, listen: str,
-               start_server: Callable[[CollectorRegistry, Health], MetricsServer]) -> int:
+               start_server: Callable[[CollectorRegistry, Health, Callable[[], object]],
+                                      MetricsServer]) -> int:
     """Run the daemon until SIGTERM or Ctrl-C; ``start_server`` serves /metrics."""
     daemon = make_daemon(options)
 
@@ -320,7 +321,7 @@ def serve_node(options: DaemonOptions, listen: str,
         return (age is not None and age < 3 * options.interval + 1,
                 {"targets": sorted(daemon.targets), "last_sample_age_seconds": age})
 
-    server = start_server(registry_for(daemon), health)
+    server = start_server(registry_for(daemon), health, lambda: daemon.latest)
     stop = threading.Event()
     previous_term = signal.signal(signal.SIGTERM, _raise_stop)
     try:
