@@ -38,6 +38,7 @@ from benchmarks.common import (
     Table,
     TargetCheck,
     agent_command,
+    cpu_seconds,
     free_port,
     get,
     load_average,
@@ -264,6 +265,9 @@ def run(settings: dict[str, Any]) -> Result:
                     unavailable["py-spy"] = problem
                     active = [c for c in active if not c.py_spy]
             medians: dict[str, list[float]] = {c.key: [] for c in active}
+            # The job's own CPU per step: what runs inside it (probe, profiler) shows
+            # there without the wall-clock noise of a shared machine.
+            job_cpu: dict[str, list[float]] = {c.key: [] for c in active}
             seen: dict[str, list[tuple[int, int]]] = {c.key: [] for c in active}
             for round_index in range(rounds):
                 shift = round_index % len(active)  # each round opens with another config
@@ -272,8 +276,11 @@ def run(settings: dict[str, Any]) -> Result:
                     try:
                         around.start()
                         busy.start()
+                        cpu_before = cpu_seconds(job.pid)
                         durations = job.run_block(steps + SETTLE_STEPS,
                                                   profiler=config.profiler)
+                        job_cpu[config.key].append((cpu_seconds(job.pid) - cpu_before)
+                                                   / (steps + SETTLE_STEPS))
                         busy.stop()
                         if config.probe:
                             seen[config.key].append(around.probe_seen(time.time()))
@@ -289,7 +296,8 @@ def run(settings: dict[str, Any]) -> Result:
         base = medians["off"]
         baseline_spreads.append(spread(base))
         _add_workload(result, workload=workload, framework=framework, batch=job.batch,
-                      steps=steps, configs=active, medians=medians, seen=seen)
+                      steps=steps, configs=active, medians=medians, seen=seen,
+                      job_cpu=job_cpu)
     load_end = load_average()
 
     worst = max(baseline_spreads)
@@ -323,13 +331,18 @@ def run(settings: dict[str, Any]) -> Result:
         "The agent and py-spy are started before and stopped after each block; only the "
         "steps inside the block are timed, after "
         f"{SETTLE_STEPS} settling steps.",
+        "Job CPU per step is the job process's user and system CPU over the block (from "
+        "/proc, settling steps included) divided by its steps. It counts what runs inside "
+        "the job (the probe's hooks, a profiler) and not the agent's own process, and "
+        "other tenants of the machine move it much less than wall time.",
     ]
     return result
 
 
 def _add_workload(result: Result, *, workload: str, framework: str, batch: int, steps: int,
                   configs: list[Config], medians: dict[str, list[float]],
-                  seen: dict[str, list[tuple[int, int]]]) -> None:
+                  seen: dict[str, list[tuple[int, int]]],
+                  job_cpu: dict[str, list[float]]) -> None:
     base = medians["off"]
     slug = workload.replace(" ", "_").replace("-", "_")
     table = Table(f"{slug}", f"{workload}: batch {batch}, {steps}-step blocks, "
@@ -340,6 +353,8 @@ def _add_workload(result: Result, *, workload: str, framework: str, batch: int, 
                       Column("overhead_median", "overhead: median", "spct"),
                       Column("overhead_min", "min", "spct"),
                       Column("overhead_max", "max", "spct"),
+                      Column("job_cpu_per_step", "job CPU per step", "ms"),
+                      Column("job_cpu_overhead", "job CPU: median", "spct"),
                       Column("probe_steps", "steps the probe saw", "int"),
                       Column("probe_layers", "layers it timed", "int"),
                       Column("target", "target"),
@@ -354,6 +369,13 @@ def _add_workload(result: Result, *, workload: str, framework: str, batch: int, 
             overheads[config.key] = statistics.median(ratios)
             row.update(overhead_median=overheads[config.key], overhead_min=min(ratios),
                        overhead_max=max(ratios))
+        cpu = job_cpu.get(config.key, [])
+        if cpu:
+            row["job_cpu_per_step"] = statistics.median(cpu)
+        if config.key != "off" and cpu and len(cpu) == len(job_cpu["off"]):
+            row["job_cpu_overhead"] = statistics.median(
+                [on / off - 1 for on, off in zip(cpu, job_cpu["off"], strict=True) if off > 0])
+            result.figures[f"{slug}.{config.key}.job_cpu_overhead"] = row["job_cpu_overhead"]
         if seen.get(config.key):
             row["probe_steps"] = min(s for s, _ in seen[config.key])
             row["probe_layers"] = min(n for _, n in seen[config.key])
