@@ -6,14 +6,12 @@ import argparse
 import errno
 import importlib.util
 import logging
-import math
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import urllib.request
@@ -27,6 +25,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
 from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
+from dlprof_agent.agent.arguments import paragraph as _para
+from dlprof_agent.agent.arguments import seconds, whole_number
 from dlprof_agent.agent.errors import (
     EXIT_CODES_HELP,
     AgentError,
@@ -54,20 +54,6 @@ MIN_INTERVAL_SECONDS = 0.05
 log = logging.getLogger("dlprof_agent")
 
 
-def _seconds(minimum: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a number of seconds (e.g. 1 or 0.5)") from None
-        if not math.isfinite(value) or value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"{text} is out of range: give at least {minimum:g} seconds")
-        return value
-    return parse
-
-
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -90,11 +76,6 @@ def _pid(text: str) -> int:
     return value
 
 
-def _para(text: str) -> str:
-    """Wrap a description; the raw formatter keeps the examples' own layout."""
-    return textwrap.fill(text, width=78)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse that reports errors in one line, like the rest of the agent."""
 
@@ -110,16 +91,6 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                         help="read GPUs through NVML when a driver is present (default: on)")
 
 
-def _warmup(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give 0 or more steps")
-    return value
-
-
 def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> None:
     group = parser.add_argument_group(
         "in-process probe", "step time, samples per second, per-layer time and framework "
@@ -127,7 +98,8 @@ def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> Non
     group.add_argument("--layers", action="store_true",
                        help="also time each layer's forward and backward (costs a little "
                             "per layer call; off by default)")
-    group.add_argument("--warmup-steps", type=_warmup, default=10, metavar="N",
+    group.add_argument("--warmup-steps", type=whole_number(0, unit="steps"), default=10,
+                       metavar="N",
                        help="steps counted as warm-up and kept out of the steady-state "
                             "figures (default 10)")
     group.add_argument("--no-kernels", dest="kernels", action="store_false",
@@ -149,19 +121,19 @@ def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: f
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
                         help=f"port to serve /metrics on (default {DEFAULT_PORT}; 0 picks a "
                              "free one)")
-    parser.add_argument("--interval", type=_seconds(MIN_INTERVAL_SECONDS),
+    parser.add_argument("--interval", type=seconds(MIN_INTERVAL_SECONDS),
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
                              "sample and never trigger one")
     if not one_target:
         parser.add_argument("--quiet", action="store_true", help="log warnings only")
         return
-    parser.add_argument("--duration", type=_seconds(MIN_INTERVAL_SECONDS),
+    parser.add_argument("--duration", type=seconds(MIN_INTERVAL_SECONDS),
                         default=duration_default, metavar="SECONDS",
                         help="stop after this long" + (
                             f" (default {duration_default:g})" if duration_default
                             else " (default: until Ctrl-C or the target exits)"))
-    parser.add_argument("--grace", type=_seconds(0), default=DEFAULT_GRACE_SECONDS,
+    parser.add_argument("--grace", type=seconds(0), default=DEFAULT_GRACE_SECONDS,
                         metavar="SECONDS",
                         help="after the target exits, keep serving dlprof_target_up 0 this "
                              f"long so the last scrape sees it (default {DEFAULT_GRACE_SECONDS:g})")
@@ -291,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                "Kubernetes, systemd and SLURM.\n\n"
                + EXIT_CODES_HELP)
     _add_serving_options(daemon, duration_default=None, one_target=False)
-    daemon.add_argument("--scan-interval", type=_seconds(0.1), default=2.0, metavar="SECONDS",
+    daemon.add_argument("--scan-interval", type=seconds(0.1), default=2.0, metavar="SECONDS",
                         help="how often to look for new jobs (default 2)")
     daemon.add_argument("--match", action="append", type=_regex, default=[], metavar="REGEX",
                         help="also watch processes whose command line matches (repeatable), "

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import re
-import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from importlib import resources
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
+from dlprof_agent.agent.arguments import paragraph, seconds
 from dlprof_agent.agent.errors import AgentError, GrafanaError, UsageError
 
 # The uid the dashboards' datasource variable is pointed at; the file provisioning in
@@ -49,25 +49,11 @@ EXIT_CODES = """exit codes:
   7  cannot reach Grafana, or it refused the credentials or a change"""
 
 
-def _para(text: str) -> str:
-    return textwrap.fill(text, width=78)
-
-
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give more than 0 seconds")
-    return value
-
-
 def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> None:
     grafana = commands.add_parser(
         "grafana", help="put the shipped dashboards into a running Grafana",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_para("Set up Grafana for the agent's metrics: the Prometheus data "
+        description=paragraph("Set up Grafana for the agent's metrics: the Prometheus data "
                           "source and the shipped dashboards."),
         epilog="examples:\n"
                "  dlprof-agent grafana provision --url http://localhost:3000 --user admin "
@@ -77,17 +63,17 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
     provision = actions.add_parser(
         "provision", help="create the data source and folder, and upload every dashboard",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_para(
+        description=paragraph(
             "Through Grafana's HTTP API: create or update a Prometheus data source (uid "
             f"{DATASOURCE_UID}) pointing at --prometheus-url, make sure the folder --folder "
             "exists, and upload every dashboard the agent ships into it, overwriting the "
             "earlier upload (the dashboards keep their own uids, so links stay valid). "
             "Each dashboard's data source variable defaults to that data source. Running "
-            "it again gives the same result and no duplicates.") + "\n\n" + _para(
+            "it again gives the same result and no duplicates.") + "\n\n" + paragraph(
             "Credentials: a service account token (Administration > Users and access > "
             "Service accounts; the Admin role, since it creates a data source) with "
             f"--token or ${TOKEN_ENV}, or a user's --user and --password (basic auth).")
-            + "\n\n" + _para(
+            + "\n\n" + paragraph(
             "Without the API, Grafana can load the same from files at start-up: see "
             "grafana/provisioning/ in the source tree."),
         epilog="examples:\n"
@@ -122,8 +108,8 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                            help="the data source's name in Grafana's menus (default "
                                 f"{DEFAULT_DATASOURCE_NAME}); its uid is always "
                                 f"{DATASOURCE_UID}")
-    provision.add_argument("--timeout", type=_timeout, default=DEFAULT_TIMEOUT_SECONDS,
-                           metavar="SECONDS",
+    provision.add_argument("--timeout", type=seconds(0, above=True),
+                           default=DEFAULT_TIMEOUT_SECONDS, metavar="SECONDS",
                            help="how long to wait for each answer from Grafana (default "
                                 f"{DEFAULT_TIMEOUT_SECONDS:g})")
 

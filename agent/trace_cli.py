@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from dlprof_agent import __version__
+from dlprof_agent.agent.arguments import seconds, whole_number
 from dlprof_agent.agent.errors import EXIT_CODES_HELP, TraceUnavailable, UsageError
 from dlprof_agent.agent.probe_control import ProbeOptions, open_trace_channel
 from dlprof_agent.agent.target import open_target
@@ -28,6 +29,7 @@ from dlprof_agent.probe.protocol import ConnectionClosed, ProtocolError
 
 POLL_SECONDS = 0.5
 DEFAULT_STEPS = 10
+MAX_STEPS = 100_000  # the probe's own limit (probe.runtime.MAX_TRACE_STEPS)
 DEFAULT_TIMEOUT_SECONDS = 300.0
 PAYLOAD_SECONDS = 30.0  # the probe builds the window's records once: allow it that long
 
@@ -44,26 +46,6 @@ HINTS = (
     ("steps before the time limit", "ask for fewer --steps, or a longer --timeout"),
     ("no training step", "the probe sees no steps: is the job training? (see README, steps)"),
 )
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps") from None
-    if not 1 <= value <= 100_000:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give 1 to 100000 steps")
-    return value
-
-
-def _timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 1 <= value <= 86400:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give 1 to 86400 seconds")
-    return value
 
 
 def add_parser(commands: Any, pid_type: Callable[[str], int]) -> None:
@@ -83,11 +65,12 @@ def add_parser(commands: Any, pid_type: Callable[[str], int]) -> None:
                "The job needs cupti-python of its CUDA major in its own environment.\n\n"
                + EXIT_CODES_HELP)
     trace.add_argument("pid", type=pid_type, metavar="PID", help="the training job's process id")
-    trace.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, metavar="N",
+    trace.add_argument("--steps", type=whole_number(1, MAX_STEPS, unit="steps"),
+                       default=DEFAULT_STEPS, metavar="N",
                        help=f"steps to capture (default {DEFAULT_STEPS})")
     trace.add_argument("-o", "--output", metavar="FILE",
                        help="where to write the trace (default trace-PID.json)")
-    trace.add_argument("--timeout", type=_timeout, default=DEFAULT_TIMEOUT_SECONDS,
+    trace.add_argument("--timeout", type=seconds(1, 86400), default=DEFAULT_TIMEOUT_SECONDS,
                        metavar="SECONDS", help="give up when the steps have not come by then "
                                                f"(default {DEFAULT_TIMEOUT_SECONDS:g})")
     trace.add_argument("--no-layers", dest="layers", action="store_false",

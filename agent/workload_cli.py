@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from dlprof_agent.agent.arguments import seconds, whole_number
 from dlprof_agent.agent.errors import UsageError
 from dlprof_agent.workloads.models import MODELS
 
@@ -94,7 +95,7 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
 
 
 def _add_interval_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--interval", type=float, default=0.25, metavar="SECONDS",
+    parser.add_argument("--interval", type=seconds(0.05), default=0.25, metavar="SECONDS",
                         help="with --attach: seconds between the agent's samples (default "
                              "0.25, so that short runs still get several)")
 
@@ -136,20 +137,8 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
                           "(data_batch_*.bin) for alexnet-r, resnet-56 and small-cnn")
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is out of range: give {minimum} or more")
-        return value
-    return parse
-
-
-_positive = _at_least(1)
-_non_negative = _at_least(0)
+_positive = whole_number(1)
+_non_negative = whole_number(0)
 
 
 def _counters() -> dict[str, Callable[[str], int]]:
@@ -293,8 +282,6 @@ def _attached(args: argparse.Namespace) -> int:
     from dlprof_agent.agent.cli import DEFAULT_LISTEN, ServeOptions, run_command
     from dlprof_agent.agent.probe_control import ProbeOptions
 
-    if not args.interval >= 0.05:
-        raise UsageError(f"--interval {args.interval:g} is too short", "give 0.05 s or more")
     child = [sys.executable, "-m", "dlprof_agent", "workload", "run",
              *_base_run_args(args), "--ranks", str(args.ranks), "--no-progress"]
     child += ["--json"] if args.json else []

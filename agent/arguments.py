@@ -1,0 +1,52 @@
+"""Parsers for command-line values, shared by every command: a bad value is
+a one-line argparse error that says what was expected."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import textwrap
+from collections.abc import Callable
+
+
+def paragraph(text: str) -> str:
+    """Wrap a description; the raw formatter keeps the examples' own layout."""
+    return textwrap.fill(text, width=78)
+
+
+def whole_number(minimum: int, maximum: int | None = None, *, unit: str = ""
+                 ) -> Callable[[str], int]:
+    """``unit``: what is counted ("steps"), for the messages."""
+    what = f" {unit}" if unit else ""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of {unit}" if unit
+                else f"{text!r} is not a whole number") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: give {minimum} or more{what}" if maximum is None
+                else f"{text} is out of range: give {minimum} to {maximum}{what}")
+        return value
+    return parse
+
+
+def seconds(minimum: float, maximum: float | None = None, *, above: bool = False
+            ) -> Callable[[str], float]:
+    """``above``: ``minimum`` itself is not allowed (more than 0 seconds)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number of seconds (e.g. 1 or 0.5)") from None
+        too_small = value <= minimum if above else value < minimum
+        if not math.isfinite(value) or too_small or (maximum is not None and value > maximum):
+            bound = (f"more than {minimum:g}" if above else f"at least {minimum:g}"
+                     ) if maximum is None else f"{minimum:g} to {maximum:g}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {bound} seconds")
+        return value
+    return parse
