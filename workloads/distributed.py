@@ -48,10 +48,18 @@ def run_distributed(config: RunConfig, ranks: int) -> dict[str, Any]:
             reports.append(json.loads(stdout))
     if failures:
         raise RuntimeError("; ".join(failures))
+    return combine_reports(config, reports)
+
+
+def combine_reports(config: RunConfig, reports: list[dict[str, Any]],
+                    extra_per_rank: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The run's figures from the ranks' reports: a step takes as long as its
+    slowest rank; compute and exchange are each rank's medians. ``extra_per_rank``:
+    report keys carried over as they are."""
     step = [max(r["step_seconds"][i] for r in reports)
             for i in range(len(reports[0]["step_seconds"]))]
     seconds_per_batch = statistics.median(step)
-    batch = reports[0]["batch_size"]
+    batch, ranks = reports[0]["batch_size"], len(reports)
     return {
         **asdict(config), "ranks": ranks, "batch_size": batch,
         "global_batch_size": batch * ranks, "parameters": reports[0]["parameters"],
@@ -60,7 +68,8 @@ def run_distributed(config: RunConfig, ranks: int) -> dict[str, Any]:
         "samples_per_second": batch * ranks / seconds_per_batch,
         "per_rank": [{"rank": r["rank"], "pid": r["pid"],
                       "compute_seconds_per_batch": statistics.median(r["compute_seconds"]),
-                      "exchange_seconds_per_batch": statistics.median(r["exchange_seconds"])}
+                      "exchange_seconds_per_batch": statistics.median(r["exchange_seconds"]),
+                      **{key: r[key] for key in extra_per_rank}}
                      for r in reports],
     }
 

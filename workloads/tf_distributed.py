@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import IO, Any
 
+from dlprof_agent.workloads.distributed import combine_reports
 from dlprof_agent.workloads.runner import RunConfig
 
 LEARNING_RATE = 0.01  # as the PyTorch ranks' SGD
@@ -95,22 +95,7 @@ def run_distributed(config: RunConfig, ranks: int, *, exchange: bool = True,
                     worker.kill()
                     worker.wait()
         reports = [json.loads(_last_line(stream)) for stream in stdout]
-    step = [max(r["step_seconds"][i] for r in reports)
-            for i in range(len(reports[0]["step_seconds"]))]
-    seconds_per_batch = statistics.median(step)
-    batch = reports[0]["batch_size"]
-    return {
-        **asdict(config), "ranks": ranks, "batch_size": batch,
-        "global_batch_size": batch * ranks, "parameters": reports[0]["parameters"],
-        "gradient_bytes": reports[0]["gradient_bytes"],
-        "seconds_per_batch": seconds_per_batch,
-        "samples_per_second": batch * ranks / seconds_per_batch,
-        "per_rank": [{"rank": r["rank"], "pid": r["pid"],
-                      "compute_seconds_per_batch": statistics.median(r["compute_seconds"]),
-                      "exchange_seconds_per_batch": statistics.median(r["exchange_seconds"]),
-                      "weights_checksum": r["weights_checksum"]}
-                     for r in reports],
-    }
+    return combine_reports(config, reports, extra_per_rank=("weights_checksum",))
 
 
 def _rank_main(config: RunConfig, exchange: bool) -> int:
