@@ -17,7 +17,7 @@ from prometheus_client import utils
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-_WRITTEN_TYPES = {"gauge": "gauge", "counter": "counter", "histogram": "histogram"}
+_WRITTEN_TYPES = frozenset({"gauge", "counter", "histogram"})
 # Values as Go writes floats (+Inf, 1e+06), the way Prometheus's own exporters do.
 _format_value: Callable[[float], str] = utils.floatToGoString
 
