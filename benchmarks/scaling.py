@@ -6,8 +6,9 @@ The agent's own code runs here, in this process, against real processes:
 a sampling pass (agent.sampler.Sampler over collectors.process and
 collectors.host, the way `attach` builds it) of a busy launcher with N-1
 children, or of one process with T threads; then one render of that snapshot
-in the format Prometheus asks for. Per interval the agent does one pass and,
-scraped at the same rate, one render: that sum is its cost. Layers: the probe
+as the agent answers Prometheus (its text writer, gzipped). Per interval the
+agent does one pass and, scraped at the same rate, one render: that sum is its
+cost. Layers: the probe
 thread's snapshot and encoding (in the job) and the agent's decoding and
 rendering (in the agent), for L layer names. Series: rendering benchmarks.exposition's
 node snapshots. Costs are CPU time of the measuring thread.
@@ -24,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from benchmarks.common import (
@@ -43,6 +43,7 @@ from benchmarks.common import (
     percentile,
     positive_int,
 )
+from dlprof_agent.exporters.http import render_for
 
 NAME = "scaling"
 TITLE = "Scaling"
@@ -113,8 +114,7 @@ def agent_costs(pid: int, passes: int) -> tuple[float, float, int]:
     pass_cost = _cpu_median(one_pass, passes)
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=1.0))
-    encoder, _ = choose_encoder(_ACCEPT)
-    render_cost = _cpu_median(lambda: encoder(registry), passes)
+    render_cost = _cpu_median(lambda: render_for(registry, _ACCEPT, gzipped=True), passes)
     return pass_cost, render_cost, _series(registry)
 
 
@@ -151,7 +151,6 @@ def layer_costs(layers: int, passes: int) -> tuple[float, float]:
                        "dropped": {}})
 
     frame = answer()
-    encoder, _ = choose_encoder(_ACCEPT)
 
     class Probe(Collector):
         def collect(self) -> Any:
@@ -160,7 +159,8 @@ def layer_costs(layers: int, passes: int) -> tuple[float, float]:
 
     registry = CollectorRegistry()
     registry.register(Probe())
-    return _cpu_median(answer, passes), _cpu_median(lambda: encoder(registry), passes)
+    render_cost = _cpu_median(lambda: render_for(registry, _ACCEPT, gzipped=True), passes)
+    return _cpu_median(answer, passes), render_cost
 
 
 def series_cost(series: int, passes: int) -> tuple[float, int]:
@@ -168,8 +168,7 @@ def series_cost(series: int, passes: int) -> tuple[float, int]:
 
     shape, count = shape_for(series)
     registry = registry_for(node_snapshot(shape))
-    encoder, _ = choose_encoder(_ACCEPT)
-    return _cpu_median(lambda: encoder(registry), passes), count
+    return _cpu_median(lambda: render_for(registry, _ACCEPT, gzipped=True), passes), count
 
 
 def _where(fit: Fit, interval: float, cap: float | None = None) -> str:

@@ -83,6 +83,16 @@ def _accepts_text(accept: str) -> bool:
     return False
 
 
+def render_for(registry: CollectorRegistry, accept: str, gzipped: bool) -> tuple[str, bytes]:
+    """The content type and body a scraper sending ``accept`` gets, rendered now."""
+    if _accepts_text(accept):
+        content_type, body = TEXT_CONTENT_TYPE, render_text(registry)
+    else:
+        encoder, content_type = choose_encoder(accept)
+        body = encoder(registry)
+    return content_type, gzip.compress(body, GZIP_LEVEL) if gzipped else body
+
+
 class _Renderer:
     """The exposition of ``registry`` as bytes, kept per data version."""
 
@@ -91,32 +101,19 @@ class _Renderer:
         self._registry = registry
         self._version = version
         self._lock = threading.Lock()
-        self._cached: dict[tuple[str, bool], tuple[object, bytes]] = {}
+        self._cached: dict[tuple[str, bool], tuple[object, str, bytes]] = {}
 
     def render(self, accept: str, gzipped: bool) -> tuple[str, bytes]:
-        if _accepts_text(accept):
-            content_type = TEXT_CONTENT_TYPE
-
-            def encode(registry: CollectorRegistry) -> bytes:
-                return render_text(registry)
-        else:
-            encoder, content_type = choose_encoder(accept)
-
-            def encode(registry: CollectorRegistry) -> bytes:
-                return encoder(registry)
         if self._version is None:
-            body = encode(self._registry)
-            return content_type, gzip.compress(body, GZIP_LEVEL) if gzipped else body
-        key = (content_type, gzipped)
+            return render_for(self._registry, accept, gzipped)
+        key = ("text" if _accepts_text(accept) else accept, gzipped)
         with self._lock:  # concurrent scrapers wait for one render instead of each doing it
             version = self._version()
             cached = self._cached.get(key)
             if cached is not None and cached[0] is version:
-                return content_type, cached[1]
-            body = encode(self._registry)
-            if gzipped:
-                body = gzip.compress(body, GZIP_LEVEL)
-            self._cached[key] = (version, body)
+                return cached[1], cached[2]
+            content_type, body = render_for(self._registry, accept, gzipped)
+            self._cached[key] = (version, content_type, body)
             return content_type, body
 
 
