@@ -51,7 +51,10 @@ SUMMARY = ("the agent's CPU per interval against targets, threads per target, la
            "series, fitted to fixed + per-unit costs; where it passes 1% of a core")
 TARGETS = "lightweight: below 1% of a core at 1 s (reported as the count where it passes)"
 ONE_PERCENT = 0.01
-KERNELS_OWED = "owed: CUPTI tracer (issue on per-kernel timings)"
+# In the job a kernel record costs what probe.md measures on synthetic buffers; in
+# the agent kernels are series like any other (at most 200 per GPU, times 2
+# families), priced by the series row. A real GPU's figures are owed.
+KERNELS_OWED = "owed: a GPU run (per record: probe.md; per series: the series row)"
 
 OPTIONS = (
     Option("--targets", [1, 2, 4, 8, 16, 32], [1, 3], "target processes (launcher + "
