@@ -8,6 +8,7 @@ here are the contract documented in docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Generic, TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -31,6 +32,7 @@ FRAMEWORK_LABELS = ("framework", "framework_version", "device", "intra_op_thread
                     "openblas_num_threads", "blas", "cudnn_autotune", "precision",
                     "data_layout", "layer_timing")
 LOAD_WINDOWS = ("1m", "5m", "15m")
+_Published = TypeVar("_Published", Snapshot, NodeSnapshot)
 KERNEL_TRACING_STATES = ("active", "busy", "unavailable")
 
 
@@ -389,17 +391,21 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
             hook_errors, dropped, *kernels]
 
 
-class SnapshotCollector(Collector):
-    """Renders whatever snapshot ``latest`` returns; reads nothing itself."""
+class _LatestCollector(Collector, Generic[_Published]):
+    """Renders whatever ``latest`` returns at scrape time; reads nothing itself."""
 
-    def __init__(self, latest: Callable[[], Snapshot | None], *,
+    def __init__(self, latest: Callable[[], _Published | None], *,
                  interval_seconds: float) -> None:
-        self._latest = latest
+        self._latest: Callable[[], _Published | None] = latest
         self._interval_seconds = interval_seconds
 
     def describe(self) -> Iterable[Metric]:
-        # Empty: registration must not call collect(), which needs a snapshot.
+        # Empty: registration must not call collect(), which needs a sample.
         return []
+
+
+class SnapshotCollector(_LatestCollector[Snapshot]):
+    """One target: the agent's latest Snapshot."""
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._latest()
@@ -429,17 +435,9 @@ def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
     return list(families.values())
 
 
-class NodeCollector(Collector):
-    """Renders the daemon's latest pass: the node once, and every target, each
-    under its own pid. A target that has gone is simply not in the pass."""
-
-    def __init__(self, latest: Callable[[], NodeSnapshot | None], *,
-                 interval_seconds: float) -> None:
-        self._latest = latest
-        self._interval_seconds = interval_seconds
-
-    def describe(self) -> Iterable[Metric]:
-        return []
+class NodeCollector(_LatestCollector[NodeSnapshot]):
+    """The daemon's latest pass: the node once, and every target, each under its
+    own pid. A target that has gone is simply not in the pass."""
 
     def collect(self) -> Iterator[Metric]:
         node = self._latest()
