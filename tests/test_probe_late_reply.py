@@ -19,7 +19,8 @@ from dlprof_agent.probe.protocol import HEADER, encode, take_frame
 from tests.conftest import agent_env
 
 # Steps, then a few seconds in one C call that keeps the GIL (sum over a range
-# never returns to the interpreter loop), then steps again.
+# never returns to the interpreter loop), sized on this machine's speed, then
+# steps again. The hold outlasts the probe's lease at 0.1 s (1.3 s).
 JOB = textwrap.dedent("""
     import sys, time
     from dlprof_agent import probe
@@ -31,7 +32,10 @@ JOB = textwrap.dedent("""
             probe.step(samples=1)
     steps(50)
     started = time.perf_counter()
-    sum(range(GIL_HOLDING_TERMS))
+    sum(range(10_000_000))  # a tenth of a second or so: enough to time the machine
+    terms = int(10_000_000 * HOLD_SECONDS / (time.perf_counter() - started))
+    started = time.perf_counter()
+    sum(range(terms))
     print(f"held {time.perf_counter() - started:.2f}", flush=True)
     steps(50)
     time.sleep(30)
@@ -40,8 +44,7 @@ JOB = textwrap.dedent("""
 
 @pytest.fixture
 def gil_holding_job() -> Iterator[subprocess.Popen[str]]:
-    job = subprocess.Popen([sys.executable, "-c", JOB.replace("GIL_HOLDING_TERMS",
-                                                              str(150_000_000))],
+    job = subprocess.Popen([sys.executable, "-c", JOB.replace("HOLD_SECONDS", "2.5")],
                            env=agent_env(), stdout=subprocess.PIPE, text=True)
     assert job.stdout is not None
     assert job.stdout.readline().strip() == "ready"
