@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -58,9 +59,21 @@ def cuda_in_use() -> bool:
             if sys.modules["torch"].cuda.is_initialized():
                 return True
     if "torch" not in sys.modules or "tensorflow" in sys.modules:
-        with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
-            return any("/libcuda.so" in line for line in maps)
+        return _libcuda_loaded()
     return False
+
+
+def _libcuda_loaded() -> bool:
+    """Whether the driver library is in the process. Asked of the dynamic loader
+    without loading anything (RTLD_NOLOAD): this runs every second in the job,
+    where reading /proc/self/maps would scan thousands of lines each time."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    return True
 
 
 def foreign_profiler() -> str:
