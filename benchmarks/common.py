@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from dlprof_agent.agent.arguments import whole_number
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "docs" / "results"
 SMOKE_OUT = REPO / "build" / "benchmarks-smoke"  # ignored by git: smoke figures mean nothing
@@ -93,14 +95,7 @@ def str_list(text: str) -> list[str]:
     return values
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: give 1 or more")
-    return value
+positive_int = whole_number(1)
 
 
 def positive_float(text: str) -> float:
