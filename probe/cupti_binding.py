@@ -13,9 +13,8 @@ The probe thread later views each buffer as numpy arrays in place and decodes
 it in bulk (``kernel_records``), then gives it back to the pool.
 
 cupti-python does what only it does well: it finds and loads the libcupti of its
-CUDA major (or reuses the one the framework loaded), and subscribes under our
-name, which on CUPTI 13 also tells who else holds CUPTI. Every other call goes
-through ctypes on that library, because a ctypes call releases the GIL: CUPTI's
+CUDA major (or reuses the one the framework loaded). Every call goes through
+ctypes on that library, because a ctypes call releases the GIL: CUPTI's
 worker thread may sit in one of our callbacks waiting for the GIL while holding
 a lock that, say, ``cuptiActivityFlushAll`` or a push of an external
 correlation id needs; a call made with the GIL held could then deadlock the
@@ -24,12 +23,28 @@ it for a few list operations. ``cuptiActivityGetNextRecord`` tells the size of
 a record kind the first time one is seen, so the layouts of newer CUPTI
 versions decode too.
 
-Rules kept here: continuous mode only ever flushes without forcing (a forced
-flush hands over kernels still running, with end 0); ``cuptiFinalize`` is never
-called (it would tear CUPTI down under any other client in the process): we
-unsubscribe and disable our kinds instead. The C callbacks catch everything.
-They and their buffer pool live for the whole process: CUPTI may still hold a
-buffer, and call back, after we stopped.
+Rules kept here:
+
+- No subscriber. The Activity API needs none, and a subscription is a claim
+  another client trips over: Kineto (torch.profiler) asks for one when its
+  profiler is prepared and fails with CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
+  while one is held, and it keeps its own after the profiler stops, so ours
+  could never be had again (GPU evidence 2026-11-23, items 2 and 3; CUPTI
+  documents one subscriber per process up to CUDA 13.2, "Legacy Initialization").
+- Activity kinds, the buffer callbacks and the timestamp source are
+  process-wide in CUPTI: the last ``cuptiActivityRegisterCallbacks`` wins, so
+  ``open`` registers ours again every time tracing (re)starts.
+- Flushes are never forced (a forced flush hands over kernels still running,
+  with end 0). CUPTI's periodic flush hands over only full buffers ("periodic
+  flush can return only those activity buffers which are full and have all the
+  activity records completed", cuptiActivityFlushPeriod); a non-forced
+  ``cuptiActivityFlushAll(0)`` hands over the partly filled ones whose records
+  are complete, so the tracer calls ``flush`` on its drain cadence.
+- ``cuptiFinalize`` is never called (it would tear CUPTI down under any other
+  client in the process): we disable our kinds instead.
+
+The C callbacks catch everything. They and their buffer pool live for the whole
+process: CUPTI may still hold a buffer, and call back, after we stopped.
 """
 
 from __future__ import annotations
@@ -40,17 +55,19 @@ import ctypes
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-SUBSCRIBER_NAME = "dlprof-agent"
 BUFFER_BYTES = 4 << 20
 MAX_BUFFERS = 16  # 64 MiB at most; with none free CUPTI drops records, and counts them
 FLUSH_PERIOD_MS = 500
 EXTERNAL_KIND_CUSTOM2 = 5  # CUpti_ExternalCorrelationKind; Kineto uses CUSTOM0 and CUSTOM1
 RESULT_MAX_LIMIT_REACHED = 12  # CUPTI_ERROR_MAX_LIMIT_REACHED: no record after this one
-RESULT_MULTIPLE_SUBSCRIBERS = 39  # CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
+FLUSH_NOT_FORCED = 0  # cuptiActivityFlushAll's flag: only buffers of completed records
 
 
 class CuptiUnavailable(Exception):
@@ -75,8 +92,37 @@ class ActivityBuffer:
     address: int = 0
 
 
-def cuda_mismatch(cupti_python_version: str, framework: str, framework_cuda: str | None
-                  ) -> str | None:
+def framework_cupti_version(framework_cuda: str | None,
+                            maps: list[str] | None = None) -> str:
+    """The version of the CUPTI the framework ships or loaded, as exactly as known:
+    the nvidia-cuda-cupti wheel's (13.0.85), else the loaded libcupti's file name,
+    else the framework's CUDA version (13.0)."""
+    major = (framework_cuda or "").split(".")[0]
+    for name in ("nvidia-cuda-cupti", f"nvidia-cuda-cupti-cu{major}"):
+        with contextlib.suppress(Exception):
+            version = importlib.metadata.version(name)
+            if not major or version.split(".")[0] == major:
+                return version
+    for path in _loaded_libcupti() if maps is None else maps:
+        found = re.search(r"libcupti\.so\.(\d+\.\d+(?:\.\d+)?)$", path)
+        if found and (not major or found.group(1).split(".")[0] == major):
+            return found.group(1)
+    return framework_cuda or ""
+
+
+def install_command(cupti_version: str) -> str:
+    """The pip command for the cupti-python that leaves the job's CUPTI as it is.
+    cupti-python X.Y requires nvidia-cuda-cupti~=X.Y, so a newer minor replaces the
+    CUPTI the framework was built with (cupti-python 13.4 beside torch's 13.0.85
+    pulls CUPTI 13.4); the job's own major.minor keeps it."""
+    parts = cupti_version.split(".")
+    if len(parts) < 2 or not all(part.isdigit() for part in parts[:2]):
+        return "pip install 'cupti-python==X.Y.*' for the framework's CUDA X.Y"
+    return f"pip install 'cupti-python=={parts[0]}.{parts[1]}.*'"
+
+
+def cuda_mismatch(cupti_python_version: str, framework: str, framework_cuda: str | None,
+                  cupti_version: str | None = None) -> str | None:
     """Why cupti-python of this version must not be loaded beside a framework built
     for ``framework_cuda`` (one CUPTI per process, of the framework's CUDA major)."""
     if not framework_cuda:
@@ -86,8 +132,8 @@ def cuda_mismatch(cupti_python_version: str, framework: str, framework_cuda: str
     if ours == theirs:
         return None
     return (f"cupti-python {cupti_python_version} is for CUDA {ours} but {framework} uses "
-            f"CUDA {framework_cuda}: pip install 'cupti-python=={theirs}.*' in the job's "
-            "environment")
+            f"CUDA {framework_cuda}: {install_command(cupti_version or framework_cuda)} in "
+            "the job's environment")
 
 
 def holder_hint(environ: dict[str, str]) -> str:
@@ -182,10 +228,6 @@ _pool: _BufferPool | None = None
 _callbacks: tuple[Any, Any] | None = None
 
 
-def _ignore_callback(*args: Any) -> None:
-    """The subscription is only a claim on CUPTI; no callback domain is enabled."""
-
-
 def _loaded_libcupti() -> list[str]:
     paths = set()
     with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
@@ -242,63 +284,87 @@ def _c_functions(library: Any) -> dict[str, Any]:
                                                   ctypes.POINTER(ctypes.c_uint64)],
         "cuptiGetTimestamp": [ctypes.POINTER(ctypes.c_uint64)],
         "cuptiGetResultString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
-        "cuptiUnsubscribe": [ctypes.c_void_p],
+        # Since CUPTI 11.6; NULL puts CUPTI's own clock (ns) back.
+        "cuptiActivityRegisterTimestampCallback": [ctypes.c_void_p],
     }
+    optional = {"cuptiActivityRegisterTimestampCallback"}
     functions = {}
     for name, argtypes in signatures.items():
-        function = getattr(library, name)
+        try:
+            function = getattr(library, name)
+        except AttributeError:
+            if name in optional:
+                continue
+            raise
         function.restype = ctypes.c_int  # CUptiResult
         function.argtypes = argtypes
         functions[name] = function
     return functions
 
 
-class CuptiBinding:
-    """CUPTI's Activity API for one tracer run: open, enable, take buffers, close."""
+def load_libcupti(framework: str, framework_cuda: str | None) -> tuple[dict[str, Any], str]:
+    """The CUPTI functions of the libcupti cupti-python loads (or the one the
+    framework loaded), and cupti-python's version. Raises CuptiUnavailable."""
+    if importlib.util.find_spec("cupti") is None:
+        version = framework_cupti_version(framework_cuda)
+        known = f" (the job's CUPTI is {version})" if version.count(".") >= 2 else ""
+        raise CuptiUnavailable("cupti-python not installed in the job's environment: "
+                               f"{install_command(version)}{known}")
+    try:
+        version = importlib.metadata.version("cupti-python")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0"
+    mismatch = cuda_mismatch(version, framework or "the job", framework_cuda,
+                             framework_cupti_version(framework_cuda))
+    loaded = _loaded_libcupti()
+    major = version.split(".")[0]
+    if not mismatch and loaded and not any(f".so.{major}" in path for path in loaded):
+        # The framework's profiler loaded a CUPTI of another major: two would clash.
+        mismatch = (f"the job already loaded {os.path.basename(loaded[0])}, and "
+                    f"cupti-python {version} is for CUDA {major}: install the "
+                    "cupti-python of that major")
+    if mismatch:
+        raise CuptiUnavailable(mismatch)
+    try:
+        # cupti-python finds and loads the libcupti of its major (or takes the one
+        # the framework loaded).
+        from cupti import cupti  # noqa: F401
+    except Exception as error:
+        raise CuptiUnavailable(f"cupti-python {version} does not load: "
+                               f"{type(error).__name__}: {error}"[:200]) from None
+    libraries = _loaded_libcupti()
+    if len(libraries) != 1:
+        raise CuptiUnavailable(
+            "no libcupti loaded" if not libraries else
+            f"two CUPTI libraries in the process ({', '.join(libraries)})")
+    try:
+        library = ctypes.CDLL(libraries[0], mode=os.RTLD_NOW | os.RTLD_NOLOAD)
+        return _c_functions(library), version
+    except Exception as error:
+        raise CuptiUnavailable(f"CUPTI setup failed: {type(error).__name__}: {error}"
+                               [:200]) from None
 
-    def __init__(self) -> None:
+
+class CuptiBinding:
+    """CUPTI's Activity API for one tracer run: open, enable, take buffers, close.
+    ``load`` gives the CUPTI functions (``load_libcupti``; a test's fake CUPTI)."""
+
+    def __init__(self, load: Callable[[str, str | None], tuple[dict[str, Any], str]]
+                 | None = None) -> None:
+        self._load = load or load_libcupti
         self._c: dict[str, Any] = {}
-        self._subscriber: int | None = None
         self._enabled: list[int] = []
         self.version = ""
+        self.flushes = 0
+        self.flush_seconds = 0.0  # time spent in cuptiActivityFlushAll, measured
+        self.clock_restored = False
 
     def open(self, framework: str = "", framework_cuda: str | None = None) -> None:
-        """Claim CUPTI for this process. Raises CuptiBusy or CuptiUnavailable."""
+        """Make CUPTI deliver our kinds to our callbacks, on its own clock.
+        Raises CuptiUnavailable. Holds no subscriber (see the module doc)."""
         global _pool, _callbacks  # noqa: PLW0603 - one pool per process, as CUPTI is one
-        if importlib.util.find_spec("cupti") is None:
-            raise CuptiUnavailable("cupti-python not installed in the job's environment "
-                                   "(pip install cupti-python)")
+        self._c, self.version = self._load(framework, framework_cuda)
         try:
-            version = importlib.metadata.version("cupti-python")
-        except importlib.metadata.PackageNotFoundError:
-            version = "0"
-        mismatch = cuda_mismatch(version, framework or "the job", framework_cuda)
-        loaded = _loaded_libcupti()
-        major = version.split(".")[0]
-        if not mismatch and loaded and not any(f".so.{major}" in path for path in loaded):
-            # The framework's profiler loaded a CUPTI of another major: two would clash.
-            mismatch = (f"the job already loaded {os.path.basename(loaded[0])}, and "
-                        f"cupti-python {version} is for CUDA {major}: install the "
-                        "cupti-python of that major")
-        if mismatch:
-            raise CuptiUnavailable(mismatch)
-        self.version = version
-        try:
-            # cupti-python finds and loads the libcupti of its major (or takes the one
-            # the framework loaded); it subscribes under our name below.
-            from cupti import cupti
-        except Exception as error:
-            raise CuptiUnavailable(f"cupti-python {version} does not load: "
-                                   f"{type(error).__name__}: {error}"[:200]) from None
-        self._subscribe(cupti)
-        try:
-            libraries = _loaded_libcupti()
-            if len(libraries) != 1:
-                raise CuptiUnavailable(
-                    "no libcupti loaded" if not libraries else
-                    f"two CUPTI libraries in the process ({', '.join(libraries)})")
-            library = ctypes.CDLL(libraries[0], mode=os.RTLD_NOW | os.RTLD_NOLOAD)
-            self._c = _c_functions(library)
             if _pool is None:
                 _pool = _BufferPool(ctypes.CDLL(None))
             else:
@@ -308,8 +374,10 @@ class CuptiBinding:
             _pool.get_dropped = self._c["cuptiActivityGetNumDroppedRecords"]
             if _callbacks is None:
                 _callbacks = (_REQUESTED(_pool.requested), _COMPLETED(_pool.completed_callback))
+            # Another client (Kineto) may have registered its own since we last did.
             self._check("cuptiActivityRegisterCallbacks", *_callbacks)
             self._check("cuptiActivityFlushPeriod", FLUSH_PERIOD_MS)
+            self._restore_clock()
         except CuptiUnavailable:
             self.close()
             raise
@@ -318,29 +386,21 @@ class CuptiBinding:
             raise CuptiUnavailable(f"CUPTI setup failed: {type(error).__name__}: {error}"
                                    [:200]) from None
 
-    def _subscribe(self, cupti: Any) -> None:
-        params = None
-        try:
-            if hasattr(cupti, "subscribe_v2"):  # CUPTI 13: names us, and tells who else holds it
-                params = cupti.SubscriberParams()
-                params.struct_size = cupti.SUBSCRIBER_PARAMS_SIZE
-                params.subscriber_name = SUBSCRIBER_NAME
-                self._subscriber = int(cupti.subscribe_v2(_ignore_callback, None, params.ptr))
-            else:
-                self._subscriber = int(cupti.subscribe(_ignore_callback, None))
-        except Exception as error:
-            status = getattr(error, "status", None)
-            if status == RESULT_MULTIPLE_SUBSCRIBERS:
-                holder = ""
-                with contextlib.suppress(Exception):
-                    holder = str(params.old_subscriber_name) if params is not None else ""
-                raise CuptiBusy(f"CUPTI is held by {holder or holder_hint(dict(os.environ))}"
-                                ) from None
-            name = ""
-            with contextlib.suppress(Exception):
-                name = str(cupti.Result(status).name)
-            raise CuptiUnavailable(f"CUPTI refused to start: {name or type(error).__name__}: "
-                                   f"{error}"[:200]) from None
+    def _restore_clock(self) -> None:
+        """Put CUPTI's own timestamps (ns) back. Kineto registers a timestamp
+        callback (its TSC clock, on by default: 2.10 ticks per ns on the H100 of the
+        evidence) and leaves it registered after the profiler stops. It registers
+        it again each time its GPU tracing is enabled, i.e. at every profiler start
+        (pytorch/kineto CuptiActivityProfiler::enableGpuTracing calls
+        configureCuptiTimestampSource, and did the same inline since the TSC clock
+        came in, 2024), so undoing it when we (re)start leaves the next
+        torch.profiler session its own clock. We only ever (re)start with no other
+        profiler in the job."""
+        register = self._c.get("cuptiActivityRegisterTimestampCallback")
+        self.clock_restored = False
+        if register is not None:
+            self._check("cuptiActivityRegisterTimestampCallback", None)
+            self.clock_restored = True
 
     def _check(self, function: str, *args: Any) -> None:
         status = self._c[function](*args)
@@ -378,7 +438,10 @@ class CuptiBinding:
     def flush(self) -> None:
         """Hand over the completed records now; never forced (see the module doc)."""
         if self._c:
-            self._c["cuptiActivityFlushAll"](0)
+            started = time.perf_counter()
+            self._c["cuptiActivityFlushAll"](FLUSH_NOT_FORCED)
+            self.flush_seconds += time.perf_counter() - started
+            self.flushes += 1
 
     def take_buffers(self) -> list[ActivityBuffer]:
         pool = _pool
@@ -424,7 +487,7 @@ class CuptiBinding:
                           self._c["cuptiActivityPopExternalCorrelationId"], base)
 
     def close(self) -> None:
-        """Give CUPTI back: our kinds off, the last records flushed, unsubscribed."""
+        """Give CUPTI back: our kinds off, then our last records flushed to us."""
         if self._c:
             for kind in reversed(self._enabled):
                 with contextlib.suppress(Exception):
@@ -432,24 +495,11 @@ class CuptiBinding:
             with contextlib.suppress(Exception):
                 self.flush()
         self._enabled = []
-        self._unsubscribe()
 
     def abandon(self) -> None:
-        """Another client took CUPTI over: leave its kinds and buffers alone."""
+        """Another client is already using CUPTI: its kinds are ours too (CUPTI's
+        kinds are process-wide), so leave them, and its buffers, alone."""
         self._enabled = []
-        self._unsubscribe()
-
-    def _unsubscribe(self) -> None:
-        subscriber, self._subscriber = self._subscriber, None
-        if subscriber is None:
-            return
-        with contextlib.suppress(Exception):
-            if self._c:
-                self._c["cuptiUnsubscribe"](subscriber)
-            else:  # failed before ctypes was set up: cupti-python's own call then
-                from cupti import cupti
-
-                cupti.unsubscribe(subscriber)
 
     @staticmethod
     def trim() -> None:

@@ -6,9 +6,12 @@ job uses CUDA (``torch.cuda.is_initialized()``, or libcuda mapped for other
 frameworks) and kernels are wanted; it reports one of three states:
 
 - ``active``: CUPTI is ours, buffers are decoded and folded in each tick;
-- ``busy``: another CUPTI client holds the process (torch.profiler, Nsight, an
-  injection library), named where CUPTI or the environment says. We retry now
-  and then, and yield at once when torch.profiler starts while we trace;
+- ``busy``: another CUPTI client uses the process (torch.profiler, TensorFlow's
+  profiler, Nsight or another injection library), named in the reason;
+  ``holder`` and ``since`` say who and since when. The framework's profiler
+  entry points are wrapped (``profiler_yield``) so that we stand aside
+  synchronously *before* the profiler touches CUPTI, and come back when it has
+  stopped; checking whether a profiler runs, each tick, is the fallback;
 - ``unavailable``: with the reason, e.g. "no CUDA in use", "cupti-python not
   installed", a CUDA major mismatch, or a failure of our own (counted).
 
@@ -25,15 +28,18 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from dlprof_agent.probe import cupti_binding
+from dlprof_agent.probe import cupti_binding, profiler_yield
 from dlprof_agent.probe.cupti_binding import CuptiBusy, CuptiUnavailable
 
 ACTIVE, BUSY, UNAVAILABLE = "active", "busy", "unavailable"
 STATES = (ACTIVE, BUSY, UNAVAILABLE)
 TICK_SECONDS = 0.25  # drain this often: buffers go back to the pool before it runs dry
+# Hand over partly filled buffers this often (a non-forced cuptiActivityFlushAll):
+# CUPTI's periodic flush returns only full ones, which a quiet job never fills.
+FLUSH_SECONDS = 0.5
 CUDA_CHECK_SECONDS = 1.0
 BUSY_RETRY_SECONDS = 10.0
 YIELD_RETRY_SECONDS = 2.0
@@ -79,11 +85,20 @@ def _libcuda_loaded() -> bool:
 def foreign_profiler() -> str:
     """The name of a profiler of the job's own that needs CUPTI now, or ""."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return ""
     with contextlib.suppress(Exception):
-        if torch._C._autograd._profiler_enabled():
-            return "torch.profiler"
+        if torch is not None and torch._C._autograd._profiler_enabled():
+            return profiler_yield.TORCH_PROFILER
+    tf_profiler = sys.modules.get("tensorflow.python.profiler.profiler_v2")
+    if getattr(tf_profiler, "_profiler", None) is not None:
+        return profiler_yield.TENSORFLOW_PROFILER
+    return ""
+
+
+def injection_library(environ: Mapping[str, str]) -> str:
+    """The tool that injected itself into CUDA (Nsight Systems or Compute, or any
+    CUDA_INJECTION64_PATH library), or "". It uses CUPTI for the job's whole life."""
+    if environ.get("CUDA_INJECTION64_PATH") or environ.get("NSYS_PROFILING_SESSION_ID"):
+        return cupti_binding.holder_hint(dict(environ))
     return ""
 
 
@@ -153,15 +168,21 @@ class KernelTracer:
                  binding_factory: Callable[[], Any] | None = None,
                  cuda_check: Callable[[], bool] | None = None,
                  profiler_check: Callable[[], str] = foreign_profiler,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.continuous = continuous
         self.max_layers = max_layers
         self._factory = binding_factory or BINDING_FACTORY
         self._cuda_check = cuda_check or CUDA_CHECK
         self._profiler_check = profiler_check
         self._clock = clock
+        self._environ = os.environ if environ is None else environ
+        # The job's threads stand us aside (profiler_yield) while the probe thread ticks.
+        self._lock = threading.RLock()
         self.state = UNAVAILABLE
         self.reason = "switched off (--no-kernels)" if not continuous else "no CUDA in use"
+        self.since = time.time()  # when the state last changed, Unix time
+        self.holder = ""  # the other CUPTI client we stood aside for, while it runs
         self.errors = 0
         self.correlator: Any = None  # for the layer hooks: push/pop external ids
         self.layer_labels: list[str] | None = None  # the hooks' labels; None: no attribution
@@ -174,6 +195,7 @@ class KernelTracer:
         self._generation = 0
         self._next_attempt = 0.0
         self._last_drain = 0.0
+        self._last_flush = 0.0
         self._extra_kinds: list[int] = []
         self._temporary = False  # started for a trace only: stop after it
         self._dropped_before = 0
@@ -183,14 +205,16 @@ class KernelTracer:
     # The probe thread.
 
     def tick(self) -> None:
-        try:
-            self._tick(self._clock())
-        except Exception as error:
-            self._fail(error)
+        with self._lock:
+            try:
+                self._tick(self._clock())
+            except Exception as error:
+                self._fail(error)
 
     def _tick(self, now: float) -> None:
         if self._binding is None:
-            if (self.continuous or self.capture_open) and now >= self._next_attempt:
+            if (self.continuous or self.capture_open) and now >= self._next_attempt \
+                    and not self.holder:
                 self._start(now)
             self._expire_capture(now)
             return
@@ -199,8 +223,14 @@ class KernelTracer:
             self._yield(now, holder)
             return
         if now - self._last_drain >= TICK_SECONDS or self.capture_open:
+            if now - self._last_flush >= FLUSH_SECONDS:
+                self._flush(now)
             self._drain(now)
         self._advance_capture(now)
+
+    def _flush(self, now: float) -> None:
+        self._last_flush = now
+        self._binding.flush()
 
     @property
     def capture_open(self) -> bool:
@@ -215,6 +245,8 @@ class KernelTracer:
         return CUDA_CHECK_SECONDS if self.continuous else None
 
     def _set(self, state: str, reason: str) -> None:
+        if (state, reason[:160]) != (self.state, self.reason):
+            self.since = time.time()
         self.state, self.reason = state, reason[:160]
 
     def _start(self, now: float) -> None:
@@ -222,10 +254,15 @@ class KernelTracer:
             self._set(UNAVAILABLE, "no CUDA in use")
             self._next_attempt = now + CUDA_CHECK_SECONDS
             return
-        holder = self._profiler_check()
+        holder = self.holder or self._profiler_check()
         if holder:
             self._set(BUSY, f"{holder} is running")
             self._next_attempt = now + YIELD_RETRY_SECONDS
+            return
+        injected = injection_library(self._environ)
+        if injected:
+            self._set(BUSY, f"CUPTI is held by {injected}")
+            self._next_attempt = now + BUSY_RETRY_SECONDS
             return
         binding = self._factory()
         try:
@@ -260,8 +297,9 @@ class KernelTracer:
         self._dropped_base = binding.counters().get("dropped_records", 0)
         self._devices = device_uuids()
         self._binding = binding
-        self._last_drain = now
+        self._last_drain = self._last_flush = now
         self._set(ACTIVE, "")
+        profiler_yield.register(self)  # stand aside before the job's profiler starts
 
     def set_layers(self, labels: list[str] | None) -> None:
         """Attribute kernel time to these layers (the hooks' own list), or stop."""
@@ -279,6 +317,10 @@ class KernelTracer:
     def set_continuous(self, continuous: bool) -> None:
         """Switch continuous tracing on or off (``configure``); a trace window
         being taken finishes first."""
+        with self._lock:
+            self._set_continuous(continuous)
+
+    def _set_continuous(self, continuous: bool) -> None:
         try:
             if continuous == self.continuous:
                 return
@@ -300,8 +342,43 @@ class KernelTracer:
         except Exception as error:
             self._fail(error)
 
+    def stand_aside(self, holder: str) -> None:
+        """The job's profiler is about to use CUPTI (called on the job's thread,
+        before it does): hand our last records over, turn our kinds off, and wait
+        for ``come_back``. Never raises."""
+        try:
+            with self._lock:
+                self.holder = holder
+                now = self._clock()
+                binding, self._binding = self._binding, None
+                self.correlator = None
+                if binding is not None:
+                    try:
+                        binding.close()  # our kinds off, our records flushed to us
+                        self._drain_from(binding, now)
+                    finally:
+                        self._dropped_before += (binding.counters().get("dropped_records", 0)
+                                                 - self._dropped_base)
+                if self.state != UNAVAILABLE or binding is not None:
+                    self._set(BUSY, f"{holder} is running")
+                self._temporary = False
+                self._fail_capture(f"{holder} started")
+        except Exception as error:
+            self._fail(error)
+
+    def come_back(self, holder: str) -> None:
+        """The job's profiler has stopped: trace again from the next tick, when
+        ``open`` registers our callbacks again and puts CUPTI's clock back."""
+        with contextlib.suppress(Exception), self._lock:
+            if self.holder == holder:
+                self.holder = ""
+                if self.state == BUSY:
+                    self._next_attempt = 0.0
+
     def _yield(self, now: float, holder: str) -> None:
-        """The job's own profiler took CUPTI over: let it be, and come back after."""
+        """The job's own profiler took CUPTI over without our hooks seeing it start:
+        its kinds are ours too now (CUPTI's are process-wide), so leave them on and
+        come back after."""
         binding, self._binding = self._binding, None
         self.correlator = None
         with contextlib.suppress(Exception):
@@ -311,8 +388,11 @@ class KernelTracer:
         self._temporary = False
         self._set(BUSY, f"{holder} is running")
         self._next_attempt = now + YIELD_RETRY_SECONDS
+        self._fail_capture(f"{holder} started")
+
+    def _fail_capture(self, error: str) -> None:
         if self.capture_open and self.capture is not None:
-            self.capture.phase, self.capture.error = "failed", f"{holder} started"
+            self.capture.phase, self.capture.error = "failed", error
             if self.recorder is not None:
                 self.recorder.capture = None
 
@@ -334,6 +414,11 @@ class KernelTracer:
 
     def stop(self) -> None:
         """The session ends: hand CUPTI back."""
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
+        profiler_yield.unregister(self)
         binding, self._binding = self._binding, None
         self.correlator = None
         if self.recorder is not None:
@@ -373,11 +458,12 @@ class KernelTracer:
 
     def start_capture(self, steps: int, max_seconds: float) -> str:
         """Begin a trace of the next ``steps`` steps; "" or why it cannot be had."""
-        try:
-            return self._start_capture(steps, max_seconds)
-        except Exception as error:
-            self._fail(error)
-            return f"kernel tracing failed: {self.reason}"
+        with self._lock:
+            try:
+                return self._start_capture(steps, max_seconds)
+            except Exception as error:
+                self._fail(error)
+                return f"kernel tracing failed: {self.reason}"
 
     def _start_capture(self, steps: int, max_seconds: float) -> str:
         if self.capture_open:
@@ -563,13 +649,19 @@ class KernelTracer:
     # The snapshot reply.
 
     def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         try:
             if self._binding is not None:
-                self._drain(self._clock())  # what completed since the last tick, too
+                now = self._clock()
+                self._flush(now)  # what completed since the last tick, too
+                self._drain(now)
         except Exception as error:
             self._fail(error)
         result: dict[str, Any] = {"state": self.state, "reason": self.reason,
-                                  "errors": self.errors}
+                                  "errors": self.errors, "since": self.since}
         try:
             if self._aggregator is not None:
                 result.update(self._aggregator.snapshot())

@@ -5,6 +5,7 @@ CUDA-major check, and what happens where cupti-python is missing."""
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -114,7 +115,39 @@ def test_cupti_python_must_match_the_frameworks_cuda_major(
         assert theirs is not None
         assert why == (f"cupti-python {ours} is for CUDA {ours.partition('.')[0]} but "
                        f"{framework} uses CUDA {theirs}: pip install 'cupti-python=="
-                       f"{theirs.partition('.')[0]}.*' in the job's environment")
+                       f"{theirs}.*' in the job's environment")
+
+
+def test_the_install_command_keeps_the_frameworks_cupti() -> None:
+    # torch 2.11+cu130 ships CUPTI 13.0.85; 'cupti-python==13.*' resolves to 13.4,
+    # which requires nvidia-cuda-cupti~=13.4 and so replaces it (GPU evidence 2026-11-23).
+    assert cb.install_command("13.0.85") == "pip install 'cupti-python==13.0.*'"
+    assert cb.install_command("12.8") == "pip install 'cupti-python==12.8.*'"
+    assert cb.install_command("") == (
+        "pip install 'cupti-python==X.Y.*' for the framework's CUDA X.Y")
+    assert cb.cuda_mismatch("13.4.0", "torch", "12.8", "12.8.90") == (
+        "cupti-python 13.4.0 is for CUDA 13 but torch uses CUDA 12.8: pip install "
+        "'cupti-python==12.8.*' in the job's environment")
+
+
+def test_the_jobs_cupti_version_comes_from_its_wheel_or_the_loaded_library(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {"nvidia-cuda-cupti": "13.0.85"}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert cb.framework_cupti_version("13.0", maps=[]) == "13.0.85"
+    installed.clear()
+    installed["nvidia-cuda-cupti-cu12"] = "12.8.90"
+    assert cb.framework_cupti_version("12.8", maps=[]) == "12.8.90"
+    installed.clear()
+    assert cb.framework_cupti_version(
+        "12.4", maps=["/opt/conda/lib/libcupti.so.12.4.127"]) == "12.4.127"
+    assert cb.framework_cupti_version("13.0", maps=[]) == "13.0"
 
 
 def test_the_holder_is_named_from_the_environment_when_cupti_does_not() -> None:
@@ -131,7 +164,8 @@ def test_without_cupti_python_the_tracer_says_so_and_the_job_is_untouched() -> N
     tracer = kt.KernelTracer(continuous=True, max_layers=512, cuda_check=lambda: True)
     tracer.tick()
     assert tracer.state == "unavailable"
-    assert tracer.reason.startswith("cupti-python not installed")
+    assert tracer.reason.startswith("cupti-python not installed in the job's environment: "
+                                    "pip install ")
     assert tracer.start_capture(3, 60).startswith("kernel tracing unavailable: cupti-python")
     assert tracer.errors == 0
 

@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from dlprof_agent.probe import cupti_binding as cb
 from dlprof_agent.probe import kernel_tracer as kt
-from dlprof_agent.probe import trace_writer
+from dlprof_agent.probe import profiler_yield, trace_writer
 from dlprof_agent.probe.recorder import Recorder
 from tests.cupti_records import HTOD, BufferBuilder
-from tests.fake_cupti import FakeBinding, busy, now_on_cupti_clock, unavailable
+from tests.fake_cupti import (
+    FakeBinding,
+    FakeCupti,
+    FakeKineto,
+    busy,
+    now_on_cupti_clock,
+    unavailable,
+)
 
 
 class Clock:
@@ -65,8 +74,10 @@ def test_switched_off_it_never_touches_cupti() -> None:
     tracer = world.tracer(continuous=False)
     world.tick(tracer)
     assert world.bindings == []
-    assert tracer.snapshot() == {"state": "unavailable", "reason": "switched off (--no-kernels)",
-                                 "errors": 0}
+    snapshot = tracer.snapshot()
+    assert snapshot.pop("since") <= time.time()
+    assert snapshot == {"state": "unavailable", "reason": "switched off (--no-kernels)",
+                        "errors": 0}
 
 
 def test_it_waits_for_the_job_to_use_cuda_then_traces() -> None:
@@ -322,3 +333,214 @@ def test_with_kernels_switched_off_a_trace_starts_cupti_for_its_window_only() ->
     assert (tracer.state, tracer.reason) == ("unavailable", "switched off (--no-kernels)")
     world.tick(tracer, 60)
     assert len(world.bindings) == 1
+
+
+# --- on a faithful fake CUPTI: the real binding, Kineto beside it ----------------------
+
+
+@pytest.fixture
+def cupti(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupti]:
+    """A fresh process-wide CUPTI, buffer pool and profiler hooks for one test."""
+    monkeypatch.setattr(cb, "_pool", None)
+    monkeypatch.setattr(cb, "_callbacks", None)
+    fake = FakeCupti()
+    yield fake
+    with profiler_yield._lock:
+        profiler_yield._tracers.clear()
+    profiler_yield.uninstall()
+    if cb._pool is not None:
+        cb._pool.trim()
+
+
+def real_tracer(world: World, fake: FakeCupti, **options: Any) -> kt.KernelTracer:
+    """The tracer, on the real binding, on ``fake``."""
+    tracer = kt.KernelTracer(continuous=True, max_layers=512,
+                             binding_factory=lambda: cb.CuptiBinding(load=fake.load),
+                             cuda_check=lambda: world.cuda,
+                             profiler_check=lambda: world.profiler, clock=world.clock,
+                             environ=options.get("environ", {}))
+    tracer.recorder = Recorder(warmup_steps=0)
+    return tracer
+
+
+def test_a_quiet_jobs_records_reach_the_snapshot_within_two_ticks(cupti: FakeCupti) -> None:
+    # GPU evidence item 1: 50 x 8 MiB copies never filled a 4 MiB buffer, so CUPTI's
+    # periodic flush never handed one over and no byte was counted.
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    assert tracer.state == "active"
+    for _ in range(3):
+        cupti.memcpy(HTOD, 8 << 20, 160_000)
+    cupti.kernel("one_kernel_a_second", 5_000)
+    cupti.periodic_flush()  # CUPTI's worker: only full buffers, so nothing yet
+    world.tick(tracer)
+    world.tick(tracer)
+    snapshot = tracer.snapshot()
+    assert snapshot["memcpy"] == [[0, "h2d", 3 * (8 << 20), pytest.approx(480e-6)]]
+    assert kernels(snapshot) == {"one_kernel_a_second": (1, pytest.approx(5e-6))}
+    assert "flush_all(1)" not in cupti.calls  # never forced: running kernels stay out
+
+
+def test_a_running_kernel_is_not_handed_over_half_done(cupti: FakeCupti) -> None:
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    cupti.kernel("long", 1_000_000, running=True)
+    world.tick(tracer)
+    assert "kernels" not in tracer.snapshot() or not kernels(tracer.snapshot())
+    cupti.finish_running()
+    world.tick(tracer)
+    assert kernels(tracer.snapshot()) == {"long": (1, pytest.approx(1e-3))}
+
+
+def test_a_profiler_that_ran_before_the_attach_leaves_tracing_possible(
+        cupti: FakeCupti) -> None:
+    # GPU evidence item 2: Kineto keeps its CUPTI subscriber after torch.profiler stops;
+    # a tracer that asks for one of its own is busy for good.
+    kineto = FakeKineto(cupti)
+    kineto.prepare()
+    cupti.kernel("profiled", 1_000)
+    kineto.stop()
+    assert cupti.subscribers == ["<not provided>"]
+
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    world.tick(tracer, kt.BUSY_RETRY_SECONDS)
+    assert (tracer.state, tracer.reason) == ("active", "")
+    cupti.kernel("after", 4_000)
+    world.tick(tracer)
+    assert kernels(tracer.snapshot()) == {"after": (1, pytest.approx(4e-6))}
+
+
+def test_durations_stay_in_ns_after_kineto_installed_its_clock(cupti: FakeCupti) -> None:
+    # GPU evidence item 4: after torch.profiler had run, every kernel came out 2.10x
+    # too long: Kineto's TSC timestamp callback stays registered.
+    kineto = FakeKineto(cupti)
+    kineto.prepare()
+    cupti.kernel("profiled", 10_000)
+    kineto.stop()
+    assert kineto.kernels[0][1] - kineto.kernels[0][0] == pytest.approx(10_000, abs=1)
+
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    cupti.kernel("gemm", 10_000)
+    world.tick(tracer)
+    assert kernels(tracer.snapshot()) == {"gemm": (1, pytest.approx(10e-6))}
+
+    # The next profiler session registers its clock again and gets its own units.
+    kineto.prepare()
+    cupti.kernel("profiled", 7_000)
+    kineto.stop()
+    assert kineto.kernels[-1][1] - kineto.kernels[-1][0] == pytest.approx(7_000, abs=1)
+
+
+def test_a_trace_after_kineto_ran_has_right_times_and_durations(cupti: FakeCupti) -> None:
+    kineto = FakeKineto(cupti)
+    kineto.prepare()
+    kineto.stop()
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    assert tracer.start_capture(1, 60) == ""
+    t0 = time.perf_counter()
+    step_at(tracer, t0)
+    cupti.kernel("conv_kernel", 3_000_000, start_ns=now_on_cupti_clock(t0 + 0.012))
+    step_at(tracer, t0 + 0.1)
+    cupti.kernel("next_step", 1_000, start_ns=now_on_cupti_clock(t0 + 0.2))
+    world.tick(tracer)
+    world.tick(tracer, kt.COLLECT_SECONDS)
+    payload = json.loads(tracer.capture_status(0)["data"])
+    trace = trace_writer.chrome_trace(payload, pid=4242)
+    kernel = next(e for e in trace["traceEvents"] if e.get("name") == "conv_kernel")
+    assert kernel["ts"] == pytest.approx(12_000, abs=20)  # us from the window's start
+    assert kernel["dur"] == pytest.approx(3_000, abs=1)
+
+
+def test_an_injected_nsight_is_left_alone(cupti: FakeCupti) -> None:
+    world = World()
+    tracer = real_tracer(world, cupti, environ={
+        "CUDA_INJECTION64_PATH": "/opt/nsight-systems/target-linux-x64/libToolsInjection64.so"})
+    world.tick(tracer)
+    world.tick(tracer, kt.BUSY_RETRY_SECONDS)
+    assert (tracer.state, tracer.reason) == ("busy", "CUPTI is held by Nsight Systems")
+    assert cupti.callbacks is None and not cupti.enabled  # CUPTI never touched
+    assert tracer.start_capture(2, 60) == "tracing busy: CUPTI is held by Nsight Systems"
+
+
+torch_profiler_entry = "torch.autograd.profiler"
+
+
+@pytest.fixture
+def kineto_behind_torch(cupti: FakeCupti, monkeypatch: pytest.MonkeyPatch) -> FakeKineto:
+    """torch's profiler entry points, with the fake Kineto doing on the fake CUPTI
+    what the real one does on CUPTI inside them (this torch has no CUDA)."""
+    profiler = pytest.importorskip(torch_profiler_entry)
+    kineto = FakeKineto(cupti)
+    prepare, disable = profiler._prepare_profiler, profiler._disable_profiler
+
+    def prepared(*args: Any, **kwargs: Any) -> Any:
+        kineto.prepare()
+        return prepare(*args, **kwargs)
+
+    def disabled(*args: Any, **kwargs: Any) -> Any:
+        kineto.stop()
+        return disable(*args, **kwargs)
+
+    monkeypatch.setattr(profiler, "_prepare_profiler", prepared)
+    monkeypatch.setattr(profiler, "_disable_profiler", disabled)
+    return kineto
+
+
+def test_torch_profiler_gets_every_kernel_while_the_probe_traces(
+        cupti: FakeCupti, kineto_behind_torch: FakeKineto) -> None:
+    # GPU evidence item 3: with the probe tracing, torch.profiler got 0 kernels over
+    # 100 steps (Kineto: CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED).
+    import torch
+
+    kineto = kineto_behind_torch
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    cupti.kernel("before", 2_000)
+    world.tick(tracer)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        # Stood aside synchronously, before Kineto's first CUPTI call.
+        assert (tracer.state, tracer.reason) == ("busy", "torch.profiler is running")
+        assert tracer.holder == "torch.profiler"
+        assert time.time() - tracer.snapshot()["since"] < 60
+        for _ in range(5):
+            cupti.kernel("profiled", 3_000)
+        world.tick(tracer)  # the probe thread meanwhile: it stays aside
+        assert tracer.state == "busy"
+    assert not kineto.failed
+    assert [end - start for start, end in kineto.kernels] == [3_000] * 5
+    assert kineto.foreign_buffers == 0  # none of ours went to Kineto's callbacks
+
+    world.tick(tracer)  # back: our callbacks registered again, CUPTI's clock back
+    assert tracer.state == "active" and tracer.holder == ""
+    cupti.kernel("after", 2_000)
+    world.tick(tracer)
+    assert kernels(tracer.snapshot()) == {"before": (1, pytest.approx(2e-6)),
+                                          "after": (1, pytest.approx(2e-6))}
+    assert cb._pool is not None and cb._pool.foreign_buffers == 0
+
+
+def test_a_profiler_the_hooks_missed_is_still_stood_aside_for(cupti: FakeCupti) -> None:
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    world.profiler = "torch.profiler"  # running, started where no hook sees it
+    kineto = FakeKineto(cupti)
+    kineto.prepare()
+    world.tick(tracer)
+    assert (tracer.state, tracer.reason) == ("busy", "torch.profiler is running")
+    assert {10, 1, 2} <= cupti.enabled  # its kinds left on: they are Kineto's too
+    cupti.kernel("profiled", 1_000)
+    kineto.stop()
+    world.profiler = ""
+    world.tick(tracer, kt.YIELD_RETRY_SECONDS)
+    assert tracer.state == "active"
+    assert len(kineto.kernels) == 1
