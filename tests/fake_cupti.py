@@ -287,6 +287,7 @@ class FakeCupti:
             "cuptiGetTimestamp": self._get_timestamp,
             "cuptiGetResultString": lambda status, text: ERROR_INVALID_PARAMETER,
             "cuptiActivityRegisterTimestampCallback": self._register_timestamp_callback,
+            "cuptiUnsubscribe": self.unsubscribe,
         }, self.version + ".0"
 
     def _register_callbacks(self, requested: Any, completed: Any) -> int:
@@ -454,6 +455,11 @@ class FakeCupti:
         if self.subscribers:
             return ERROR_MULTIPLE_SUBSCRIBERS
         self.subscribers.append(name)
+        return SUCCESS
+
+    def unsubscribe(self, handle: Any) -> int:
+        if "dlprof-agent" in self.subscribers:
+            self.subscribers.remove("dlprof-agent")
         return SUCCESS
 
 

@@ -152,3 +152,36 @@ def test_trace_of_a_process_without_a_probe_is_one_line(
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"dlprof-agent: error: no probe in process {job.process.pid}: ")
     assert "--no-inject" in line
+
+
+def test_the_probe_stands_aside_for_torch_profiler_and_comes_back(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """The real hooks on torch's profiler entry points, in a real job: busy while
+    torch.profiler runs, active again after, the counters monotonic throughout."""
+    start = tmp_path / "profile"
+    job = start_job(processes, tmp_path, "--enable-probe", "--fake-cupti", "--steps", "100000",
+                    "--profile-when", str(start), "--profile-seconds", "3")
+    wait_for_steps(job, 2)
+    # The simulated GPU runs a kernel per layer launch: it needs the layer hooks.
+    _agent, port = start_agent(processes, "attach", str(job.process.pid), "--no-inject",
+                               "--layers")
+    launches = f"dlprof_kernel_launches_total{{gpu=0,kernel={KERNEL}}}"
+    wait_for(lambda: metrics(port).get("dlprof_kernel_tracing_state{reason=,state=active}"),
+             "the tracer to start", 60)
+    start.touch()
+    busy = "dlprof_kernel_tracing_state{reason=torch.profiler is running,state=busy}"
+    wait_for(lambda: metrics(port).get(busy) == 1, "the tracer to stand aside", 60)
+    during = metrics(port).get(launches, 0.0)
+    wait_for(lambda: any("profiled" in json.loads(line) for line in
+                         job.log.read_text().splitlines() if line.strip()),
+             "the profiler's end", 60)
+    (profiled,) = [json.loads(line)["profiled"] for line in job.log.read_text().splitlines()
+                   if line.strip() and "profiled" in json.loads(line)]
+    assert profiled > 0  # the user's profiler got its events
+    # Stood aside synchronously, inside torch.profiler's start, not on a later tick.
+    assert {"tracer_when_profiling": "busy"} in [json.loads(line) for line in
+                                                 job.log.read_text().splitlines() if line]
+    wait_for(lambda: metrics(port).get("dlprof_kernel_tracing_state{reason=,state=active}"),
+             "the tracer to come back", 30)
+    wait_for(lambda: metrics(port).get(launches, 0.0) > during, "kernels counted again", 30)
+    assert metrics(port)["dlprof_probe_hook_errors_total{}"] == 0

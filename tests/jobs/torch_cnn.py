@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +29,15 @@ def hooks_left(model: nn.Module) -> int:
             + len(optimizer._global_optimizer_post_hooks))
 
 
+def tracer_state() -> str:
+    """The probe's kernel tracer state, read in the job (a test's view from inside)."""
+    from dlprof_agent.probe import runtime
+
+    probe = runtime.current()
+    session = getattr(probe, "session", None)
+    return str(session.tracer.state) if session is not None else "no session"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
@@ -41,6 +51,10 @@ def main() -> int:
                         help="stop after the step during which FILE appears")
     parser.add_argument("--linger", type=float, default=0.0,
                         help="seconds to stay alive after the last step")
+    parser.add_argument("--profile-when", metavar="FILE",
+                        help="once FILE appears, run torch.profiler over the next steps")
+    parser.add_argument("--profile-seconds", type=float, default=2.0,
+                        help="how long that torch.profiler session lasts")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -59,9 +73,22 @@ def main() -> int:
     loss_fn = nn.CrossEntropyLoss()
     images = torch.randn(args.batch, 3, 32, 32)
     labels = torch.randint(0, 10, (args.batch,))
+    profiler: Any = None
+    profiled_until = 0.0
     with open(args.log, "w") as log:
         log.write(json.dumps({"pid": os.getpid()}) + "\n")
         for step in range(args.steps):
+            if profiler is None and args.profile_when and os.path.exists(args.profile_when) \
+                    and not profiled_until:
+                profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU])
+                profiler.__enter__()
+                profiled_until = time.perf_counter() + args.profile_seconds
+                log.write(json.dumps({"tracer_when_profiling": tracer_state()}) + "\n")
+            elif profiler is not None and time.perf_counter() > profiled_until:
+                profiler.__exit__(None, None, None)
+                log.write(json.dumps({"profiled": len(profiler.events())}) + "\n")
+                profiler = None
             output = model(images)
             loss = loss_fn(output, labels)
             if args.loop == "optimizer":
