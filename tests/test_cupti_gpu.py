@@ -1,14 +1,19 @@
 """Kernel tracing on a real GPU (``-m gpu``): the evidence only CUPTI can give.
 
 - kernel totals of ResNet-50 steps, probe injected, against torch.profiler's
-  for the same number of steps of the same job: within 5%;
+  for the same number of steps of the same job: within 5%, before and after
+  torch.profiler has run in the job (Kineto leaves its clock registered);
 - memcpy bytes of a known transfer, exactly;
 - `dlprof-agent trace` writes valid Chrome trace JSON, and its kernels agree;
 - continuous aggregation costs at most 3% of the step time;
-- torch.profiler makes the tracer `busy`, both keep working, and it comes back.
+- torch.profiler makes the tracer `busy`, both keep working, and it comes back;
+  with the probe attached it gets at least 98% of the kernels it gets without;
+- the dashboards' GPU and kernel panels have data on the shipped Prometheus.
 
-They need an NVIDIA GPU, PyTorch with CUDA, and cupti-python of torch's CUDA
-major in this environment (the job's): ``pip install 'cupti-python==12.*'``.
+They need an NVIDIA GPU, PyTorch with CUDA, and the cupti-python of torch's
+CUPTI major.minor in this environment (the job's), e.g. ``pip install
+'cupti-python==13.0.*'`` beside torch 2.11+cu130 (CUPTI 13.0.85): the probe's
+``unavailable`` reason names the exact pin. ``scripts/gpu-check`` runs them.
 """
 
 from __future__ import annotations
@@ -21,15 +26,20 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, agent_env, free_port, wait_for
+from dlprof_agent.grafana import build as dashboards
+from tests import test_dashboards as dashboards_test
+from tests.conftest import REPO, Prometheus, agent_env, free_port, wait_for
+from tests.test_dashboards import models, shipped_prometheus
 from tests.test_probe_torch import metrics
 
 pytestmark = pytest.mark.gpu
+__all__ = ["models", "shipped_prometheus"]  # fixtures, used by name
 torch = pytest.importorskip("torch")
 
 JOB = str(REPO / "tests" / "jobs" / "torch_gpu.py")
@@ -41,8 +51,10 @@ def _needs_gpu_and_cupti() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU here")
     if importlib.util.find_spec("cupti") is None:
-        major = (torch.version.cuda or "12").split(".")[0]
-        pytest.fail(f"cupti-python is not installed: pip install 'cupti-python=={major}.*'")
+        from dlprof_agent.probe import cupti_binding
+
+        version = cupti_binding.framework_cupti_version(torch.version.cuda)
+        pytest.fail(f"cupti-python is not installed: {cupti_binding.install_command(version)}")
 
 
 class GpuJob:
@@ -288,3 +300,78 @@ def test_layer_gpu_time_covers_most_kernel_time(
     # Kernels outside any layer: the loss, the optimizer's update, zero_grad.
     assert 0.5 * kernels <= layers <= kernels
     assert any("phase=backward" in k for k in values if k.startswith("dlprof_layer_gpu"))
+
+
+def test_resnet50_kernel_totals_match_before_torch_profiler_ever_ran(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    job = GpuJob(tmp_path, processes, "--pause-at", "40,80", "--enable-probe")
+    job.wait_steps(5)
+    port = start_agent(processes, "attach", str(job.pid), "--no-inject")
+    wait_for(lambda: active(port), "the kernel tracer to start", 120)
+    seconds, steps = between_pauses(job, port, 40, 80)
+    profiled = job.profile(0)  # afterwards: our figures came from CUPTI's own clock
+    theirs = profiled["kernel_us"] / 1e6 / profiled["steps"]
+    assert seconds / steps == pytest.approx(theirs, rel=0.05), (seconds / steps, theirs)
+
+
+def test_torch_profiler_gets_its_kernels_with_the_probe_attached(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    job = GpuJob(tmp_path, processes, "--enable-probe", "--profile-steps", "20")
+    job.wait_steps(10)
+    alone = job.profile(0)
+    port = start_agent(processes, "attach", str(job.pid), "--no-inject")
+    wait_for(lambda: active(port), "the kernel tracer to start", 120)
+    time.sleep(2.0)
+    beside = job.profile(1)
+    print(f"\ntorch.profiler kernels per step: {alone['kernels'] / alone['steps']:.1f} alone, "
+          f"{beside['kernels'] / beside['steps']:.1f} with the probe attached")
+    assert beside["kernels"] / beside["steps"] >= 0.98 * alone["kernels"] / alone["steps"]
+    assert beside["kernel_us"] == pytest.approx(alone["kernel_us"], rel=0.05)
+    wait_for(lambda: active(port), "the tracer to come back", 60)
+
+
+@pytest.fixture
+def training(tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """The ResNet-50 job under `dlprof-agent run --layers`, for the shipped Prometheus
+    (``tests.test_dashboards.shipped_prometheus``): (the agent's port, the job's pid)."""
+    port, log, control = free_port(), tmp_path / "job.jsonl", tmp_path / "control"
+    control.mkdir()
+    with open(tmp_path / "agent.log", "wb") as agent_log:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "dlprof_agent", "run", "--port", str(port), "--quiet",
+             "--interval", "0.5", "--grace", "0", "--layers", "--", sys.executable, JOB,
+             "--log", str(log), "--control", str(control), "--steps", "100000",
+             "--copy-every", "5"],
+            env=agent_env(), stdout=subprocess.DEVNULL, stderr=agent_log)
+    try:
+        def first_line() -> str:
+            text = log.read_text() if log.exists() else ""
+            return text.partition("\n")[0] if "\n" in text else ""
+
+        yield port, int(json.loads(wait_for(first_line, "the job to start", 120))["pid"])
+    finally:
+        run.terminate()
+        try:
+            run.wait(30)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.wait(10)
+
+
+def test_gpu_and_kernel_panels_have_data_on_the_shipped_prometheus(
+        shipped_prometheus: Prometheus, models: dict[str, dict[str, Any]]) -> None:
+    prometheus = shipped_prometheus
+    wait_for(lambda: prometheus.query("sum(rate(dlprof_kernel_seconds_total[1m])) > 0"),
+             "kernel time in Prometheus", 180)
+    time.sleep(4 * dashboards_test.scrape_interval_seconds())  # rates need a few scrapes
+    with_data, empty = [], []
+    for name, model in models.items():
+        for panel in dashboards.panels(model):
+            if not dashboards_test.needs_gpu(panel):
+                continue
+            answers = [prometheus.query(dashboards_test.substitute(t["expr"]))
+                       for t in panel["targets"]]
+            (with_data if all(answers) else empty).append(f"{name}: {panel['title']}")
+    print(f"\n{len(with_data)} GPU and kernel panels with data; empty: {empty}")
+    # Throttling shows only when the GPU throttles; everything else must have data.
+    assert [title for title in empty if "Throttle" not in title] == []

@@ -544,3 +544,25 @@ def test_a_profiler_the_hooks_missed_is_still_stood_aside_for(cupti: FakeCupti) 
     world.tick(tracer, kt.YIELD_RETRY_SECONDS)
     assert tracer.state == "active"
     assert len(kineto.kernels) == 1
+
+
+def test_tensorflows_profiler_is_stood_aside_for_too(cupti: FakeCupti, tmp_path: Any) -> None:
+    tf = pytest.importorskip("tensorflow")
+    world = World()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    assert tracer.state == "active"
+    tf.profiler.experimental.start(str(tmp_path))  # as Keras' TensorBoard callback does
+    try:
+        assert (tracer.state, tracer.reason) == ("busy", "TensorFlow's profiler is running")
+        assert not cupti.enabled  # our kinds off before its session began
+    finally:
+        tf.profiler.experimental.stop()
+    world.tick(tracer)
+    assert tracer.state == "active"
+    with tf.profiler.experimental.Profile(str(tmp_path)):  # calls profiler_v2's globals
+        assert tracer.state == "busy"
+    world.tick(tracer)
+    assert tracer.state == "active"
+    tracer.stop()
+    assert tf.profiler.experimental.start.__module__ == "tensorflow.python.profiler.profiler_v2"

@@ -67,6 +67,8 @@ def main() -> int:
     parser.add_argument("--pause-at", default="", help="comma-separated steps to pause after")
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--copy-bytes", type=int, default=0)
+    parser.add_argument("--copy-every", type=int, default=0,
+                        help="also copy a pinned 1 MiB to the GPU and back every N steps")
     parser.add_argument("--enable-probe", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -102,6 +104,14 @@ def main() -> int:
             torch.autograd.backward(loss_fn(model(inputs), targets))
             optimizer.step()
 
+    pinned = torch.empty(1 << 20, dtype=torch.uint8).pin_memory() if args.copy_every else None
+    on_gpu = torch.empty(1 << 20, dtype=torch.uint8, device=device) if args.copy_every else None
+
+    def copy_once() -> None:
+        assert pinned is not None and on_gpu is not None
+        on_gpu.copy_(pinned)
+        pinned.copy_(on_gpu)
+
     profiles = 0
     with open(args.log, "w") as log:
         log.write(json.dumps({"pid": os.getpid()}) + "\n")
@@ -123,6 +133,8 @@ def main() -> int:
                 profiles += 1
                 continue
             step_once()
+            if args.copy_every and step % args.copy_every == 0:
+                copy_once()
             torch.cuda.synchronize()
             step += 1
             log.write(json.dumps({"step": step, "end": time.perf_counter()}) + "\n")
