@@ -84,6 +84,7 @@ class KernelSample:
 
     state: str  # active, busy or unavailable
     reason: str  # why busy or unavailable; "" when active
+    since: float = 0.0  # Unix time the state last changed; 0 from probes that do not say
     kernels: tuple[KernelRow, ...] = ()
     duration_bucket_bounds: tuple[float, ...] = ()  # upper bounds, seconds; +Inf implied
     durations: tuple[KernelDurations, ...] = ()
@@ -99,6 +100,7 @@ class KernelSample:
         traced = "kernels" in kernels
         return cls(
             state=str(kernels["state"]), reason=str(kernels.get("reason", "")),
+            since=float(kernels.get("since", 0.0)),
             kernels=tuple(KernelRow(str(k), int(d), int(n), float(s))
                           for k, d, n, s in kernels.get("kernels", [])),
             duration_bucket_bounds=tuple(float(b) for b in kernels.get("duration_buckets", [])),

@@ -287,8 +287,15 @@ def kernel_families(pid: str, kernels: KernelSample, nvml_index: Mapping[str, st
     for name in KERNEL_TRACING_STATES:
         current = name == kernels.state
         state.add_metric([pid, name, kernels.reason if current else ""], 1 if current else 0)
+    families: list[Metric] = [state]
+    if kernels.since:
+        since = _gauge("dlprof_kernel_tracing_state_since_timestamp_seconds",
+                       "Unix time at which the kernel tracer entered its current state "
+                       "(e.g. since when another CUPTI client holds the process).", ["pid"])
+        since.add_metric([pid], kernels.since)
+        families.append(since)
     if not kernels.traced:
-        return [state]
+        return families
     seconds = _counter("dlprof_kernel_seconds_total",
                        "GPU time in each kernel (CUPTI); the top kernels by time, the rest "
                        "summed as kernel other.", ["pid", "gpu", "kernel"])
@@ -323,7 +330,7 @@ def kernel_families(pid: str, kernels: KernelSample, nvml_index: Mapping[str, st
     dropped = _counter("dlprof_cupti_dropped_records_total",
                        "Activity records CUPTI dropped for want of buffer space.", ["pid"])
     dropped.add_metric([pid], kernels.dropped_records)
-    return [state, seconds, launches, duration, copied, copying, layers, overhead, dropped]
+    return [*families, seconds, launches, duration, copied, copying, layers, overhead, dropped]
 
 
 def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,

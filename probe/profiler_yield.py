@@ -74,7 +74,8 @@ def _stopping(original: Callable[..., Any], holder: str) -> Callable[..., Any]:
 
 def _targets() -> list[tuple[str, tuple[str, ...], tuple[str, ...], str]]:
     """(module name, start functions, stop functions, holder) for what is imported."""
-    targets = [(name, _TORCH_STARTS, _TORCH_STOPS, TORCH_PROFILER) for name in _TORCH_MODULES]
+    targets: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
+        (name, _TORCH_STARTS, _TORCH_STOPS, TORCH_PROFILER) for name in _TORCH_MODULES]
     targets += [(name, ("start",), ("stop",), TENSORFLOW_PROFILER) for name in _TF_MODULES]
     return targets
 

@@ -367,7 +367,7 @@ class FakeCupti:
         ctypes.memmove(buffer.address + buffer.used, data, len(data))
         if running_end:
             buffer.incomplete += 1
-            field = record.dtype.fields["end"][1]  # type: ignore[index]
+            field = record.dtype.fields["end"][1]
             buffer.running.append((buffer.address + buffer.used + field, running_end))
         buffer.used += len(data)
 

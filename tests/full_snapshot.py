@@ -58,7 +58,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
         dropped_messages=(("malformed", 1),),
         settings=(("torch", (("framework", "pytorch"), ("framework_version", "2.13.0"))),),
         kernels=KernelSample(
-            state="active", reason="",
+            state="active", reason="", since=1_795_000_000.0,
             kernels=(KernelRow("at::native::vectorized_elementwise_kernel", 0, 100, 0.002),
                      KernelRow("other", 0, 5, 0.0001)),
             duration_bucket_bounds=(1e-05, 0.001), durations=(KernelDurations(0, (60, 45, 0),

@@ -364,7 +364,8 @@ def test_gpu_and_kernel_panels_have_data_on_the_shipped_prometheus(
     wait_for(lambda: prometheus.query("sum(rate(dlprof_kernel_seconds_total[1m])) > 0"),
              "kernel time in Prometheus", 180)
     time.sleep(4 * dashboards_test.scrape_interval_seconds())  # rates need a few scrapes
-    with_data, empty = [], []
+    with_data: list[str] = []
+    empty: list[str] = []
     for name, model in models.items():
         for panel in dashboards.panels(model):
             if not dashboards_test.needs_gpu(panel):

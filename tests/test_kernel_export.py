@@ -50,7 +50,9 @@ def traced_snapshot() -> dict[str, Any]:
     binding.dropped = 7
     tracer.tick()
     snapshot = tracer.snapshot()
+    tracer.stop()
     snapshot["devices"] = {"0": "GPU-aaaa", "1": "GPU-bbbb"}
+    snapshot["since"] = 1_795_000_000.5
     return snapshot
 
 
@@ -94,6 +96,8 @@ def test_the_tracers_totals_become_the_documented_families() -> None:
                  {"pid": pid, "state": "active", "reason": ""}) == 1
     assert value("dlprof_kernel_tracing_state",
                  {"pid": pid, "state": "busy", "reason": ""}) == 0
+    assert value("dlprof_kernel_tracing_state_since_timestamp_seconds",
+                 {"pid": pid}) == 1_795_000_000.5
 
 
 def test_a_tracer_that_never_ran_shows_its_state_and_reason_only() -> None:

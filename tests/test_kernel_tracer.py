@@ -26,6 +26,15 @@ from tests.fake_cupti import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _no_hooks_left() -> Iterator[None]:
+    """Tracers register with the profiler hooks when they start: forget them after."""
+    yield
+    with profiler_yield._lock:
+        profiler_yield._tracers.clear()
+    profiler_yield.uninstall()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
