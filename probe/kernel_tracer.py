@@ -84,10 +84,11 @@ def _libcuda_loaded() -> bool:
 
 def foreign_profiler() -> str:
     """The name of a profiler of the job's own that needs CUPTI now, or ""."""
-    torch = sys.modules.get("torch")
-    with contextlib.suppress(Exception):
-        if torch is not None and torch._C._autograd._profiler_enabled():
-            return profiler_yield.TORCH_PROFILER
+    # torch._C._autograd._profiler_enabled() answers for the calling thread only, and
+    # this runs on the probe's: torch.autograd.profiler's module flag is process-wide.
+    torch_profiler = sys.modules.get("torch.autograd.profiler")
+    if getattr(torch_profiler, "_is_profiler_enabled", False) is True:
+        return profiler_yield.TORCH_PROFILER
     tf_profiler = sys.modules.get("tensorflow.python.profiler.profiler_v2")
     if getattr(tf_profiler, "_profiler", None) is not None:
         return profiler_yield.TENSORFLOW_PROFILER

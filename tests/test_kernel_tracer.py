@@ -5,6 +5,7 @@ the fake binding (``tests.fake_cupti``), fed synthetic buffers."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -575,3 +576,21 @@ def test_tensorflows_profiler_is_stood_aside_for_too(cupti: FakeCupti, tmp_path:
     assert tracer.state == "active"
     tracer.stop()
     assert tf.profiler.experimental.start.__module__ == "tensorflow.python.profiler.profiler_v2"
+
+
+def test_a_profiler_already_running_when_tracing_starts_is_waited_for(cupti: FakeCupti) -> None:
+    """The fallback for a profiler the hooks did not see start: checked on the
+    probe's own thread, where torch's per-thread profiler flag reads false."""
+    torch = pytest.importorskip("torch")
+    world = World()
+    tracer = kt.KernelTracer(continuous=True, max_layers=512,
+                             binding_factory=lambda: cb.CuptiBinding(load=cupti.load),
+                             cuda_check=lambda: True, clock=world.clock)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        probe_thread = threading.Thread(target=tracer.tick)
+        probe_thread.start()
+        probe_thread.join()
+        assert (tracer.state, tracer.reason) == ("busy", "torch.profiler is running")
+        assert cupti.callbacks is None  # CUPTI untouched while it runs
+    world.tick(tracer, kt.YIELD_RETRY_SECONDS)
+    assert tracer.state == "active"
