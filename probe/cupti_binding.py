@@ -34,8 +34,11 @@ Rules kept here:
 - Activity kinds, the buffer callbacks and the timestamp source are
   process-wide in CUPTI: the last ``cuptiActivityRegisterCallbacks`` wins, so
   ``open`` registers ours again every time tracing (re)starts.
-- Flushes are never forced (a forced flush hands over kernels still running,
-  with end 0). CUPTI's periodic flush hands over only full buffers ("periodic
+- Flushes are not forced (a forced flush hands over kernels still running,
+  with end 0, which the aggregator leaves out), but once: when we stand aside
+  for another client, so that none of our buffers is left in CUPTI to be handed
+  to that client's callbacks (Kineto drops a buffer it does not know, logging
+  "bufferCompleted called with unknown buffer"). CUPTI's periodic flush hands over only full buffers ("periodic
   flush can return only those activity buffers which are full and have all the
   activity records completed", cuptiActivityFlushPeriod); a non-forced
   ``cuptiActivityFlushAll(0)`` hands over the partly filled ones whose records
@@ -68,6 +71,7 @@ FLUSH_PERIOD_MS = 500
 EXTERNAL_KIND_CUSTOM2 = 5  # CUpti_ExternalCorrelationKind; Kineto uses CUSTOM0 and CUSTOM1
 RESULT_MAX_LIMIT_REACHED = 12  # CUPTI_ERROR_MAX_LIMIT_REACHED: no record after this one
 FLUSH_NOT_FORCED = 0  # cuptiActivityFlushAll's flag: only buffers of completed records
+FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: every buffer, running work included
 
 
 class CuptiUnavailable(Exception):
@@ -435,11 +439,12 @@ class CuptiBinding:
                 self._enabled.remove(kind)
                 self._c["cuptiActivityDisable"](kind)
 
-    def flush(self) -> None:
-        """Hand over the completed records now; never forced (see the module doc)."""
+    def flush(self, *, forced: bool = False) -> None:
+        """Hand over the completed records now; forced only to stand aside (see the
+        module doc)."""
         if self._c:
             started = time.perf_counter()
-            self._c["cuptiActivityFlushAll"](FLUSH_NOT_FORCED)
+            self._c["cuptiActivityFlushAll"](FLUSH_FORCED if forced else FLUSH_NOT_FORCED)
             self.flush_seconds += time.perf_counter() - started
             self.flushes += 1
 
@@ -486,14 +491,15 @@ class CuptiBinding:
         return Correlator(self._c["cuptiActivityPushExternalCorrelationId"],
                           self._c["cuptiActivityPopExternalCorrelationId"], base)
 
-    def close(self) -> None:
-        """Give CUPTI back: our kinds off, then our last records flushed to us."""
+    def close(self, *, forced: bool = False) -> None:
+        """Give CUPTI back: our kinds off, then our last records flushed to us
+        (``forced``: every buffer of ours, before another client takes over)."""
         if self._c:
             for kind in reversed(self._enabled):
                 with contextlib.suppress(Exception):
                     self._c["cuptiActivityDisable"](kind)
             with contextlib.suppress(Exception):
-                self.flush()
+                self.flush(forced=forced)
         self._enabled = []
 
     def abandon(self) -> None:

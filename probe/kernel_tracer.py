@@ -355,7 +355,7 @@ class KernelTracer:
                 self.correlator = None
                 if binding is not None:
                     try:
-                        binding.close()  # our kinds off, our records flushed to us
+                        binding.close(forced=True)  # our kinds off, every buffer back
                         self._drain_from(binding, now)
                     finally:
                         self._dropped_before += (binding.counters().get("dropped_records", 0)

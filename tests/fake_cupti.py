@@ -83,7 +83,7 @@ class FakeBinding:
     def disable(self, kinds: list[int]) -> None:
         self._enabled = [kind for kind in self._enabled if kind not in kinds]
 
-    def flush(self) -> None:
+    def flush(self, *, forced: bool = False) -> None:
         self.flushes += 1
 
     def take_buffers(self) -> list[ActivityBuffer]:
@@ -116,7 +116,7 @@ class FakeBinding:
         self.correlators.append(correlator)
         return correlator
 
-    def close(self) -> None:
+    def close(self, *, forced: bool = False) -> None:
         self.closed = True
 
     def abandon(self) -> None:
@@ -477,7 +477,9 @@ class FakeKineto:
     failed - CUDA profiler activities will be missing" and gets nothing, evidence
     item 3), register its TSC timestamp callback (configureCuptiTimestampSource),
     its buffer callbacks, and enable its kinds. Stop: a forced flush, its kinds
-    off; the subscriber and the timestamp callback stay."""
+    off; the subscriber and the timestamp callback stay. A completed buffer it
+    did not allocate is dropped, not read (CuptiActivityApi::bufferCompleted:
+    "bufferCompleted called with unknown buffer")."""
 
     KINDS = (10, 1, 2, 5, 4, 39)
 

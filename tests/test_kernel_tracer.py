@@ -516,6 +516,7 @@ def test_torch_profiler_gets_every_kernel_while_the_probe_traces(
     world.tick(tracer)
     cupti.kernel("before", 2_000)
     world.tick(tracer)
+    cupti.kernel("still_running", 2_000, running=True)  # its buffer must not go to Kineto
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         # Stood aside synchronously, before Kineto's first CUPTI call.
         assert (tracer.state, tracer.reason) == ("busy", "torch.profiler is running")
