@@ -3,7 +3,10 @@ and chrome://tracing.
 
 The probe sends the window's records columnar, all on CUPTI's clock in ns (it
 has shifted its own perf_counter times by the offset it measured between the
-two clocks); this module, run by the agent, turns them into events:
+two clocks, sampling cuptiGetTimestamp; the binding puts CUPTI's own clock back
+whenever tracing starts, as another client's timestamp callback, Kineto's TSC,
+would make the records' units differ from that sample's); this module, run by
+the agent, turns them into events:
 
 - the job's process: a ``steps`` track with one ``X`` event per step and an
   ``i`` instant at each boundary, and one track per host thread with the
