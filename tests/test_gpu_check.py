@@ -3,10 +3,15 @@ and ends in seconds; bad options get a one-line error."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
+import os
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +64,47 @@ def test_help_says_what_it_proves_and_how_to_run_it() -> None:
                   "pip --no-index"):
         assert words in result.stdout.replace("\n", " ").replace("  ", " ") or \
             words in result.stdout, words
+
+
+def load_script() -> Any:
+    loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("gpu_check", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def wheel(folder: Path, name: str, version: str) -> Path:
+    """A minimal pure-Python wheel, as pip installs it."""
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n")
+        archive.writestr(f"{info}/METADATA",
+                         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                         "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_wheels_brought_along_go_into_a_folder_of_their_own_without_a_cupti(
+        tmp_path: Path) -> None:
+    script = load_script()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel(wheels, "cupti_python_stand_in", "13.0.1")
+    wheel(wheels, "nvidia_cuda_cupti", "13.4.0")  # would shadow the framework's CUPTI
+    check = script.Check(tmp_path, 120)
+    target = tmp_path / "site"
+
+    result, notes = script.install_wheels(check, wheels, 60, target)
+
+    assert result == "ok", notes
+    assert notes == ("1 wheel(s) into site; left out, to keep the framework's own: "
+                     "nvidia_cuda_cupti-13.4.0-py3-none-any.whl")
+    assert (target / "cupti_python_stand_in" / "__init__.py").exists()
+    assert not (target / "nvidia_cuda_cupti").exists()
+    assert check.env["PYTHONPATH"].split(os.pathsep)[0] == str(target)
+    assert (tmp_path / "wheels.txt").exists()  # pip's output, kept with the evidence
