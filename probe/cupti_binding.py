@@ -34,15 +34,16 @@ Rules kept here:
 - Activity kinds, the buffer callbacks and the timestamp source are
   process-wide in CUPTI: the last ``cuptiActivityRegisterCallbacks`` wins, so
   ``open`` registers ours again every time tracing (re)starts.
+- CUPTI's periodic flush hands over only full buffers ("periodic flush can
+  return only those activity buffers which are full and have all the activity
+  records completed", cuptiActivityFlushPeriod), which a quiet job never fills;
+  a non-forced ``cuptiActivityFlushAll(0)`` hands over the partly filled ones
+  whose records are complete, so the tracer calls ``flush`` on its drain cadence.
 - Flushes are not forced (a forced flush hands over kernels still running,
   with end 0, which the aggregator leaves out), but once: when we stand aside
-  for another client, so that none of our buffers is left in CUPTI to be handed
-  to that client's callbacks (Kineto drops a buffer it does not know, logging
-  "bufferCompleted called with unknown buffer"). CUPTI's periodic flush hands over only full buffers ("periodic
-  flush can return only those activity buffers which are full and have all the
-  activity records completed", cuptiActivityFlushPeriod); a non-forced
-  ``cuptiActivityFlushAll(0)`` hands over the partly filled ones whose records
-  are complete, so the tracer calls ``flush`` on its drain cadence.
+  for another client, so that none of our buffers is left in CUPTI to be filled
+  with its records and handed to its callbacks (Kineto drops a buffer it did not
+  allocate: "bufferCompleted called with unknown buffer").
 - ``cuptiFinalize`` is never called (it would tear CUPTI down under any other
   client in the process): we disable our kinds instead.
 
