@@ -18,10 +18,13 @@ CUPTI major.minor in this environment (the job's), e.g. ``pip install
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -336,6 +339,7 @@ def training(tmp_path: Path) -> Iterator[tuple[int, int]]:
     (``tests.test_dashboards.shipped_prometheus``): (the agent's port, the job's pid)."""
     port, log, control = free_port(), tmp_path / "job.jsonl", tmp_path / "control"
     control.mkdir()
+    pid = 0
     with open(tmp_path / "agent.log", "wb") as agent_log:
         run = subprocess.Popen(
             [sys.executable, "-m", "dlprof_agent", "run", "--port", str(port), "--quiet",
@@ -348,14 +352,17 @@ def training(tmp_path: Path) -> Iterator[tuple[int, int]]:
             text = log.read_text() if log.exists() else ""
             return text.partition("\n")[0] if "\n" in text else ""
 
-        yield port, int(json.loads(wait_for(first_line, "the job to start", 120))["pid"])
+        pid = int(json.loads(wait_for(first_line, "the job to start", 120))["pid"])
+        yield port, pid
     finally:
-        run.terminate()
+        run.terminate()  # `run` passes it on to the job
         try:
             run.wait(30)
         except subprocess.TimeoutExpired:
             run.kill()
             run.wait(10)
+        with contextlib.suppress(Exception):
+            os.kill(pid, signal.SIGKILL)  # whatever `run` left
 
 
 def test_gpu_and_kernel_panels_have_data_on_the_shipped_prometheus(
