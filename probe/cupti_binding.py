@@ -362,7 +362,7 @@ class CuptiBinding:
         self.version = ""
         self.flushes = 0
         self.flush_seconds = 0.0  # time spent in cuptiActivityFlushAll, measured
-        self.clock_restored = False
+        self.clock_reset_result: int | None = None  # what CUPTI answered to the reset
 
     def open(self, framework: str = "", framework_cuda: str | None = None) -> None:
         """Make CUPTI deliver our kinds to our callbacks, on its own clock.
@@ -402,10 +402,10 @@ class CuptiBinding:
         torch.profiler session its own clock. We only ever (re)start with no other
         profiler in the job."""
         register = self._c.get("cuptiActivityRegisterTimestampCallback")
-        self.clock_restored = False
-        if register is not None:
-            self._check("cuptiActivityRegisterTimestampCallback", None)
-            self.clock_restored = True
+        # Its answer is kept, never acted on: on the evidence's H100 (CUPTI 13.0) the
+        # call answered 1 (CUPTI_ERROR_INVALID_PARAMETER), and the kernel totals were
+        # right again all the same. The GPU tests compare totals after torch.profiler ran.
+        self.clock_reset_result = register(None) if register is not None else None
 
     def _check(self, function: str, *args: Any) -> None:
         status = self._c[function](*args)

@@ -249,6 +249,7 @@ class FakeCupti:
       CUPTI's clock (ns) in every record until another one, or NULL, is
       registered; Kineto registers its TSC clock at every GPU-tracing start and
       never unregisters it (kineto CuptiTimestamp.cpp; evidence item 4: 2.10x).
+      NULL puts CUPTI's clock back but answers 1 (evidence, item 4's reset run).
       ``cuptiGetTimestamp`` is modelled on CUPTI's own clock either way.
     """
 
@@ -310,7 +311,10 @@ class FakeCupti:
     def _register_timestamp_callback(self, callback: Any) -> int:
         self.calls.append("timestamp_callback" if callback else "timestamp_default")
         self.timestamp_callback = callback or None
-        return SUCCESS
+        # NULL put CUPTI's clock back on the evidence's H100 (kernel totals right again)
+        # while the call returned 1, CUPTI_ERROR_INVALID_PARAMETER
+        # (after-profiler-with-timestamp-reset.txt): modelled as it was seen.
+        return SUCCESS if callback else ERROR_INVALID_PARAMETER
 
     def _get_timestamp(self, out: Any) -> int:
         out._obj.value = self._now_ns()

@@ -108,3 +108,13 @@ def test_wheels_brought_along_go_into_a_folder_of_their_own_without_a_cupti(
     assert not (target / "nvidia_cuda_cupti").exists()
     assert check.env["PYTHONPATH"].split(os.pathsep)[0] == str(target)
     assert (tmp_path / "wheels.txt").exists()  # pip's output, kept with the evidence
+
+
+def test_the_flush_cost_snippet_and_the_sweeps_arguments_are_valid() -> None:
+    script = load_script()
+    compile(script.FLUSH_COST, "flush-cost", "exec")
+    help_text = subprocess.run([sys.executable, "-m", "dlprof_agent", "workload", "sweep",
+                                "--help"], env=agent_env(), capture_output=True, text=True,
+                               timeout=60, check=True).stdout
+    for option in ("--device", "--cudnn-autotune", "--attach", "--iterations", "--warmup"):
+        assert option in help_text

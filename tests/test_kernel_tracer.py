@@ -439,6 +439,7 @@ def test_durations_stay_in_ns_after_kineto_installed_its_clock(cupti: FakeCupti)
     cupti.kernel("gemm", 10_000)
     world.tick(tracer)
     assert kernels(tracer.snapshot()) == {"gemm": (1, pytest.approx(10e-6))}
+    assert cupti.calls.count("timestamp_default") == 1  # put back at start, answer 1 or not
 
     # The next profiler session registers its clock again and gets its own units.
     kineto.prepare()
