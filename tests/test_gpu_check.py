@@ -118,3 +118,23 @@ def test_the_flush_cost_snippet_and_the_sweeps_arguments_are_valid() -> None:
                                timeout=60, check=True).stdout
     for option in ("--device", "--cudnn-autotune", "--attach", "--iterations", "--warmup"):
         assert option in help_text
+
+
+@pytest.mark.e2e
+def test_the_overhead_harness_runs_its_five_configurations_on_a_cpu_job(tmp_path: Path) -> None:
+    """The interleaving, attaching and parsing of the overhead step, on the same
+    job on the CPU (small CNN): its figures mean nothing here, its table must be whole."""
+    pytest.importorskip("torch")
+    script = load_script()
+    check = script.Check(tmp_path, 400)
+    check.env = agent_env() | {"OMP_NUM_THREADS": "1"}
+
+    result, notes = script.overhead(check, 90, ("--device", "cpu", "--model", "small-cnn",
+                                                "--batch", "8"))
+
+    assert result in ("ok", "failed") and "against the agent without it" in notes, notes
+    table = (tmp_path / "overhead.md").read_text()
+    rows = [line.split("|")[1].strip() for line in table.splitlines()
+            if line.startswith("| ") and "configuration" not in line]
+    assert rows == list(script.OVERHEAD_CONFIGS)
+    assert "interleaved rounds" in table and "load average" in table

@@ -70,6 +70,8 @@ def main() -> int:
     parser.add_argument("--copy-every", type=int, default=0,
                         help="also copy a pinned 1 MiB to the GPU and back every N steps")
     parser.add_argument("--enable-probe", action="store_true")
+    parser.add_argument("--device", default="cuda",
+                        help="cpu: the same job without a GPU, to check a harness on")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from dlprof_agent.workloads import torch_models
@@ -82,7 +84,12 @@ def main() -> int:
         dlprof_agent.probe.enable()
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = False  # the same kernels every step
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     step_once: Any
     if args.copy_bytes:
         host = torch.empty(args.copy_bytes, dtype=torch.uint8).pin_memory()
@@ -119,11 +126,12 @@ def main() -> int:
         while step < args.steps:
             if (control / "profile").exists():
                 (control / "profile").unlink()
-                activities = [torch.profiler.ProfilerActivity.CUDA]
+                activities = [torch.profiler.ProfilerActivity.CUDA
+                              if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU]
                 with torch.profiler.profile(activities=activities) as prof:
                     for _ in range(args.profile_steps):
                         step_once()
-                        torch.cuda.synchronize()
+                        synchronize()
                         step += 1
                         log.write(json.dumps({"step": step, "end": time.perf_counter(),
                                               "profiled": True}) + "\n")
@@ -135,7 +143,7 @@ def main() -> int:
             step_once()
             if args.copy_every and step % args.copy_every == 0:
                 copy_once()
-            torch.cuda.synchronize()
+            synchronize()
             step += 1
             log.write(json.dumps({"step": step, "end": time.perf_counter()}) + "\n")
             log.flush()
