@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
 import os
 import pwd
 import re
 import secrets
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -45,8 +48,9 @@ from typing import BinaryIO
 from dlprof_agent.agent.errors import AgentError, TargetAccessDenied, TargetNotFound
 from dlprof_agent.collectors.process import read_state
 
-# What gdb stops at and calls; both must be defined in the target (readelf --dyn-syms).
-REQUIRED_SYMBOLS = frozenset({"PyEval_SaveThread", "PyRun_SimpleString"})
+# What gdb calls in the job (besides libc's mmap); both must be defined in the target
+# (readelf --dyn-syms).
+REQUIRED_SYMBOLS = frozenset({"Py_AddPendingCall", "PyRun_SimpleString"})
 MIN_TARGET_VERSION = (3, 10)  # the probe's own floor
 BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
 CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
@@ -409,16 +413,19 @@ def _first_line(error: BaseException) -> str:
 
 # --- injecting ------------------------------------------------------------------------
 
-def inject(pid: int, code: str) -> None:
-    """Run ``code`` inside process ``pid``, once.
+def inject(pid: int, code: str, *, wait_seconds: float | None = None
+           ) -> QueuedBootstrap | None:
+    """Have process ``pid`` run ``code`` once, on its main thread, with the GIL held.
 
-    With gdb the code has run when this returns, on a thread that was about to release
-    the GIL; with sys.remote_exec it runs later, on the main thread at its next safe
-    point. Either way keep it short: import the probe and let it start its own thread.
+    The job runs it at its own next safe point, which may come after this returns: the
+    result (gdb) tells whether it has run yet, and while it has not, injecting again
+    returns it instead of queueing a second copy. Keep the code short and idempotent:
+    import the probe and let it start its own thread.
     Raises NotPython (nothing was done to the process), InjectionRefused (the kernel
-    would not let the agent attach) or InjectionFailed. A pid with no live process
-    raises ``dlprof_agent.agent.errors.TargetNotFound``, like every other place the
-    agent meets a missing target, so the command line exits with the same code (3).
+    would not let the agent attach), InjectionNotNow (nothing was done; a later try may
+    work) or InjectionFailed. A pid with no live process, or one that exits meanwhile,
+    raises ``dlprof_agent.agent.errors.TargetNotFound``, like every other place the agent
+    meets a missing target, so the command line exits with the same code (3).
     Errors in ``code`` itself happen in the target and print to its stderr.
     """
     if pid == os.getpid():
@@ -434,11 +441,12 @@ def inject(pid: int, code: str) -> None:
         major, minor = runtime.version
         raise NotPython(f"process {pid} runs python {major}.{minor}, too old for the probe",
                         "the probe needs python {}.{} or newer".format(*MIN_TARGET_VERSION))
+    remove_stale_files(pid)
     remote_exec = getattr(sys, "remote_exec", None)
     if remote_exec is not None and runtime.version == sys.version_info[:2]:
         _inject_remote_exec(pid, code, remote_exec)
-    else:
-        _inject_gdb(pid, code)
+        return None
+    return _inject_gdb(pid, code, GDB_WAIT_SECONDS if wait_seconds is None else wait_seconds)
 
 
 class _Bootstrap:
@@ -452,7 +460,8 @@ class _Bootstrap:
         self._tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         self._lock = threading.Lock()
         try:
-            self._name = f"dlprof-bootstrap-{secrets.token_hex(8)}"
+            # The agent's pid in the name: a later agent removes it once this one is gone.
+            self._name = f"dlprof-bootstrap-{os.getpid()}-{secrets.token_hex(8)}"
             os.mkdir(self._name, 0o700, dir_fd=self._tmp_fd)
             # The target may run as another user: it may open the file, nobody may list.
             os.chmod(self._name, 0o711, dir_fd=self._tmp_fd)
@@ -492,6 +501,90 @@ def _write_bootstrap(pid: int, code: str, *, procfs: str = "/proc") -> _Bootstra
         return _Bootstrap(local, local, code)
 
 
+_BOOTSTRAP_DIR = re.compile(r"dlprof-bootstrap-(?:(\d+)-)?[0-9a-f]{16}")
+_OLD_GDB_SCRIPT = re.compile(r"tmp[a-z0-9_]{8}\.gdb")  # written by agents before 0.x
+_OLD_GDB_SCRIPT_SIGN = b"echo dlprof-agent: probe bootstrap ran"
+_OLD_GDB_SCRIPT_SECONDS = 60.0  # those agents removed theirs within 20 s
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_in(tmp: str, now: float) -> list[str]:
+    """Remove, from directory ``tmp``, bootstrap folders and gdb scripts that an agent
+    killed mid-injection left: only ours (our uid, no symbolic links), only once the
+    agent named in them is gone and the job has had BOOTSTRAP_FILE_SECONDS to read them."""
+    removed: list[str] = []
+    try:
+        tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return removed
+    try:
+        for name in os.listdir(tmp_fd):
+            folder = _BOOTSTRAP_DIR.fullmatch(name)
+            if folder is None and _OLD_GDB_SCRIPT.fullmatch(name) is None:
+                continue
+            try:
+                info = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_uid != os.geteuid():
+                continue
+            age = now - info.st_mtime
+            if folder is not None:
+                owner = folder.group(1)
+                if (not stat.S_ISDIR(info.st_mode) or age < BOOTSTRAP_FILE_SECONDS
+                        or (owner is not None and _pid_alive(int(owner)))):
+                    continue
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{name}/bootstrap.py", dir_fd=tmp_fd)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=tmp_fd)
+                    removed.append(name)
+            elif stat.S_ISREG(info.st_mode) and age >= _OLD_GDB_SCRIPT_SECONDS:
+                try:
+                    script = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=tmp_fd)
+                except OSError:
+                    continue
+                with open(script, "rb") as file:
+                    ours = _OLD_GDB_SCRIPT_SIGN in file.read(4096)
+                if ours:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=tmp_fd)
+                        removed.append(name)
+    finally:
+        os.close(tmp_fd)
+    return removed
+
+
+def remove_stale_files(pid: int | None = None, *, now: float | None = None) -> list[str]:
+    """Clean what agents killed during an injection left in the temporary directory
+    (and in the /tmp of process ``pid``, which may be another container's). Safe to
+    call any time: it removes only files of dead agents. Returns the names removed."""
+    when = time.time() if now is None else now
+    places = [tempfile.gettempdir()]
+    if pid is not None:
+        places.append(f"/proc/{pid}/root/tmp")
+    seen: set[tuple[int, int]] = set()
+    removed: list[str] = []
+    for place in places:
+        try:
+            info = os.stat(place)
+        except OSError:
+            continue
+        if (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            removed += _remove_stale_in(place, when)
+    return removed
+
+
 def _remove_later(bootstrap: _Bootstrap, seconds: float) -> None:
     # remote_exec returns before the target has read the file; give it time to reach a
     # safe point, and clean up at exit should the agent stop sooner.
@@ -521,84 +614,263 @@ def _inject_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str], o
                               "(PYTHON_DISABLE_REMOTE_DEBUG, -X disable_remote_debug)") from None
 
 
-GDB_WAIT_SECONDS = 10.0  # for a thread of the job to reach the safe point
-GDB_MARK = "dlprof-agent: probe bootstrap ran"
+# --- gdb: queue the bootstrap as a pending call ----------------------------------------
 
-# gdb stops the job where a thread is about to release the GIL: that thread holds
-# the GIL and is between two pieces of the interpreter's own C code, so running
-# Python there is safe. (Calling in at an arbitrary instruction, as ptrace
-# injectors do, deadlocks the job whenever the thread was inside malloc.)
-_GDB_SCRIPT = """set pagination off
-set confirm off
-sharedlibrary libpython
-break PyEval_SaveThread
-commands
-  silent
-  delete
-  call (int)PyRun_SimpleString("exec(open('{path}').read())")
-  echo {mark}\\n
-  detach
-  quit
-end
-continue
-detach
+GDB_WAIT_SECONDS = 10.0  # for the job's main thread to be seen waiting in the kernel
+GDB_SESSION_SECONDS = 30.0  # a session takes milliseconds; this only bounds a stuck gdb
+GDB_MARK = "dlprof-agent:"
+_POLL_SECONDS = 0.005
+_FLAG_BYTES = 16  # at the start of the page: the job writes b"ran" there; the code follows
+_ADDRESS_PLACEHOLDER = "0xDLPROFAGENTADDR0"  # as wide as "%#018x" of a 64-bit address
+_RAN = b"ran"
+
+# Runs inside the target as PyRun_SimpleString(page + 16), from the main thread's eval
+# loop with the GIL held. It must never let an exception out: PyRun_SimpleString would
+# return -1, which the eval loop turns into a SystemError in the job (and a SystemExit
+# would end it). Both levels run in their own namespaces: nothing lands in __main__.
+_PENDING_BODY = """\
+try:
+    with open('/proc/self/mem', 'r+b', buffering=0) as mem:
+        mem.seek({address})
+        mem.write({ran!r})
+except Exception:
+    pass
+try:
+    exec({code!r}, {{'__name__': 'dlprof_agent_injected'}})
+except BaseException as error:
+    try:
+        if isinstance(error, KeyboardInterrupt):
+            __import__('_thread').interrupt_main()  # the job's Ctrl-C, handed back
+        else:
+            __import__('traceback').print_exc()
+    except BaseException:
+        pass
+"""
+_PENDING_SOURCE = """\
+try:
+    exec({body!r}, {{'__name__': 'dlprof_agent_injected'}})
+except BaseException:
+    pass
+"""
+
+# Runs in gdb's own Python, never in the job. gdb has stopped every thread. It calls into
+# the job twice, on the main thread and only when that thread was stopped inside a system
+# call: mmap for a page, then Py_AddPendingCall; it writes the page through the debugger
+# (no allocation in the job), prints one verdict line and detaches.
+_GDB_PYTHON = """\
+import gdb
+
+def _say(*words):
+    gdb.write(" ".join([{mark!r}] + [str(word) for word in words]) + "\\n")
+    gdb.flush()
+
+def _queue(payload):
+    inferior = gdb.selected_inferior()
+    pid = inferior.pid
+    try:
+        with open("/proc/%d/task/%d/syscall" % (pid, pid)) as file:
+            state = file.read().split()
+    except OSError:
+        state = []
+    main = [thread for thread in inferior.threads() if thread.ptid[1] == pid]
+    if not state or not main:
+        _say("main-thread-gone")
+        return
+    if state[0] in ("running", "-1"):
+        _say("main-thread-busy")
+        return
+    main[0].switch()
+    for library in ("libc[.]", "ld-musl", "libpython3"):
+        gdb.execute("sharedlibrary " + library, to_string=True)
+    size = -(-len(payload) // {page}) * {page}
+    address = int(gdb.parse_and_eval(
+        "((long (*)(long, long, long, long, long, long))mmap)(0, %d, {prot}, {flags}, -1, 0)"
+        % size))
+    if address <= 0:
+        _say("mmap-failed", address)
+        return
+    payload = payload.replace({placeholder!r}, ("%#018x" % address).encode(), 1)
+    inferior.write_memory(address, payload)
+    result = int(gdb.parse_and_eval(
+        "((int (*)(void *, void *))Py_AddPendingCall)((void *)PyRun_SimpleString, (void *)%d)"
+        % (address + {flag_bytes})))
+    _say("queued", "%#x" % address, result)
+
+try:
+    _queue(bytes.fromhex({payload_hex!r}))
+except Exception as error:
+    _say("error", (str(error).splitlines() or [type(error).__name__])[0])
+gdb.execute("detach", to_string=True)
 """
 
 
-def _inject_gdb(pid: int, code: str) -> None:
+class InjectionNotNow(InjectionFailed):
+    """Nothing was done to the process, and trying again later may work: its main thread
+    was never seen waiting in the kernel, or its queue of pending calls was full."""
+
+
+@dataclass(frozen=True)
+class QueuedBootstrap:
+    """A bootstrap queued in a job as a pending call: the job runs it when its main
+    thread next executes Python bytecode, which may be much later (a long C call)."""
+
+    pid: int
+    start_time: int  # field 22 of /proc/<pid>/stat: tells the job from a reused pid
+    address: int  # of the page in the job holding the flag and the code
+    queued_at: float  # time.monotonic() in the agent
+
+    def state(self) -> str:
+        """"queued", "ran" (the job has started running the code), or "gone"."""
+        if _start_time(self.pid) != self.start_time:
+            return "gone"
+        try:
+            with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as memory:
+                memory.seek(self.address)
+                flag = memory.read(len(_RAN))
+        except OSError:
+            return "gone" if _start_time(self.pid) != self.start_time else "queued"
+        return "ran" if flag == _RAN else "queued"
+
+
+_queued: dict[int, QueuedBootstrap] = {}
+_queued_lock = threading.Lock()
+
+
+def pending_bootstrap(pid: int) -> QueuedBootstrap | None:
+    """The bootstrap this agent queued in process ``pid`` that the job has not run yet.
+    Injecting again meanwhile queues nothing: ``inject`` returns this one."""
+    with _queued_lock:
+        queued = _queued.get(pid)
+    if queued is None:
+        return None
+    if queued.state() != "queued":
+        with _queued_lock:
+            if _queued.get(pid) is queued:
+                del _queued[pid]
+        return None
+    return queued
+
+
+def _start_time(pid: int) -> int | None:
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text.rpartition(")")[2].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pending_payload(code: str) -> bytes:
+    body = _PENDING_BODY.format(address=_ADDRESS_PLACEHOLDER, ran=_RAN, code=code)
+    source = _PENDING_SOURCE.format(body=body).encode("utf-8")
+    return bytes(_FLAG_BYTES) + source + b"\0"
+
+
+def _main_thread_syscall(pid: int) -> str | None:
+    """The first field of /proc/<pid>/task/<pid>/syscall: a system call number while the
+    main thread waits in the kernel, "running" or "-1" otherwise; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/syscall", encoding="ascii") as file:
+            fields = file.read().split()
+    except PermissionError:
+        raise _refused(pid, "/proc", "cannot read its main thread's state") from None
+    except OSError:
+        return None
+    return fields[0] if fields else None
+
+
+def _wait_for_main_thread_in_kernel(pid: int, deadline: float) -> bool:
+    while True:
+        state = _main_thread_syscall(pid)
+        if state is None:
+            _raise_if_gone(pid, "/proc")
+            raise InjectionFailed(f"the main thread of process {pid} has exited",
+                                  "the probe runs on the main thread; it cannot be queued")
+        if state not in ("running", "-1"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_SECONDS)
+
+
+def _not_now(pid: int, seconds: float) -> InjectionNotNow:
+    return InjectionNotNow(
+        f"process {pid} reached no safe point to queue the probe within {seconds:g} s "
+        "(its main thread never waited in the kernel: it runs Python or native code "
+        "without a pause, holding the GIL); nothing was done to it",
+        "the agent tries again on its next passes; or start the job with "
+        "`dlprof-agent run -- python ...`")
+
+
+def _gdb_command(gdb: str, pid: int, payload: bytes) -> list[str]:
+    script = _GDB_PYTHON.format(
+        mark=GDB_MARK, page=mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, flag_bytes=_FLAG_BYTES,
+        placeholder=_ADDRESS_PLACEHOLDER.encode(), payload_hex=payload.hex())
+    return [gdb, "--batch", "--nx", "-iex", "set auto-load off",
+            "-iex", "set auto-solib-add off", "-iex", "set debuginfod enabled off",
+            # A signal during a call (our SIGINT on a stuck session) unwinds the call.
+            "-iex", "set unwindonsignal on",
+            "-p", str(pid), "-ex", f"python exec(bytes.fromhex('{script.encode().hex()}'))"]
+
+
+def _inject_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap:
     gdb = shutil.which("gdb")
     if gdb is None:
         raise InjectionFailed(
             f"cannot inject into process {pid}: gdb is not installed",
             "install it (e.g. apt install gdb) to inject into a running Python before 3.14, "
             "or start the job with `dlprof-agent run -- python ...`")
-    try:
-        bootstrap = _write_bootstrap(pid, code)
-    except OSError as error:
-        raise InjectionFailed(f"cannot write the bootstrap script: {_first_line(error)}",
-                              "make a temporary directory writable (TMPDIR)") from None
-    try:
-        with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as script:
-            script.write(_GDB_SCRIPT.format(path=bootstrap.seen_as, mark=GDB_MARK))
-        output = _run_gdb(pid, [gdb, "--batch", "--nx", "-iex", "set auto-load off",
-                                "-iex", "set auto-solib-add off", "-p", str(pid),
-                                "-x", script.name])
-    finally:
-        os.unlink(script.name)
-        bootstrap.remove()  # the call above read it before returning
-    if GDB_MARK in output and "$1 = 0" in output:
-        return
+    queued = pending_bootstrap(pid)
+    if queued is not None:
+        return queued
+    start_time = _start_time(pid)
+    command = _gdb_command(gdb, pid, _pending_payload(code))
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        if not _wait_for_main_thread_in_kernel(pid, deadline):
+            raise _not_now(pid, wait_seconds)
+        output = _run_gdb(pid, command)
+        verdict = next((line.split()[1:] for line in output.splitlines()
+                        if line.startswith(GDB_MARK + " ")), None)
+        if verdict and verdict[0] == "main-thread-busy" and time.monotonic() < deadline:
+            continue  # it left the kernel between our look and gdb's stop: look again
+        break
+    if verdict and verdict[0] == "queued" and len(verdict) == 3:
+        if verdict[2] != "0":
+            raise InjectionNotNow(f"process {pid} has a full queue of pending calls",
+                                  "the agent tries again on its next passes")
+        queued = QueuedBootstrap(pid, start_time or 0, int(verdict[1], 16), time.monotonic())
+        with _queued_lock:
+            _queued[pid] = queued
+        return queued
+    if _start_time(pid) != start_time:
+        raise TargetNotFound(f"process {pid} exited during the injection",
+                             "attach to a running job")
     if "ptrace: Operation not permitted" in output:
         raise _refused(pid, "/proc", "ptrace was denied")
-    if "ptrace: No such process" in output or not os.path.exists(f"/proc/{pid}"):
-        raise TargetNotFound(f"process {pid} exited before the probe could be injected",
-                             "attach to a running job")
-    if GDB_MARK in output:
-        raise InjectionFailed(f"the probe's bootstrap failed in process {pid}",
-                              "its error is on the job's stderr")
-    detail = next((line for line in output.splitlines()
-                   if "rror" in line or "not defined" in line), "gdb gave up")
-    raise InjectionFailed(f"injecting into process {pid} failed: {detail.strip()}",
+    if verdict and verdict[0] == "main-thread-busy":
+        raise _not_now(pid, wait_seconds)
+    detail = (" ".join(verdict) if verdict else None) or next(
+        (line.strip() for line in output.splitlines()
+         if "rror" in line or "not defined" in line), "gdb gave up")
+    raise InjectionFailed(f"injecting into process {pid} failed: {detail}",
                           "start the job with `dlprof-agent run -- python ...` instead")
 
 
 def _run_gdb(pid: int, command: list[str]) -> str:
+    # gdb gets its own session so that a Ctrl-C meant for the agent does not stop it
+    # halfway; a kill of the whole agent side is what the design above makes safe.
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        return process.communicate(timeout=GDB_WAIT_SECONDS)[0]
+        return process.communicate(timeout=GDB_SESSION_SECONDS)[0]
     except subprocess.TimeoutExpired:
-        # No thread released the GIL in time (a pure-Python loop, or stuck in native
-        # code). Interrupting gdb stops the wait; the script then detaches without
-        # calling into the job, and the job runs on as before.
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGINT)  # unwinds a call in progress, then detaches
         try:
-            process.communicate(timeout=10)
+            return process.communicate(timeout=10)[0]
         except subprocess.TimeoutExpired:
             process.kill()
-            process.communicate()
-        raise InjectionFailed(
-            f"process {pid} reached no safe point to load the probe within "
-            f"{GDB_WAIT_SECONDS:g} s (none of its threads released the GIL)",
-            "retry while it trains, or start it with `dlprof-agent run -- python ...`"
-        ) from None
+            return process.communicate()[0]
