@@ -664,22 +664,23 @@ def _say(*words):
     gdb.write(" ".join([{mark!r}] + [str(word) for word in words]) + "\\n")
     gdb.flush()
 
+def _in_kernel(pid, lwp):
+    try:
+        with open("/proc/%d/task/%d/syscall" % (pid, lwp)) as file:
+            state = file.read().split()
+    except OSError:
+        return False
+    return bool(state) and state[0] not in ("running", "-1")
+
 def _queue(payload):
     inferior = gdb.selected_inferior()
     pid = inferior.pid
-    try:
-        with open("/proc/%d/task/%d/syscall" % (pid, pid)) as file:
-            state = file.read().split()
-    except OSError:
-        state = []
-    main = [thread for thread in inferior.threads() if thread.ptid[1] == pid]
-    if not state or not main:
-        _say("main-thread-gone")
+    threads = sorted(inferior.threads(), key=lambda thread: thread.ptid[1] != pid)
+    waiting = [thread for thread in threads if _in_kernel(pid, thread.ptid[1])]
+    if not waiting:
+        _say("no-thread-in-kernel")
         return
-    if state[0] in ("running", "-1"):
-        _say("main-thread-busy")
-        return
-    main[0].switch()
+    waiting[0].switch()  # the main thread when it waits, else another one
     for library in ("libc[.]", "ld-musl", "libpython3"):
         gdb.execute("sharedlibrary " + library, to_string=True)
     size = -(-len(payload) // {page}) * {page}
@@ -768,37 +769,40 @@ def _pending_payload(code: str) -> bytes:
     return bytes(_FLAG_BYTES) + source + b"\0"
 
 
-def _main_thread_syscall(pid: int) -> str | None:
-    """The first field of /proc/<pid>/task/<pid>/syscall: a system call number while the
-    main thread waits in the kernel, "running" or "-1" otherwise; None when it is gone."""
+def _threads_in_kernel(pid: int) -> int:
+    """How many threads of ``pid`` wait in a system call now (/proc/<pid>/task/*/syscall
+    gives its number then; "running" or -1 otherwise). Raises TargetNotFound."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/syscall", encoding="ascii") as file:
-            fields = file.read().split()
-    except PermissionError:
-        raise _refused(pid, "/proc", "cannot read its main thread's state") from None
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return None
-    return fields[0] if fields else None
+        tasks = []
+    waiting = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/syscall", encoding="ascii") as file:
+                fields = file.read().split()
+        except PermissionError:
+            raise _refused(pid, "/proc", "cannot read the state of its threads") from None
+        except OSError:
+            continue
+        waiting += bool(fields) and fields[0] not in ("running", "-1")
+    if not tasks or read_state(pid) in (None, "Z", "X"):
+        _raise_if_gone(pid, "/proc")
+    return waiting
 
 
-def _wait_for_main_thread_in_kernel(pid: int, deadline: float) -> bool:
-    while True:
-        state = _main_thread_syscall(pid)
-        if state is None:
-            _raise_if_gone(pid, "/proc")
-            raise InjectionFailed(f"the main thread of process {pid} has exited",
-                                  "the probe runs on the main thread; it cannot be queued")
-        if state not in ("running", "-1"):
-            return True
+def _wait_for_a_thread_in_kernel(pid: int, deadline: float) -> bool:
+    while not _threads_in_kernel(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(_POLL_SECONDS)
+    return True
 
 
 def _not_now(pid: int, seconds: float) -> InjectionNotNow:
     return InjectionNotNow(
         f"process {pid} reached no safe point to queue the probe within {seconds:g} s "
-        "(its main thread never waited in the kernel: it runs Python or native code "
+        "(none of its threads waited in the kernel: it runs Python or native code "
         "without a pause, holding the GIL); nothing was done to it",
         "the agent tries again on its next passes; or start the job with "
         "`dlprof-agent run -- python ...`")
@@ -830,12 +834,12 @@ def _inject_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap:
     command = _gdb_command(gdb, pid, _pending_payload(code))
     deadline = time.monotonic() + wait_seconds
     while True:
-        if not _wait_for_main_thread_in_kernel(pid, deadline):
+        if not _wait_for_a_thread_in_kernel(pid, deadline):
             raise _not_now(pid, wait_seconds)
         output = _run_gdb(pid, command)
         verdict = next((line.split()[1:] for line in output.splitlines()
                         if line.startswith(GDB_MARK + " ")), None)
-        if verdict and verdict[0] == "main-thread-busy" and time.monotonic() < deadline:
+        if verdict and verdict[0] == "no-thread-in-kernel" and time.monotonic() < deadline:
             continue  # it left the kernel between our look and gdb's stop: look again
         break
     if verdict and verdict[0] == "queued" and len(verdict) == 3:
@@ -846,12 +850,12 @@ def _inject_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap:
         with _queued_lock:
             _queued[pid] = queued
         return queued
-    if _start_time(pid) != start_time:
+    if _start_time(pid) != start_time or read_state(pid) in (None, "Z", "X"):
         raise TargetNotFound(f"process {pid} exited during the injection",
                              "attach to a running job")
     if "ptrace: Operation not permitted" in output:
         raise _refused(pid, "/proc", "ptrace was denied")
-    if verdict and verdict[0] == "main-thread-busy":
+    if verdict and verdict[0] == "no-thread-in-kernel":
         raise _not_now(pid, wait_seconds)
     detail = (" ".join(verdict) if verdict else None) or next(
         (line.strip() for line in output.splitlines()

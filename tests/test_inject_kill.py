@@ -1,0 +1,283 @@
+"""The job outlives anything that happens to the agent's side during an injection, with
+real jobs and a real gdb: the agent and its gdb killed together at random moments (as a
+systemd stop, a cgroup kill or a container stop does), a job that holds the GIL for
+longer than the agent waits, a job that exits meanwhile, code that raises, and the
+files an interrupted injection could leave behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dlprof_agent.agent import inject as inject_module
+from dlprof_agent.agent.errors import TargetNotFound
+from dlprof_agent.agent.inject import InjectionFailed, inject
+from tests.conftest import agent_env
+
+pytestmark = pytest.mark.skipif(hasattr(sys, "remote_exec") or shutil.which("gdb") is None,
+                                reason="the agent injects with gdb only before Python 3.14")
+
+# A stand-in for a training loop: short computations, each followed by a wait in the
+# kernel (as a framework call that releases the GIL is); it publishes its step count.
+TRAINING = """
+import os, sys, time
+steps_file = sys.argv[1]
+print("ready", flush=True)
+step, published = 0, 0.0
+while True:
+    sum(range(2000))
+    time.sleep(0.002)
+    step += 1
+    if time.monotonic() - published > 0.05:
+        with open(steps_file + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(steps_file + ".tmp", steps_file)
+        published = time.monotonic()
+"""
+
+# Holds the GIL inside one C call that waits in the kernel (ctypes.PyDLL keeps the GIL),
+# as a checkpoint save or a long native call does; then trains as above.
+HOLDS_THE_GIL = """
+import ctypes, sys, time
+open(sys.argv[2], "w").write(str(time.monotonic() + int(sys.argv[1])))  # when it lets go
+print("ready", flush=True)
+ctypes.PyDLL(None).sleep(int(sys.argv[1]))
+while True:
+    time.sleep(0.01)
+"""
+
+
+def start(args: list[str], started: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    process = subprocess.Popen(args, text=True, start_new_session=True, cwd="/",
+                               stdout=subprocess.PIPE)
+    started.append(process)
+    assert process.stdout is not None
+    assert process.stdout.readline() == "ready\n"
+    return process
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def status(pid: int, field: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return line.split(":", 1)[1].split()[0]
+    return ""
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(
+                    int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_agent_side(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL the agent and everything it started, whatever their sessions, as a cgroup
+    kill does: stopped first so that it starts nothing more."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(agent.pid, signal.SIGSTOP)
+    for pid in [agent.pid, *descendants(agent.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait(10)
+
+
+def steps(path: Path) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int(path.read_text())
+    return -1
+
+
+def training_goes_on(job: subprocess.Popen[str], steps_file: Path) -> str | None:
+    """None while the job trains on, untraced; else what is wrong with it."""
+    before = steps(steps_file)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if job.poll() is not None:
+            return f"died with {job.returncode}"
+        if steps(steps_file) > before + 2:
+            break
+        time.sleep(0.05)
+    else:
+        state = Path(f"/proc/{job.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return f"made no progress in 5 s (state {state})"
+    tracer = status(job.pid, "TracerPid")
+    return None if tracer == "0" else f"still traced by {tracer}"
+
+
+def leftovers(token: str, tmpdir: Path) -> list[str]:
+    """Files an injection of code holding ``token`` left: bootstrap folders in /tmp, gdb
+    scripts in the agent's temporary directory."""
+    found = [str(path) for path in tmpdir.iterdir()]
+    for folder in Path("/tmp").glob("dlprof-bootstrap-*"):
+        with contextlib.suppress(OSError):
+            if token in (folder / "bootstrap.py").read_text():
+                found.append(str(folder))
+    return found
+
+
+def test_killing_the_agent_and_gdb_at_any_moment_leaves_the_job_training(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """20 injections, each killed (agent and gdb together, SIGKILL) at a random moment
+    from its start to a little past its usual end: the job survives every one, untraced
+    and training, and nothing is left in /tmp."""
+    steps_file = tmp_path / "steps"
+    agent_tmp = tmp_path / "agent-tmp"
+    agent_tmp.mkdir()
+    token = secrets.token_hex(8)
+    marker = tmp_path / "injected"
+    code = f"open({str(marker)!r}, 'a').write({token!r})"
+    attempt = ("import sys\n"
+               "from dlprof_agent.agent.inject import inject\n"
+               "inject(int(sys.argv[1]), sys.argv[2])\n"
+               "print('injected', flush=True)\n")
+    env = {**agent_env(), "TMPDIR": str(agent_tmp)}
+
+    def new_job() -> subprocess.Popen[str]:
+        job = start([sys.executable, "-c", TRAINING, str(steps_file)], processes)
+        assert training_goes_on(job, steps_file) is None
+        return job
+
+    def agent(job: subprocess.Popen[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", attempt, str(job.pid), code], env=env,
+                                cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    job = new_job()
+    began = time.monotonic()
+    whole = agent(job)
+    output = whole.communicate(timeout=60)[0]
+    duration = time.monotonic() - began
+    assert whole.returncode == 0, output
+    assert training_goes_on(job, steps_file) is None
+
+    rng = random.Random(15)
+    tries, harmed = 20, []
+    for attempt_number in range(tries):
+        delay = rng.uniform(0.0, duration * 1.1)
+        side = agent(job)
+        time.sleep(delay)
+        kill_agent_side(side)
+        if side.stdout is not None:
+            side.stdout.close()
+        problem = training_goes_on(job, steps_file)
+        if problem is not None:
+            harmed.append(f"try {attempt_number} (killed at {delay:.2f} s): the job {problem}")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            job = new_job()
+    assert not harmed, (f"{len(harmed)} of {tries} kills harmed the job (an injection takes "
+                        f"{duration:.2f} s here):\n" + "\n".join(harmed))
+    assert leftovers(token, agent_tmp) == []
+
+
+def test_a_job_holding_the_gil_longer_than_the_wait_gets_the_code_once_it_lets_go(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """The job holds the GIL for 11 s inside a C call, past the agent's 10 s wait: the
+    code is queued at once, the job runs it when its hold ends, and meanwhile no debugger
+    and no breakpoint stay in it."""
+    lets_go, out = tmp_path / "lets-go", tmp_path / "ran"
+    job = start([sys.executable, "-c", HOLDS_THE_GIL, "11", str(lets_go)], processes)
+    queued = inject(job.pid, f"import time; open({str(out)!r}, 'w').write(str(time.monotonic()))")
+    assert queued is not None and queued.state() == "queued"
+    assert inject_module.pending_bootstrap(job.pid) == queued
+    assert inject(job.pid, "open('/dev/null')") == queued  # not queued twice
+    assert status(job.pid, "TracerPid") == "0"
+    assert not out.exists()
+    deadline = time.monotonic() + 20
+    while not out.exists() and time.monotonic() < deadline:
+        assert job.poll() is None, f"the job died with {job.returncode}"
+        time.sleep(0.1)
+    assert out.exists(), "the queued code never ran"
+    assert float(out.read_text()) >= float(lets_go.read_text()) - 0.05  # not during the hold
+    assert queued.state() == "ran"
+    assert inject_module.pending_bootstrap(job.pid) is None
+    assert job.poll() is None
+
+
+@pytest.mark.parametrize("raises", ["raise SystemExit(3)", "1 / 0", "raise KeyboardInterrupt"])
+def test_code_that_raises_leaves_the_job_running(
+        processes: list[subprocess.Popen[str]], tmp_path: Path, raises: str) -> None:
+    """PyRun_SimpleString would end the job on SystemExit and make the eval loop raise
+    SystemError on any other exception; the queued code catches everything. A Ctrl-C that
+    lands in it is handed back to the job."""
+    steps_file, interrupted = tmp_path / "steps", tmp_path / "interrupted"
+    on_sigint = ("import signal\nsignal.signal(signal.SIGINT, lambda *_: "
+                 f"open({str(interrupted)!r}, 'w').write('yes'))\n")
+    job = start([sys.executable, "-c", on_sigint + TRAINING, str(steps_file)], processes)
+    inject(job.pid, raises)
+    time.sleep(0.5)
+    assert training_goes_on(job, steps_file) is None
+    assert interrupted.exists() == (raises == "raise KeyboardInterrupt")
+
+
+def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
+        processes: list[subprocess.Popen[str]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job ends after the agent looked at it and before gdb attaches: that is what
+    the message says, not a refusal of ptrace."""
+    job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
+    run_gdb: Callable[..., str] = inject_module._run_gdb
+
+    def exit_first(pid: int, command: list[str]) -> str:
+        os.kill(pid, signal.SIGKILL)
+        while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)
+        return run_gdb(pid, command)  # not reaped: the pid is a zombie, as it is in a race
+
+    monkeypatch.setattr(inject_module, "_run_gdb", exit_first)
+    with pytest.raises(TargetNotFound, match=f"process {job.pid} exited during the injection"):
+        inject(job.pid, "pass")
+
+
+def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """A pure-Python spin never enters the kernel: nothing is done to the job (the error
+    says a later try may work), and a later try once it waits again succeeds."""
+    out = tmp_path / "ran"
+    spin = ("import time\nprint('ready', flush=True)\n"
+            "end = time.monotonic() + 3\nwhile time.monotonic() < end: pass\n"
+            "while True: time.sleep(0.01)\n")
+    job = start([sys.executable, "-c", spin], processes)
+    with pytest.raises(InjectionFailed, match="reached no safe point") as raised:
+        inject(job.pid, "pass", wait_seconds=1.0)
+    assert type(raised.value).__name__ == "InjectionNotNow"
+    assert status(job.pid, "TracerPid") == "0"
+    time.sleep(2.5)
+    inject(job.pid, f"open({str(out)!r}, 'w').write('x')", wait_seconds=5.0)
+    deadline = time.monotonic() + 5
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.exists()
+    assert job.poll() is None
