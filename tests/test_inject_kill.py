@@ -47,9 +47,13 @@ while True:
 """
 
 # Holds the GIL inside one C call that waits in the kernel (ctypes.PyDLL keeps the GIL),
-# as a checkpoint save or a long native call does; then trains as above.
+# as a checkpoint save or a long native call does, beside a worker thread waiting for work
+# (as a framework's thread pool does); then trains as above.
 HOLDS_THE_GIL = """
-import ctypes, sys, time
+import ctypes, sys, threading, time
+idle = threading.Lock()
+idle.acquire()
+threading.Thread(target=idle.acquire, daemon=True).start()
 open(sys.argv[2], "w").write(str(time.monotonic() + int(sys.argv[1])))  # when it lets go
 print("ready", flush=True)
 ctypes.PyDLL(None).sleep(int(sys.argv[1]))
@@ -248,15 +252,16 @@ def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
     """The job ends after the agent looked at it and before gdb attaches: that is what
     the message says, not a refusal of ptrace."""
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
-    run_gdb: Callable[..., str] = inject_module._run_gdb
+    find_runtime: Callable[..., object] = inject_module.find_python_runtime
 
-    def exit_first(pid: int, command: list[str]) -> str:
+    def exit_next(pid: int) -> object:
+        runtime = find_runtime(pid)
         os.kill(pid, signal.SIGKILL)
         while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
             time.sleep(0.01)
-        return run_gdb(pid, command)  # not reaped: the pid is a zombie, as it is in a race
+        return runtime  # not reaped: the pid is a zombie, as it is in a race
 
-    monkeypatch.setattr(inject_module, "_run_gdb", exit_first)
+    monkeypatch.setattr(inject_module, "find_python_runtime", exit_next)
     with pytest.raises(TargetNotFound, match=f"process {job.pid} exited during the injection"):
         inject(job.pid, "pass")
 
