@@ -1,26 +1,66 @@
 """Runs a short bootstrap string inside an already-running CPython process.
 
-This is the only module that drives an injector: ``sys.remote_exec`` on Python
-3.14+, gdb before that.
+This is the only module that drives an injector: ``sys.remote_exec`` on Python 3.14+,
+and before that its own ptrace injector on x86-64, or gdb elsewhere.
 
-Where the code runs decides whether the job survives. A ptrace injector that
-stops a thread at an arbitrary instruction and calls ``dlopen`` there deadlocks
-the job for good whenever that thread was inside ``malloc`` (measured: the
-``hypno`` package hung a PyTorch training job on about one attach in ten). So
-both ways in run the code only at a point where the interpreter is consistent:
+Two rules decide whether the job survives.
 
-- ``sys.remote_exec`` (Python 3.14+) when the agent and the target run the same
-  ``major.minor``: the target runs the file at its next safe point.
-- gdb otherwise: it stops the job at the entry of ``PyEval_SaveThread``, where a
-  thread holding the GIL is about to release it (a training loop does so on every
-  framework call), calls ``PyRun_SimpleString`` there and detaches. When no thread
-  gets there within ``GDB_WAIT_SECONDS``, gdb detaches without calling in.
+Where the code runs. A ptrace injector that stops a thread at an arbitrary instruction
+and calls ``dlopen`` there deadlocks the job whenever that thread was inside ``malloc``
+(measured: the ``hypno`` package hung a PyTorch job on about one attach in ten). So the
+code is handed to the interpreter as a *pending call* (``Py_AddPendingCall``): the main
+thread runs it between two bytecodes, with the GIL held, at a point the interpreter
+chooses. Py_AddPendingCall needs neither the GIL nor a thread state ("doesn't require
+the caller to hold the GIL", Python/ceval.c in 3.10 and 3.11; 3.12 and 3.13 ignore the
+caller's thread state and target the main interpreter). It takes one lock around a
+fixed ring of 32 entries and allocates nothing: a PyThread lock in 3.10-3.12
+(``PyThread_acquire_lock(pending->lock, WAIT_LOCK)``), a PyMutex in 3.13
+(Python/ceval_gil.c). It returns -1 only when the ring is full.
 
-Both take a file the *target* opens, so the code goes to a file in the target's
-own ``/tmp`` (reached through ``/proc/<pid>/root``, which also works across mount
-namespaces). Before either, ``inject`` reads the ELF dynamic symbol tables of the
-target's executable and of any mapped ``libpython3*.so*``, and touches the process
-only when one of them defines the functions called.
+Nothing of ours may outlive the agent in the job. The old design left gdb waiting at a
+breakpoint for a safe point, up to 10 s: a kill of the agent's side then (a systemd stop,
+a cgroup kill, a container stop: gdb dies too) left an int3 that killed the job, or left
+it stopped. Now:
+
+- On x86-64 the agent is the tracer, and stops one thread only, one that waits in the
+  kernel in a system call that leaves the signal mask alone (``/proc/<pid>/task/*/
+  syscall``). A thread there is between two pieces of C code and cannot be inside the
+  pending-call lock's critical section (that has no system call in it). With
+  PTRACE_SEIZE and PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the
+  thread running as before. The agent writes, below the thread's red zone, a signal
+  frame holding the thread's registers and FXSAVE state (its interrupted call set to be
+  restarted, as the kernel does after a ptrace stop), and sets all registers at once so
+  that the thread calls the function and returns into an ``rt_sigreturn`` of libc: the
+  kernel puts the thread back exactly where it was. From then on the thread needs
+  nothing from the agent: the agent may die at any instant and no trap, no breakpoint,
+  no stopped thread is ever left. It is done twice: ``mmap`` (a page for the code, at a
+  free address with MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent writes the code
+  there through /proc/<pid>/mem, then ``Py_AddPendingCall(PyRun_SimpleString, page)``.
+  A thread stopped in a call the kernel would resume through ``restart_syscall``
+  (relative sleeps, waits with a timeout) is not borrowed: rt_sigreturn would turn that
+  resumption into EINTR. What may differ for the borrowed thread: the upper halves of
+  its AVX registers are reset (dead across the libc call it waits in), and a wait for
+  the 3.13 pending-call mutex itself (another thread adding a pending call at that very
+  moment) could be lengthened.
+- Elsewhere gdb does the same two calls with ``call`` on such a thread, for
+  milliseconds: its own return breakpoint stays in the job for the duration of each
+  call, and a kill of gdb inside one of those two windows still kills the job.
+
+The pending call runs when the main thread next runs bytecode: at once for a training
+loop; after a long C call holding the GIL, when that call returns (``inject`` returns
+a QueuedBootstrap saying whether it has run, and does not queue a second copy meanwhile).
+From another thread than the main one, 3.10-3.12 set the main thread's eval breaker the
+next time it takes the GIL (take_gil recomputes it, bpo-40010); 3.13 sets it directly.
+PyRun_SimpleString returns -1 when the code raises, which the eval loop turns into a
+SystemError in the job (a SystemExit would end it), so the queued source catches
+everything and hands a KeyboardInterrupt back to the main thread.
+
+Before any of this, ``inject`` reads the ELF dynamic symbol tables of the target's
+executable and of any mapped ``libpython3*.so*``, and touches the process only when one
+of them defines the functions called; the agent checks each address it would call holds
+the bytes of that function in the file. ``sys.remote_exec`` takes a file the *target*
+opens, so that code goes to a file in the target's own ``/tmp`` (reached through
+``/proc/<pid>/root``, which also works across mount namespaces).
 """
 
 from __future__ import annotations
@@ -28,6 +68,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import platform
@@ -688,9 +729,9 @@ except BaseException:
 """
 
 # Runs in gdb's own Python, never in the job. gdb has stopped every thread. It calls into
-# the job twice, on the main thread and only when that thread was stopped inside a system
-# call: mmap for a page, then Py_AddPendingCall; it writes the page through the debugger
-# (no allocation in the job), prints one verdict line and detaches.
+# the job twice, on a thread stopped inside a system call (the main one when it is):
+# mmap for a page, then Py_AddPendingCall; it writes the page through the debugger (no
+# allocation in the job), prints one verdict line and detaches.
 _GDB_PYTHON = """\
 import gdb
 
@@ -740,8 +781,8 @@ gdb.execute("detach", to_string=True)
 
 
 class InjectionNotNow(InjectionFailed):
-    """Nothing was done to the process, and trying again later may work: its main thread
-    was never seen waiting in the kernel, or its queue of pending calls was full."""
+    """Nothing was queued in the process, and trying again later may work: none of its
+    threads was seen waiting in the kernel, or its queue of pending calls was full."""
 
 
 @dataclass(frozen=True)
@@ -945,6 +986,8 @@ _ERESTART_CODES = (-512, -513, -514)  # ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOH
 # A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
 # with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
 _ERESTART_RESTARTBLOCK = -516
+_SYSCALL_ARGUMENTS = ("rdi", "rsi", "rdx", "r10", "r8", "r9")
+_CALL_ARGUMENTS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 _RED_ZONE = 128
 _FRAME_GAP = 2048  # below the red zone: where the borrowed thread's detour frame goes
 _STACK_NEEDED = 64 << 10  # free stack the called function may use below the frame
@@ -991,7 +1034,7 @@ def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget:
     """What the borrowed thread finds on its stack at ``at`` when the called function
     returns: the address of an rt_sigreturn, then the frame that call restores, which is
     the thread as we stopped it, its interrupted system call set to run again."""
-    r = dict(zip(_REGS, regs))
+    r = dict(zip(_REGS, regs, strict=True))
     rax, rip = r["rax"], r["rip"]
     if _signed(rax) in _ERESTART_CODES:
         rax, rip = r["orig_rax"], rip - 2  # as the kernel restarts it after a ptrace stop
@@ -1089,7 +1132,7 @@ def _free_address(maps: list[tuple[int, int, str, int, str]], size: int) -> int 
     """The middle of the widest gap between the job's mappings, away from any of them."""
     best: tuple[int, int] | None = None
     user = [mapping for mapping in maps if mapping[1] <= _USER_SPACE_END]  # not [vsyscall]
-    for (_, end, *_), (start, *_) in zip(user, user[1:]):
+    for (_, end, *_), (start, *_) in itertools.pairwise(user):
         if end >= 1 << 32 and start - end >= 64 * size and (best is None or
                                                            start - end > best[1] - best[0]):
             best = (end, start)
@@ -1131,16 +1174,19 @@ def _waiting_threads(pid: int) -> list[int]:
     return found
 
 
-def _detour(ptrace: _Ptrace, pid: int, tid: int, function: int, args: tuple[int, ...],
-            gadget: int, maps: list[tuple[int, int, str, int, str]]) -> bool:
+def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
+            maps: list[tuple[int, int, str, int, str]]) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
-    when it is not waiting in a system call we may borrow it from."""
+    when it is not waiting in a system call we may borrow it from. ``call`` is the
+    function's address, its arguments, and the address of an rt_sigreturn."""
+    function, args, gadget = call
     regs = ptrace.registers(tid)
-    r = dict(zip(_REGS, regs))
+    r = dict(zip(_REGS, regs, strict=True))
     orig = _signed(r["orig_rax"])
-    if orig < 0 or _signed(r["rax"]) == _ERESTART_RESTARTBLOCK or not _borrowable(orig, [r[name] for name in ("rdi", "rsi", "rdx", "r10",
-                                                                 "r8", "r9")]):
+    arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
+    if (orig < 0 or _signed(r["rax"]) == _ERESTART_RESTARTBLOCK
+            or not _borrowable(orig, arguments)):
         return False
     blocked = _blocked_signals(pid, tid)
     at = ((r["rsp"] - _RED_ZONE - _FRAME_GAP) & ~15) - 8  # a call's entry: rsp % 16 == 8
@@ -1152,7 +1198,7 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, function: int, args: tuple[int,
         return False
     _write_memory(pid, at, frame)
     new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1)
-    for register, value in zip(("rdi", "rsi", "rdx", "rcx", "r8", "r9"), args):
+    for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
         new[register] = value % (1 << 64)
     ptrace.set_registers(tid, [new[name] for name in _REGS])
     return True
@@ -1183,7 +1229,7 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
                 continue
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
-            if _detour(ptrace, pid, tid, function, args, gadget, maps):
+            if _detour(ptrace, pid, tid, (function, args, gadget), maps):
                 return True
         except OSError:
             continue

@@ -24,6 +24,7 @@ import pytest
 from dlprof_agent.agent import inject as inject_module
 from dlprof_agent.agent.errors import TargetNotFound
 from dlprof_agent.agent.inject import InjectionFailed, inject
+from dlprof_agent.probe.bootstrap import injection_code
 from tests.conftest import agent_env
 
 pytestmark = pytest.mark.skipif(
@@ -304,3 +305,30 @@ def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
         time.sleep(0.05)
     assert out.exists()
     assert job.poll() is None
+
+
+def test_two_bootstraps_queued_before_either_ran_start_one_probe(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """Two agents queue the probe's bootstrap while the job holds the GIL: both copies run
+    once it lets go, one after the other, and only the first starts a probe."""
+    holds = HOLDS_THE_GIL.replace(
+        "while True:\n    time.sleep(0.01)\n",
+        "end = time.monotonic() + 3\n"
+        "while time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+        "print(sorted(t.name for t in threading.enumerate()), flush=True)\n"
+        "time.sleep(60)\n")
+    job = start([sys.executable, "-c", holds, "3", str(tmp_path / "lets-go")], processes)
+    queued = inject(job.pid, injection_code())
+    assert queued is not None and queued.state() == "queued"
+    other_agent = ("import sys\n"
+                   "from dlprof_agent.agent.inject import inject\n"
+                   "from dlprof_agent.probe.bootstrap import injection_code\n"
+                   "print(inject(int(sys.argv[1]), injection_code()).state())\n")
+    second = subprocess.run([sys.executable, "-c", other_agent, str(job.pid)], env=agent_env(),
+                            cwd="/", capture_output=True, text=True, timeout=60, check=False)
+    assert second.stdout == "queued\n", second.stdout + second.stderr
+    assert job.stdout is not None
+    threads = job.stdout.readline()
+    assert threads.count("'dlprof-probe'") == 1, threads
+    assert queued.state() == "ran"
