@@ -332,3 +332,54 @@ def test_two_bootstraps_queued_before_either_ran_start_one_probe(
     threads = job.stdout.readline()
     assert threads.count("'dlprof-probe'") == 1, threads
     assert queued.state() == "ran"
+
+
+def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an agent killed mid-injection left (a bootstrap folder naming its pid, or an
+    older agent's unnamed folder or gdb script) goes once that agent is gone and the
+    job had time to read it; a live agent's files, young files, another user's files,
+    links and look-alikes stay."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = time.time() - 3600
+
+    def folder(name: str, *, age: float = old, script: bool = True) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        if script:
+            (path / "bootstrap.py").write_text("print('x')\n")
+        os.utime(path, (age, age))
+        return path
+
+    gone = [folder(f"dlprof-bootstrap-{dead.pid}-{'a' * 16}"),
+            folder(f"dlprof-bootstrap-{'b' * 16}"),  # an older agent's: no pid in the name
+            folder(f"dlprof-bootstrap-{dead.pid}-{'c' * 16}", script=False)]
+    old_script = tmp_path / "tmpab_cd123.gdb"
+    old_script.write_text("commands\n  echo dlprof-agent: probe bootstrap ran\\n\nend\n")
+    os.utime(old_script, (old, old))
+    gone.append(old_script)
+
+    kept = [folder(f"dlprof-bootstrap-{os.getpid()}-{'d' * 16}"),  # its agent is alive
+            folder(f"dlprof-bootstrap-{dead.pid}-{'e' * 16}", age=time.time()),  # young
+            folder("dlprof-bootstrap-notours")]
+    someone_elses = tmp_path / "tmpzz_zz999.gdb"
+    someone_elses.write_text("break main\n")
+    os.utime(someone_elses, (old, old))
+    kept.append(someone_elses)
+    target = folder("elsewhere")
+    link = tmp_path / f"dlprof-bootstrap-{dead.pid}-{'f' * 16}"
+    link.symlink_to(target)
+    kept += [target, link]
+    if os.geteuid() == 0:
+        other = folder(f"dlprof-bootstrap-{dead.pid}-{'9' * 16}")
+        os.chown(other, 65534, 65534)
+        os.utime(other, (old, old))
+        kept.append(other)
+
+    removed = inject_module.remove_stale_files()
+    assert sorted(removed) == sorted(path.name for path in gone)
+    assert [path for path in gone if os.path.lexists(path)] == []
+    assert [path for path in kept if not os.path.lexists(path)] == []
+    assert (target / "bootstrap.py").exists()
