@@ -389,3 +389,27 @@ def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
     assert [path for path in gone if os.path.lexists(path)] == []
     assert [path for path in kept if not os.path.lexists(path)] == []
     assert (target / "bootstrap.py").exists()
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_where_the_agent_cannot_inject_itself_gdb_queues_the_code(
+        processes: list[subprocess.Popen[str]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off x86-64 (forced here), gdb makes the same two calls; the job goes on, untraced,
+    and a job with no thread waiting in the kernel is left alone."""
+    monkeypatch.setattr(inject_module, "_ptrace_plan", lambda pid, runtime: None)
+    out = tmp_path / "ran"
+    job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
+    queued = inject(job.pid, f"open({str(out)!r}, 'w').write('x')")
+    assert queued is not None
+    deadline = time.monotonic() + 5
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.exists()
+    assert queued.state() == "ran"
+    assert training_goes_on(job) is None
+    spin = "print('ready', flush=True)\nwhile True: pass\n"
+    spinner = start([sys.executable, "-c", spin], processes)
+    with pytest.raises(InjectionFailed, match="reached no safe point"):
+        inject(spinner.pid, "pass", wait_seconds=0.5)
+    assert status(spinner.pid, "TracerPid") == "0"
