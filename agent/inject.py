@@ -1169,7 +1169,10 @@ def _waiting_threads(pid: int) -> list[int]:
             number, arguments = int(fields[0]), [int(field, 16) for field in fields[1:7]]
         except (IndexError, ValueError):
             continue  # "running", or -1: not in a system call
-        if _borrowable(number, arguments):
+        task_state = (_read_text(f"/proc/{pid}/task/{tid}/stat") or ")").rpartition(")")[2]
+        # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
+        # would keep the agent waiting for its stop.
+        if _borrowable(number, arguments) and task_state.split()[:1] == ["S"]:
             found.append(tid)
     return found
 
@@ -1258,7 +1261,10 @@ def _ptrace_plan(pid: int, runtime: PythonRuntime) -> tuple[int, int, int, int] 
     libc = _libc_path(maps)
     if libc is None:
         return None
-    exe = os.readlink(f"/proc/{pid}/exe") if runtime.library != libc else ""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
     python_file = (f"/proc/{pid}/exe" if runtime.library == exe
                    else f"/proc/{pid}/root{runtime.library}")
     add = _function_address(pid, maps, runtime.library, python_file, "Py_AddPendingCall")
