@@ -1,43 +1,89 @@
 """Runs a short bootstrap string inside an already-running CPython process.
 
-This is the only module that drives an injector: ``sys.remote_exec`` on Python
-3.14+, gdb before that.
+This is the only module that drives an injector: ``sys.remote_exec`` on Python 3.14+,
+and before that its own ptrace injector on x86-64, or gdb elsewhere.
 
-Where the code runs decides whether the job survives. A ptrace injector that
-stops a thread at an arbitrary instruction and calls ``dlopen`` there deadlocks
-the job for good whenever that thread was inside ``malloc`` (measured: the
-``hypno`` package hung a PyTorch training job on about one attach in ten). So
-both ways in run the code only at a point where the interpreter is consistent:
+Two rules decide whether the job survives.
 
-- ``sys.remote_exec`` (Python 3.14+) when the agent and the target run the same
-  ``major.minor``: the target runs the file at its next safe point.
-- gdb otherwise: it stops the job at the entry of ``PyEval_SaveThread``, where a
-  thread holding the GIL is about to release it (a training loop does so on every
-  framework call), calls ``PyRun_SimpleString`` there and detaches. When no thread
-  gets there within ``GDB_WAIT_SECONDS``, gdb detaches without calling in.
+Where the code runs. A ptrace injector that stops a thread at an arbitrary instruction
+and calls ``dlopen`` there deadlocks the job whenever that thread was inside ``malloc``
+(measured: the ``hypno`` package hung a PyTorch job on about one attach in ten). So the
+code is handed to the interpreter as a *pending call* (``Py_AddPendingCall``): the main
+thread runs it between two bytecodes, with the GIL held, at a point the interpreter
+chooses. Py_AddPendingCall needs neither the GIL nor a thread state ("doesn't require
+the caller to hold the GIL", Python/ceval.c in 3.10 and 3.11; 3.12 and 3.13 ignore the
+caller's thread state and target the main interpreter). It takes one lock around a
+fixed ring of 32 entries and allocates nothing: a PyThread lock in 3.10-3.12
+(``PyThread_acquire_lock(pending->lock, WAIT_LOCK)``), a PyMutex in 3.13
+(Python/ceval_gil.c). It returns -1 only when the ring is full.
 
-Both take a file the *target* opens, so the code goes to a file in the target's
-own ``/tmp`` (reached through ``/proc/<pid>/root``, which also works across mount
-namespaces). Before either, ``inject`` reads the ELF dynamic symbol tables of the
-target's executable and of any mapped ``libpython3*.so*``, and touches the process
-only when one of them defines the functions called.
+Nothing of ours may outlive the agent in the job. The old design left gdb waiting at a
+breakpoint for a safe point, up to 10 s: a kill of the agent's side then (a systemd stop,
+a cgroup kill, a container stop: gdb dies too) left an int3 that killed the job, or left
+it stopped. Now:
+
+- On x86-64 the agent is the tracer, and stops one thread only, one that waits in the
+  kernel in a system call that leaves the signal mask alone (``/proc/<pid>/task/*/
+  syscall``). A thread there is between two pieces of C code and cannot be inside the
+  pending-call lock's critical section (that has no system call in it). With
+  PTRACE_SEIZE and PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the
+  thread running as before. The agent writes, below the thread's red zone, a signal
+  frame holding the thread's registers and FXSAVE state (its interrupted call set to be
+  restarted, as the kernel does after a ptrace stop), and sets all registers at once so
+  that the thread calls the function and returns into an ``rt_sigreturn`` of libc: the
+  kernel puts the thread back exactly where it was. From then on the thread needs
+  nothing from the agent: the agent may die at any instant and no trap, no breakpoint,
+  no stopped thread is ever left. It is done twice: ``mmap`` (a page for the code, at a
+  free address with MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent writes the code
+  there through /proc/<pid>/mem, then ``Py_AddPendingCall(PyRun_SimpleString, page)``.
+  A thread stopped in a call the kernel would resume through ``restart_syscall``
+  (relative sleeps, waits with a timeout) is not borrowed: rt_sigreturn would turn that
+  resumption into EINTR. What may differ for the borrowed thread: the upper halves of
+  its AVX registers are reset (dead across the libc call it waits in), and a wait for
+  the 3.13 pending-call mutex itself (another thread adding a pending call at that very
+  moment) could be lengthened.
+- Elsewhere gdb does the same two calls with ``call`` on such a thread, for
+  milliseconds: its own return breakpoint stays in the job for the duration of each
+  call, and a kill of gdb inside one of those two windows still kills the job.
+
+The pending call runs when the main thread next runs bytecode: at once for a training
+loop; after a long C call holding the GIL, when that call returns (``inject`` returns
+a QueuedBootstrap saying whether it has run, and does not queue a second copy meanwhile).
+From another thread than the main one, 3.10-3.12 set the main thread's eval breaker the
+next time it takes the GIL (take_gil recomputes it, bpo-40010); 3.13 sets it directly.
+PyRun_SimpleString returns -1 when the code raises, which the eval loop turns into a
+SystemError in the job (a SystemExit would end it), so the queued source catches
+everything and hands a KeyboardInterrupt back to the main thread.
+
+Before any of this, ``inject`` reads the ELF dynamic symbol tables of the target's
+executable and of any mapped ``libpython3*.so*``, and touches the process only when one
+of them defines the functions called; the agent checks each address it would call holds
+the bytes of that function in the file. ``sys.remote_exec`` takes a file the *target*
+opens, so that code goes to a file in the target's own ``/tmp`` (reached through
+``/proc/<pid>/root``, which also works across mount namespaces).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
+import itertools
+import mmap
 import os
+import platform
 import pwd
 import re
 import secrets
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -45,8 +91,9 @@ from typing import BinaryIO
 from dlprof_agent.agent.errors import AgentError, TargetAccessDenied, TargetNotFound
 from dlprof_agent.collectors.process import read_state
 
-# What gdb stops at and calls; both must be defined in the target (readelf --dyn-syms).
-REQUIRED_SYMBOLS = frozenset({"PyEval_SaveThread", "PyRun_SimpleString"})
+# What gdb calls in the job (besides libc's mmap); both must be defined in the target
+# (readelf --dyn-syms).
+REQUIRED_SYMBOLS = frozenset({"Py_AddPendingCall", "PyRun_SimpleString"})
 MIN_TARGET_VERSION = (3, 10)  # the probe's own floor
 BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
 CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
@@ -85,6 +132,8 @@ class PythonRuntime:
 # --- ELF .dynsym reader ---------------------------------------------------------------
 
 _SHT_NOBITS = 8
+_ET_DYN = 3
+_CALLED = frozenset({"Py_AddPendingCall", "PyRun_SimpleString", "mmap"})
 _SHT_DYNSYM = 11
 _SHN_UNDEF = 0
 _SHN_LORESERVE = 0xFF00
@@ -118,6 +167,13 @@ class _Section:
 class _ElfScan:
     defined: frozenset[str]
     py_version: tuple[int, int] | None  # from the Py_Version constant (3.11+)
+    shared: bool = True  # ET_DYN (a library or a PIE): addresses are relative to its base
+    # name -> (st_value, offset in the file) of defined symbols in sections with contents
+    locations: tuple[tuple[str, int, int], ...] = ()
+
+    def location(self, name: str) -> tuple[int, int] | None:
+        return next(((value, offset) for symbol, value, offset in self.locations
+                     if symbol == name), None)
 
 
 def _read_at(file: BinaryIO, offset: int, size: int, file_size: int) -> bytes | None:
@@ -146,8 +202,8 @@ def _scan_elf(file: BinaryIO) -> _ElfScan | None:
     header = _read_at(file, 16, struct.calcsize(header_format), file_size)
     if header is None:
         return None
-    *_, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, _shstrndx = struct.unpack(
-        header_format, header)
+    e_type, *_, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, _shstrndx = (
+        struct.unpack(header_format, header))
     section_format = order + layout.section
     if shoff == 0 or shentsize < struct.calcsize(section_format):
         return None  # no section headers (stripped with sstrip, or not a file we understand)
@@ -189,8 +245,14 @@ def _scan_elf(file: BinaryIO) -> _ElfScan | None:
         if name:
             defined[name] = (shndx, entry[value_at], entry[size_at])
 
+    locations = tuple(
+        (name, value, sections[shndx].offset + value - sections[shndx].addr)
+        for name, (shndx, value, _size) in defined.items()
+        if name in _CALLED and shndx < min(len(sections), _SHN_LORESERVE)
+        and sections[shndx].type != _SHT_NOBITS)
     return _ElfScan(frozenset(defined),
-                    _py_version(file, file_size, sections, defined.get("Py_Version"), order))
+                    _py_version(file, file_size, sections, defined.get("Py_Version"), order),
+                    shared=e_type == _ET_DYN, locations=locations)
 
 
 def _py_version(file: BinaryIO, file_size: int, sections: list[_Section],
@@ -409,16 +471,19 @@ def _first_line(error: BaseException) -> str:
 
 # --- injecting ------------------------------------------------------------------------
 
-def inject(pid: int, code: str) -> None:
-    """Run ``code`` inside process ``pid``, once.
+def inject(pid: int, code: str, *, wait_seconds: float | None = None
+           ) -> QueuedBootstrap | None:
+    """Have process ``pid`` run ``code`` once, on its main thread, with the GIL held.
 
-    With gdb the code has run when this returns, on a thread that was about to release
-    the GIL; with sys.remote_exec it runs later, on the main thread at its next safe
-    point. Either way keep it short: import the probe and let it start its own thread.
+    The job runs it at its own next safe point, which may come after this returns: the
+    result (gdb) tells whether it has run yet, and while it has not, injecting again
+    returns it instead of queueing a second copy. Keep the code short and idempotent:
+    import the probe and let it start its own thread.
     Raises NotPython (nothing was done to the process), InjectionRefused (the kernel
-    would not let the agent attach) or InjectionFailed. A pid with no live process
-    raises ``dlprof_agent.agent.errors.TargetNotFound``, like every other place the
-    agent meets a missing target, so the command line exits with the same code (3).
+    would not let the agent attach), InjectionNotNow (nothing was done; a later try may
+    work) or InjectionFailed. A pid with no live process, or one that exits meanwhile,
+    raises ``dlprof_agent.agent.errors.TargetNotFound``, like every other place the agent
+    meets a missing target, so the command line exits with the same code (3).
     Errors in ``code`` itself happen in the target and print to its stderr.
     """
     if pid == os.getpid():
@@ -434,11 +499,29 @@ def inject(pid: int, code: str) -> None:
         major, minor = runtime.version
         raise NotPython(f"process {pid} runs python {major}.{minor}, too old for the probe",
                         "the probe needs python {}.{} or newer".format(*MIN_TARGET_VERSION))
+    remove_stale_files(pid)
+    try:
+        return _inject(pid, code, runtime,
+                       GDB_WAIT_SECONDS if wait_seconds is None else wait_seconds)
+    except TargetNotFound:
+        # It was there a moment ago: say so, rather than that no such process exists.
+        raise TargetNotFound(f"process {pid} exited during the injection",
+                             "attach to a running job") from None
+
+
+def _inject(pid: int, code: str, runtime: PythonRuntime, wait_seconds: float
+            ) -> QueuedBootstrap | None:
     remote_exec = getattr(sys, "remote_exec", None)
     if remote_exec is not None and runtime.version == sys.version_info[:2]:
         _inject_remote_exec(pid, code, remote_exec)
-    else:
-        _inject_gdb(pid, code)
+        return None
+    queued = pending_bootstrap(pid)
+    if queued is not None:
+        return queued
+    plan = _ptrace_plan(pid, runtime) if platform.machine() == "x86_64" else None
+    if plan is not None:
+        return _inject_ptrace(pid, code, plan, wait_seconds)
+    return _inject_gdb(pid, code, wait_seconds)
 
 
 class _Bootstrap:
@@ -452,7 +535,8 @@ class _Bootstrap:
         self._tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         self._lock = threading.Lock()
         try:
-            self._name = f"dlprof-bootstrap-{secrets.token_hex(8)}"
+            # The agent's pid in the name: a later agent removes it once this one is gone.
+            self._name = f"dlprof-bootstrap-{os.getpid()}-{secrets.token_hex(8)}"
             os.mkdir(self._name, 0o700, dir_fd=self._tmp_fd)
             # The target may run as another user: it may open the file, nobody may list.
             os.chmod(self._name, 0o711, dir_fd=self._tmp_fd)
@@ -492,6 +576,90 @@ def _write_bootstrap(pid: int, code: str, *, procfs: str = "/proc") -> _Bootstra
         return _Bootstrap(local, local, code)
 
 
+_BOOTSTRAP_DIR = re.compile(r"dlprof-bootstrap-(?:(\d+)-)?[0-9a-f]{16}")
+_OLD_GDB_SCRIPT = re.compile(r"tmp[a-z0-9_]{8}\.gdb")  # written by agents before 0.x
+_OLD_GDB_SCRIPT_SIGN = b"echo dlprof-agent: probe bootstrap ran"
+_OLD_GDB_SCRIPT_SECONDS = 60.0  # those agents removed theirs within 20 s
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_in(tmp: str, now: float) -> list[str]:
+    """Remove, from directory ``tmp``, bootstrap folders and gdb scripts that an agent
+    killed mid-injection left: only ours (our uid, no symbolic links), only once the
+    agent named in them is gone and the job has had BOOTSTRAP_FILE_SECONDS to read them."""
+    removed: list[str] = []
+    try:
+        tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return removed
+    try:
+        for name in os.listdir(tmp_fd):
+            folder = _BOOTSTRAP_DIR.fullmatch(name)
+            if folder is None and _OLD_GDB_SCRIPT.fullmatch(name) is None:
+                continue
+            try:
+                info = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_uid != os.geteuid():
+                continue
+            age = now - info.st_mtime
+            if folder is not None:
+                owner = folder.group(1)
+                if (not stat.S_ISDIR(info.st_mode) or age < BOOTSTRAP_FILE_SECONDS
+                        or (owner is not None and _pid_alive(int(owner)))):
+                    continue
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{name}/bootstrap.py", dir_fd=tmp_fd)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=tmp_fd)
+                    removed.append(name)
+            elif stat.S_ISREG(info.st_mode) and age >= _OLD_GDB_SCRIPT_SECONDS:
+                try:
+                    script = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=tmp_fd)
+                except OSError:
+                    continue
+                with open(script, "rb") as file:
+                    ours = _OLD_GDB_SCRIPT_SIGN in file.read(4096)
+                if ours:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=tmp_fd)
+                        removed.append(name)
+    finally:
+        os.close(tmp_fd)
+    return removed
+
+
+def remove_stale_files(pid: int | None = None, *, now: float | None = None) -> list[str]:
+    """Clean what agents killed during an injection left in the temporary directory
+    (and in the /tmp of process ``pid``, which may be another container's). Safe to
+    call any time: it removes only files of dead agents. Returns the names removed."""
+    when = time.time() if now is None else now
+    places = [tempfile.gettempdir()]
+    if pid is not None:
+        places.append(f"/proc/{pid}/root/tmp")
+    seen: set[tuple[int, int]] = set()
+    removed: list[str] = []
+    for place in places:
+        try:
+            info = os.stat(place)
+        except OSError:
+            continue
+        if (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            removed += _remove_stale_in(place, when)
+    return removed
+
+
 def _remove_later(bootstrap: _Bootstrap, seconds: float) -> None:
     # remote_exec returns before the target has read the file; give it time to reach a
     # safe point, and clean up at exit should the agent stop sooner.
@@ -521,84 +689,630 @@ def _inject_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str], o
                               "(PYTHON_DISABLE_REMOTE_DEBUG, -X disable_remote_debug)") from None
 
 
-GDB_WAIT_SECONDS = 10.0  # for a thread of the job to reach the safe point
-GDB_MARK = "dlprof-agent: probe bootstrap ran"
+# --- gdb: queue the bootstrap as a pending call ----------------------------------------
 
-# gdb stops the job where a thread is about to release the GIL: that thread holds
-# the GIL and is between two pieces of the interpreter's own C code, so running
-# Python there is safe. (Calling in at an arbitrary instruction, as ptrace
-# injectors do, deadlocks the job whenever the thread was inside malloc.)
-_GDB_SCRIPT = """set pagination off
-set confirm off
-sharedlibrary libpython
-break PyEval_SaveThread
-commands
-  silent
-  delete
-  call (int)PyRun_SimpleString("exec(open('{path}').read())")
-  echo {mark}\\n
-  detach
-  quit
-end
-continue
-detach
+GDB_WAIT_SECONDS = 10.0  # for the job's main thread to be seen waiting in the kernel
+GDB_SESSION_SECONDS = 30.0  # a session takes milliseconds; this only bounds a stuck gdb
+GDB_MARK = "dlprof-agent:"
+_POLL_SECONDS = 0.005
+_FLAG_BYTES = 16  # at the start of the page: the job writes b"ran" there; the code follows
+_ADDRESS_PLACEHOLDER = "0xDLPROFAGENTADDR0"  # as wide as "%#018x" of a 64-bit address
+_RAN = b"ran"
+
+# Runs inside the target as PyRun_SimpleString(page + 16), from the main thread's eval
+# loop with the GIL held. It must never let an exception out: PyRun_SimpleString would
+# return -1, which the eval loop turns into a SystemError in the job (and a SystemExit
+# would end it). Both levels run in their own namespaces: nothing lands in __main__.
+_PENDING_BODY = """\
+try:
+    with open('/proc/self/mem', 'r+b', buffering=0) as mem:
+        mem.seek({address})
+        mem.write({ran!r})
+except Exception:
+    pass
+try:
+    exec({code!r}, {{'__name__': 'dlprof_agent_injected'}})
+except BaseException as error:
+    try:
+        if isinstance(error, KeyboardInterrupt):
+            __import__('_thread').interrupt_main()  # the job's Ctrl-C, handed back
+        else:
+            __import__('traceback').print_exc()
+    except BaseException:
+        pass
+"""
+_PENDING_SOURCE = """\
+try:
+    exec({body!r}, {{'__name__': 'dlprof_agent_injected'}})
+except BaseException:
+    pass
+"""
+
+# Runs in gdb's own Python, never in the job. gdb has stopped every thread. It calls into
+# the job twice, on a thread stopped inside a system call (the main one when it is):
+# mmap for a page, then Py_AddPendingCall; it writes the page through the debugger (no
+# allocation in the job), prints one verdict line and detaches.
+_GDB_PYTHON = """\
+import gdb
+
+def _say(*words):
+    gdb.write(" ".join([{mark!r}] + [str(word) for word in words]) + "\\n")
+    gdb.flush()
+
+def _in_kernel(pid, lwp):
+    try:
+        with open("/proc/%d/task/%d/syscall" % (pid, lwp)) as file:
+            state = file.read().split()
+    except OSError:
+        return False
+    return bool(state) and state[0] not in ("running", "-1")
+
+def _queue(payload):
+    inferior = gdb.selected_inferior()
+    pid = inferior.pid
+    threads = sorted(inferior.threads(), key=lambda thread: thread.ptid[1] != pid)
+    waiting = [thread for thread in threads if _in_kernel(pid, thread.ptid[1])]
+    if not waiting:
+        _say("no-thread-in-kernel")
+        return
+    waiting[0].switch()  # the main thread when it waits, else another one
+    for library in ("libc[.]", "ld-musl", "libpython3"):
+        gdb.execute("sharedlibrary " + library, to_string=True)
+    size = -(-len(payload) // {page}) * {page}
+    address = int(gdb.parse_and_eval(
+        "((long (*)(long, long, long, long, long, long))mmap)(0, %d, {prot}, {flags}, -1, 0)"
+        % size))
+    if address <= 0:
+        _say("mmap-failed", address)
+        return
+    payload = payload.replace({placeholder!r}, ("%#018x" % address).encode(), 1)
+    inferior.write_memory(address, payload)
+    result = int(gdb.parse_and_eval(
+        "((int (*)(void *, void *))Py_AddPendingCall)((void *)PyRun_SimpleString, (void *)%d)"
+        % (address + {flag_bytes})))
+    _say("queued", "%#x" % address, result)
+
+try:
+    _queue(bytes.fromhex({payload_hex!r}))
+except Exception as error:
+    _say("error", (str(error).splitlines() or [type(error).__name__])[0])
+gdb.execute("detach", to_string=True)
 """
 
 
-def _inject_gdb(pid: int, code: str) -> None:
+class InjectionNotNow(InjectionFailed):
+    """Nothing was queued in the process, and trying again later may work: none of its
+    threads was seen waiting in the kernel, or its queue of pending calls was full."""
+
+
+@dataclass(frozen=True)
+class QueuedBootstrap:
+    """A bootstrap queued in a job as a pending call: the job runs it when its main
+    thread next executes Python bytecode, which may be much later (a long C call)."""
+
+    pid: int
+    start_time: int  # field 22 of /proc/<pid>/stat: tells the job from a reused pid
+    address: int  # of the page in the job holding the flag and the code
+    queued_at: float  # time.monotonic() in the agent
+
+    def state(self) -> str:
+        """"queued", "ran" (the job has started running the code), or "gone"."""
+        if _start_time(self.pid) != self.start_time:
+            return "gone"
+        try:
+            with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as memory:
+                memory.seek(self.address)
+                flag = memory.read(len(_RAN))
+        except OSError:
+            return "gone" if _start_time(self.pid) != self.start_time else "queued"
+        return "ran" if flag == _RAN else "queued"
+
+
+_queued: dict[int, QueuedBootstrap] = {}
+_queued_lock = threading.Lock()
+
+
+def pending_bootstrap(pid: int) -> QueuedBootstrap | None:
+    """The bootstrap this agent queued in process ``pid`` that the job has not run yet.
+    Injecting again meanwhile queues nothing: ``inject`` returns this one."""
+    with _queued_lock:
+        queued = _queued.get(pid)
+    if queued is None:
+        return None
+    if queued.state() != "queued":
+        with _queued_lock:
+            if _queued.get(pid) is queued:
+                del _queued[pid]
+        return None
+    return queued
+
+
+def _start_time(pid: int) -> int | None:
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text.rpartition(")")[2].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pending_payload(code: str) -> bytes:
+    body = _PENDING_BODY.format(address=_ADDRESS_PLACEHOLDER, ran=_RAN, code=code)
+    source = _PENDING_SOURCE.format(body=body).encode("utf-8")
+    return bytes(_FLAG_BYTES) + source + b"\0"
+
+
+def _threads_in_kernel(pid: int) -> int:
+    """How many threads of ``pid`` wait in a system call now (/proc/<pid>/task/*/syscall
+    gives its number then; "running" or -1 otherwise). Raises TargetNotFound."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tasks = []
+    waiting = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/syscall", encoding="ascii") as file:
+                fields = file.read().split()
+        except PermissionError:
+            raise _refused(pid, "/proc", "cannot read the state of its threads") from None
+        except OSError:
+            continue
+        waiting += bool(fields) and fields[0] not in ("running", "-1")
+    if not tasks or read_state(pid) in (None, "Z", "X"):
+        _raise_if_gone(pid, "/proc")
+    return waiting
+
+
+def _wait_for_a_thread_in_kernel(pid: int, deadline: float) -> bool:
+    while not _threads_in_kernel(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_SECONDS)
+    return True
+
+
+def _not_now(pid: int, seconds: float) -> InjectionNotNow:
+    return InjectionNotNow(
+        f"process {pid} reached no safe point to queue the probe within {seconds:g} s "
+        "(none of its threads waited in the kernel: it runs Python or native code "
+        "without a pause, holding the GIL); nothing was done to it",
+        "the agent tries again on its next passes; or start the job with "
+        "`dlprof-agent run -- python ...`")
+
+
+def _gdb_command(gdb: str, pid: int, payload: bytes) -> list[str]:
+    script = _GDB_PYTHON.format(
+        mark=GDB_MARK, page=mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, flag_bytes=_FLAG_BYTES,
+        placeholder=_ADDRESS_PLACEHOLDER.encode(), payload_hex=payload.hex())
+    return [gdb, "--batch", "--nx", "-iex", "set auto-load off",
+            "-iex", "set auto-solib-add off", "-iex", "set debuginfod enabled off",
+            # A signal during a call (our SIGINT on a stuck session) unwinds the call.
+            "-iex", "set unwindonsignal on",
+            "-p", str(pid), "-ex", f"python exec(bytes.fromhex('{script.encode().hex()}'))"]
+
+
+def _inject_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap:
     gdb = shutil.which("gdb")
     if gdb is None:
         raise InjectionFailed(
             f"cannot inject into process {pid}: gdb is not installed",
             "install it (e.g. apt install gdb) to inject into a running Python before 3.14, "
             "or start the job with `dlprof-agent run -- python ...`")
-    try:
-        bootstrap = _write_bootstrap(pid, code)
-    except OSError as error:
-        raise InjectionFailed(f"cannot write the bootstrap script: {_first_line(error)}",
-                              "make a temporary directory writable (TMPDIR)") from None
-    try:
-        with tempfile.NamedTemporaryFile("w", suffix=".gdb", delete=False) as script:
-            script.write(_GDB_SCRIPT.format(path=bootstrap.seen_as, mark=GDB_MARK))
-        output = _run_gdb(pid, [gdb, "--batch", "--nx", "-iex", "set auto-load off",
-                                "-iex", "set auto-solib-add off", "-p", str(pid),
-                                "-x", script.name])
-    finally:
-        os.unlink(script.name)
-        bootstrap.remove()  # the call above read it before returning
-    if GDB_MARK in output and "$1 = 0" in output:
-        return
+    queued = pending_bootstrap(pid)
+    if queued is not None:
+        return queued
+    start_time = _start_time(pid)
+    command = _gdb_command(gdb, pid, _pending_payload(code))
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        if not _wait_for_a_thread_in_kernel(pid, deadline):
+            raise _not_now(pid, wait_seconds)
+        output = _run_gdb(pid, command)
+        verdict = next((line.split()[1:] for line in output.splitlines()
+                        if line.startswith(GDB_MARK + " ")), None)
+        if verdict and verdict[0] == "no-thread-in-kernel" and time.monotonic() < deadline:
+            continue  # it left the kernel between our look and gdb's stop: look again
+        break
+    if verdict and verdict[0] == "queued" and len(verdict) == 3:
+        if verdict[2] != "0":
+            raise InjectionNotNow(f"process {pid} has a full queue of pending calls",
+                                  "the agent tries again on its next passes")
+        queued = QueuedBootstrap(pid, start_time or 0, int(verdict[1], 16), time.monotonic())
+        with _queued_lock:
+            _queued[pid] = queued
+        return queued
+    if _start_time(pid) != start_time or read_state(pid) in (None, "Z", "X"):
+        raise TargetNotFound(f"process {pid} exited during the injection",
+                             "attach to a running job")
     if "ptrace: Operation not permitted" in output:
         raise _refused(pid, "/proc", "ptrace was denied")
-    if "ptrace: No such process" in output or not os.path.exists(f"/proc/{pid}"):
-        raise TargetNotFound(f"process {pid} exited before the probe could be injected",
-                             "attach to a running job")
-    if GDB_MARK in output:
-        raise InjectionFailed(f"the probe's bootstrap failed in process {pid}",
-                              "its error is on the job's stderr")
-    detail = next((line for line in output.splitlines()
-                   if "rror" in line or "not defined" in line), "gdb gave up")
-    raise InjectionFailed(f"injecting into process {pid} failed: {detail.strip()}",
+    if verdict and verdict[0] == "no-thread-in-kernel":
+        raise _not_now(pid, wait_seconds)
+    detail = (" ".join(verdict) if verdict else None) or next(
+        (line.strip() for line in output.splitlines()
+         if "rror" in line or "not defined" in line), "gdb gave up")
+    raise InjectionFailed(f"injecting into process {pid} failed: {detail}",
                           "start the job with `dlprof-agent run -- python ...` instead")
 
 
 def _run_gdb(pid: int, command: list[str]) -> str:
+    # gdb gets its own session so that a Ctrl-C meant for the agent does not stop it
+    # halfway; a kill of the whole agent side is what the design above makes safe.
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        return process.communicate(timeout=GDB_WAIT_SECONDS)[0]
+        return process.communicate(timeout=GDB_SESSION_SECONDS)[0]
     except subprocess.TimeoutExpired:
-        # No thread released the GIL in time (a pure-Python loop, or stuck in native
-        # code). Interrupting gdb stops the wait; the script then detaches without
-        # calling into the job, and the job runs on as before.
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGINT)  # unwinds a call in progress, then detaches
         try:
-            process.communicate(timeout=10)
+            return process.communicate(timeout=10)[0]
         except subprocess.TimeoutExpired:
             process.kill()
-            process.communicate()
-        raise InjectionFailed(
-            f"process {pid} reached no safe point to load the probe within "
-            f"{GDB_WAIT_SECONDS:g} s (none of its threads released the GIL)",
-            "retry while it trains, or start it with `dlprof-agent run -- python ...`"
-        ) from None
+            return process.communicate()[0]
+
+
+# --- ptrace (x86-64): borrow a waiting thread; it puts itself back -------------------------
+
+_PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
+_PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207
+_PTRACE_EVENT_STOP = 128
+_WALL = 0x40000000
+_MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
+# struct user_regs_struct, in order
+_REGS = ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx",
+         "rdx", "rsi", "rdi", "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base",
+         "gs_base", "ds", "es", "fs", "gs")
+# mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
+_SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
+# System calls a waiting thread may be borrowed from: none of them changes the signal mask
+# for its duration (ppoll, pselect, epoll_pwait and sigsuspend do), and the kernel restarts
+# or fails each of them the same way after our detour as after any ptrace stop.
+_BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
+# These change it only when given a mask: pselect6, ppoll, epoll_pwait, epoll_pwait2, and
+# the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
+_MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
+
+
+def _borrowable(number: int, arguments: list[int]) -> bool:
+    if number in _BORROWABLE:
+        return True
+    index = _MASK_ARGUMENT.get(number)
+    return index is not None and index < len(arguments) and arguments[index] == 0
+_ERESTART_CODES = (-512, -513, -514)  # ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND
+# A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
+# with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
+_ERESTART_RESTARTBLOCK = -516
+_SYSCALL_ARGUMENTS = ("rdi", "rsi", "rdx", "r10", "r8", "r9")
+_CALL_ARGUMENTS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
+_RED_ZONE = 128
+_FRAME_GAP = 2048  # below the red zone: where the borrowed thread's detour frame goes
+_STACK_NEEDED = 64 << 10  # free stack the called function may use below the frame
+_USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
+_CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
+
+
+class _Ptrace:
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        call = ctypes.CDLL(None, use_errno=True).ptrace
+        call.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        call.restype = ctypes.c_long
+        self._call = call
+
+    def __call__(self, request: int, tid: int, data: object = None) -> None:
+        self._ctypes.set_errno(0)
+        if self._call(request, tid, None, data) == -1:
+            error = self._ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+
+    def registers(self, tid: int) -> list[int]:
+        regs = (self._ctypes.c_ulonglong * len(_REGS))()
+        self(_PTRACE_GETREGS, tid, self._ctypes.addressof(regs))
+        return list(regs)
+
+    def set_registers(self, tid: int, values: list[int]) -> None:
+        regs = (self._ctypes.c_ulonglong * len(_REGS))(*values)
+        self(_PTRACE_SETREGS, tid, self._ctypes.addressof(regs))  # all of them, at once
+
+    def fxsave(self, tid: int) -> bytes:
+        area = (self._ctypes.c_ubyte * 512)()
+        self(_PTRACE_GETFPREGS, tid, self._ctypes.addressof(area))
+        return bytes(area)
+
+
+def _signed(register: int) -> int:
+    return register - (1 << 64) if register >= 1 << 63 else register
+
+
+def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget: int) -> bytes:
+    """What the borrowed thread finds on its stack at ``at`` when the called function
+    returns: the address of an rt_sigreturn, then the frame that call restores, which is
+    the thread as we stopped it, its interrupted system call set to run again."""
+    r = dict(zip(_REGS, regs, strict=True))
+    rax, rip = r["rax"], r["rip"]
+    if _signed(rax) in _ERESTART_CODES:
+        rax, rip = r["orig_rax"], rip - 2  # as the kernel restarts it after a ptrace stop
+    fx_at = -(-(at + 8 + 304) // 64) * 64
+    context = struct.pack(
+        "<18Q4H4QQ8Q", r["r8"], r["r9"], r["r10"], r["r11"], r["r12"], r["r13"], r["r14"],
+        r["r15"], r["rdi"], r["rsi"], r["rbp"], r["rbx"], r["rdx"], rax, r["rcx"], r["rsp"],
+        rip, r["eflags"], r["cs"], 0, 0, r["ss"], 0, 0, 0, 0, fx_at, *([0] * 8))
+    # uc_flags UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS; uc_stack with an invalid ss_flags,
+    # so the kernel keeps the thread's signal stack as it is (it ignores that error).
+    ucontext = struct.pack("<QQQiiQ", 6, 0, 0, 0x10, 0, 0) + context + struct.pack("<Q", blocked)
+    frame = struct.pack("<Q", gadget) + ucontext
+    # The FXSAVE image without the XSAVE marker: x87, SSE and MXCSR come back as they were.
+    return frame + bytes(fx_at - at - len(frame)) + fxsave[:464] + bytes(48)
+
+
+def _maps(pid: int) -> list[tuple[int, int, str, int, str]]:
+    """(start, end, permissions, offset, path) of each mapping of ``pid``."""
+    text = _read_text(f"/proc/{pid}/maps") or ""
+    mappings = []
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        start, _, end = fields[0].partition("-")
+        mappings.append((int(start, 16), int(end, 16), fields[1], int(fields[2], 16),
+                         fields[5] if len(fields) == 6 else ""))
+    return mappings
+
+
+def _read_memory(pid: int, address: int, size: int) -> bytes:
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
+        memory.seek(address)
+        return memory.read(size)
+
+
+def _write_memory(pid: int, address: int, data: bytes) -> None:
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as memory:
+        memory.seek(address)
+        if memory.write(data) != len(data):
+            raise OSError(f"short write to process {pid}")
+
+
+def _function_address(pid: int, maps: list[tuple[int, int, str, int, str]], path: str,
+                      file: str, name: str) -> int | None:
+    """Where ``name``, defined in ``file`` (mapped as ``path``), is in process ``pid``;
+    None unless the bytes there are the file's own (a wrong address is never called)."""
+    scan = _open_scan(file)
+    location = scan.location(name) if scan is not None else None
+    if scan is None or location is None:
+        return None
+    value, offset = location
+    base = 0
+    if scan.shared:
+        starts = [start for start, _, _, map_offset, mapped in maps
+                  if mapped == path and map_offset == 0]
+        if not starts:
+            return None
+        base = min(starts)
+    try:
+        with open(file, "rb") as source:
+            source.seek(offset)
+            expected = source.read(16)
+        if len(expected) < 16 or _read_memory(pid, base + value, 16) != expected:
+            return None
+    except OSError:
+        return None
+    return base + value
+
+
+def _libc_path(maps: list[tuple[int, int, str, int, str]]) -> str | None:
+    for *_, path in maps:
+        name = os.path.basename(path)
+        if name.startswith(("libc.so", "libc-2.", "ld-musl-")):
+            return path
+    return None
+
+
+def _find_sigreturn(pid: int, maps: list[tuple[int, int, str, int, str]], libc: str) -> int | None:
+    for start, end, permissions, _, path in maps:
+        if path != libc or "x" not in permissions or end - start > _MAX_TABLE_BYTES:
+            continue
+        try:
+            code = _read_memory(pid, start, end - start)
+        except OSError:
+            continue
+        for gadget in _SIGRETURN:
+            at = code.find(gadget)
+            if at >= 0:
+                return start + at
+    return None
+
+
+def _free_address(maps: list[tuple[int, int, str, int, str]], size: int) -> int | None:
+    """The middle of the widest gap between the job's mappings, away from any of them."""
+    best: tuple[int, int] | None = None
+    user = [mapping for mapping in maps if mapping[1] <= _USER_SPACE_END]  # not [vsyscall]
+    for (_, end, *_), (start, *_) in itertools.pairwise(user):
+        if end >= 1 << 32 and start - end >= 64 * size and (best is None or
+                                                           start - end > best[1] - best[0]):
+            best = (end, start)
+    if best is None:
+        return None
+    return (best[0] + (best[1] - best[0]) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def _blocked_signals(pid: int, tid: int) -> int | None:
+    value = _status_field(f"{pid}/task/{tid}", "SigBlk", "/proc")
+    try:
+        return int(value, 16) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _waiting_threads(pid: int) -> list[int]:
+    """Threads of ``pid`` waiting in a system call we may borrow them from, main first."""
+    found = []
+    try:
+        tasks = sorted((int(task) for task in os.listdir(f"/proc/{pid}/task")),
+                       key=lambda tid: tid != pid)
+    except (OSError, ValueError):
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/syscall", encoding="ascii") as file:
+                fields = file.read().split()
+        except PermissionError:
+            raise _refused(pid, "/proc", "cannot read the state of its threads") from None
+        except OSError:
+            continue
+        try:
+            number, arguments = int(fields[0]), [int(field, 16) for field in fields[1:7]]
+        except (IndexError, ValueError):
+            continue  # "running", or -1: not in a system call
+        task_state = (_read_text(f"/proc/{pid}/task/{tid}/stat") or ")").rpartition(")")[2]
+        # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
+        # would keep the agent waiting for its stop.
+        if _borrowable(number, arguments) and task_state.split()[:1] == ["S"]:
+            found.append(tid)
+    return found
+
+
+def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
+            maps: list[tuple[int, int, str, int, str]]) -> bool:
+    """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
+    rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
+    when it is not waiting in a system call we may borrow it from. ``call`` is the
+    function's address, its arguments, and the address of an rt_sigreturn."""
+    function, args, gadget = call
+    regs = ptrace.registers(tid)
+    r = dict(zip(_REGS, regs, strict=True))
+    orig = _signed(r["orig_rax"])
+    arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
+    if (orig < 0 or _signed(r["rax"]) == _ERESTART_RESTARTBLOCK
+            or not _borrowable(orig, arguments)):
+        return False
+    blocked = _blocked_signals(pid, tid)
+    at = ((r["rsp"] - _RED_ZONE - _FRAME_GAP) & ~15) - 8  # a call's entry: rsp % 16 == 8
+    stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
+    if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
+        return False
+    frame = _signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget)
+    if at + len(frame) > r["rsp"] - _RED_ZONE:
+        return False
+    _write_memory(pid, at, frame)
+    new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1)
+    for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
+        new[register] = value % (1 << 64)
+    ptrace.set_registers(tid, [new[name] for name in _REGS])
+    return True
+
+
+def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
+                     gadget: int) -> bool:
+    """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
+    Only that thread stops, for microseconds; it needs nothing more from us once it is
+    set on its way, so the agent may die at any moment. False when none could be had."""
+    maps = _maps(pid)
+    for tid in _waiting_threads(pid):
+        try:
+            ptrace(_PTRACE_SEIZE, tid)
+        except OSError as error:
+            if error.errno == errno.EPERM:
+                raise _refused(pid, "/proc", "ptrace was denied") from None
+            continue
+        stopped, signal_to_pass = False, 0
+        try:
+            ptrace(_PTRACE_INTERRUPT, tid)
+            _, status = os.waitpid(tid, _WALL)
+            if not os.WIFSTOPPED(status):
+                continue
+            stopped = True
+            if status >> 16 != _PTRACE_EVENT_STOP:
+                signal_to_pass = os.WSTOPSIG(status)  # a signal arrived meanwhile: pass it on
+                continue
+            if os.WSTOPSIG(status) != signal.SIGTRAP:
+                continue  # a group stop (someone stopped the job): leave it as it is
+            if _detour(ptrace, pid, tid, (function, args, gadget), maps):
+                return True
+        except OSError:
+            continue
+        finally:
+            _release(ptrace, tid, stopped, signal_to_pass)
+    return False
+
+
+def _release(ptrace: _Ptrace, tid: int, stopped: bool, signal_to_pass: int) -> None:
+    # Detaching needs a stopped tracee; one left seized would stop at its next signal.
+    with contextlib.suppress(OSError, ChildProcessError):
+        if not stopped:
+            ptrace(_PTRACE_INTERRUPT, tid)
+            _, status = os.waitpid(tid, _WALL)
+            if not os.WIFSTOPPED(status):
+                return
+            if status >> 16 != _PTRACE_EVENT_STOP:
+                signal_to_pass = os.WSTOPSIG(status)
+        ptrace(_PTRACE_DETACH, tid, signal_to_pass)
+
+
+def _ptrace_plan(pid: int, runtime: PythonRuntime) -> tuple[int, int, int, int] | None:
+    """Addresses in ``pid`` of Py_AddPendingCall, PyRun_SimpleString, mmap and an
+    rt_sigreturn; None when one cannot be found and checked (then gdb is used)."""
+    maps = _maps(pid)
+    libc = _libc_path(maps)
+    if libc is None:
+        return None
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+    python_file = (f"/proc/{pid}/exe" if runtime.library == exe
+                   else f"/proc/{pid}/root{runtime.library}")
+    add = _function_address(pid, maps, runtime.library, python_file, "Py_AddPendingCall")
+    run = _function_address(pid, maps, runtime.library, python_file, "PyRun_SimpleString")
+    allocate = _function_address(pid, maps, libc, f"/proc/{pid}/root{libc}", "mmap")
+    gadget = _find_sigreturn(pid, maps, libc)
+    if add is None or run is None or allocate is None or gadget is None:
+        return None
+    return add, run, allocate, gadget
+
+
+def _inject_ptrace(pid: int, code: str, plan: tuple[int, int, int, int],
+                   wait_seconds: float) -> QueuedBootstrap:
+    add, run, allocate, gadget = plan
+    start_time = _start_time(pid)
+    payload = _pending_payload(code)
+    size = -(-len(payload) // mmap.PAGESIZE) * mmap.PAGESIZE
+    ptrace = _Ptrace()
+    deadline = time.monotonic() + wait_seconds
+
+    def borrow(function: int, args: tuple[int, ...]) -> None:
+        while not _borrow_a_thread(ptrace, pid, function, args, gadget):
+            if _start_time(pid) != start_time or read_state(pid) in (None, "Z", "X"):
+                raise TargetNotFound(f"process {pid} exited during the injection",
+                                     "attach to a running job")
+            if time.monotonic() >= deadline:
+                raise _not_now(pid, wait_seconds)
+            time.sleep(_POLL_SECONDS)
+
+    page = _free_address(_maps(pid), size)
+    if page is None:
+        raise InjectionFailed(f"found no free address range in process {pid}",
+                              "start the job with `dlprof-agent run -- python ...` instead")
+    borrow(allocate, (page, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0))
+    chain_deadline = time.monotonic() + _CHAIN_SECONDS
+    while not any(start == page for start, *_ in _maps(pid)):
+        if _start_time(pid) != start_time or read_state(pid) in (None, "Z", "X"):
+            raise TargetNotFound(f"process {pid} exited during the injection",
+                                 "attach to a running job")
+        if time.monotonic() >= chain_deadline:
+            raise InjectionNotNow(f"process {pid} did not map a page for the probe's bootstrap",
+                                  "the agent tries again on its next passes")
+        time.sleep(_POLL_SECONDS)
+    _write_memory(pid, page, payload.replace(_ADDRESS_PLACEHOLDER.encode(),
+                                             f"{page:#018x}".encode(), 1))
+    borrow(add, (run, page + _FLAG_BYTES))
+    queued = QueuedBootstrap(pid, start_time or 0, page, time.monotonic())
+    with _queued_lock:
+        _queued[pid] = queued
+    return queued

@@ -1,0 +1,415 @@
+"""The job outlives anything that happens to the agent's side during an injection, with
+real jobs and a real gdb: the agent and its gdb killed together at random moments (as a
+systemd stop, a cgroup kill or a container stop does), a job that holds the GIL for
+longer than the agent waits, a job that exits meanwhile, code that raises, and the
+files an interrupted injection could leave behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dlprof_agent.agent import inject as inject_module
+from dlprof_agent.agent.errors import TargetNotFound
+from dlprof_agent.agent.inject import InjectionFailed, inject
+from dlprof_agent.probe.bootstrap import injection_code
+from tests.conftest import agent_env
+
+pytestmark = pytest.mark.skipif(
+    hasattr(sys, "remote_exec") or (platform.machine() != "x86_64" and not shutil.which("gdb")),
+    reason="before Python 3.14 the agent injects itself on x86-64, elsewhere with gdb")
+
+# A stand-in for a training loop: each step computes in Python for sys.argv[2] seconds,
+# holding the GIL (as data preparation or a checkpoint does), then waits in the kernel
+# briefly (as a framework call that releases the GIL does); a worker thread waits for
+# work meanwhile (as a framework's thread pool does). It publishes its step count.
+TRAINING = """
+import os, sys, threading, time
+steps_file, hold = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+idle = threading.Lock()
+idle.acquire()
+threading.Thread(target=idle.acquire, daemon=True).start()
+print("ready", flush=True)
+step, published = 0, 0.0
+while True:
+    end = time.monotonic() + hold
+    while time.monotonic() < end:
+        pass
+    sum(range(2000))
+    time.sleep(0.002)
+    step += 1
+    if time.monotonic() - published > 0.05:
+        with open(steps_file + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(steps_file + ".tmp", steps_file)
+        published = time.monotonic()
+"""
+
+# Holds the GIL inside one C call that waits in the kernel (ctypes.PyDLL keeps the GIL),
+# as a checkpoint save or a long native call does, beside a worker thread waiting for work
+# (as a framework's thread pool does); then trains as above.
+HOLDS_THE_GIL = """
+import ctypes, sys, threading, time
+idle = threading.Lock()
+idle.acquire()
+threading.Thread(target=idle.acquire, daemon=True).start()
+open(sys.argv[2], "w").write(str(time.monotonic() + int(sys.argv[1])))  # when it lets go
+print("ready", flush=True)
+ctypes.PyDLL(None).sleep(int(sys.argv[1]))
+while True:
+    time.sleep(0.01)
+"""
+
+
+def start(args: list[str], started: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    process = subprocess.Popen(args, text=True, start_new_session=True, cwd="/",
+                               stdout=subprocess.PIPE)
+    started.append(process)
+    assert process.stdout is not None
+    assert process.stdout.readline() == "ready\n"
+    return process
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def status(pid: int, field: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return line.split(":", 1)[1].split()[0]
+    return ""
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(
+                    int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_agent_side(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL the agent and everything it started, whatever their sessions, as a cgroup
+    kill does: stopped first so that it starts nothing more."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(agent.pid, signal.SIGSTOP)
+    for pid in [agent.pid, *descendants(agent.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait(10)
+
+
+def steps(path: Path) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int(path.read_text())
+    return -1
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def training_goes_on(job: subprocess.Popen[str]) -> str | None:
+    """None while the job computes on (its CPU time grows: sooner told than its steps,
+    which take seconds), untraced; else what is wrong with it."""
+    before = cpu_seconds(job.pid)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if job.poll() is not None:
+            return f"died with {job.returncode}"
+        if cpu_seconds(job.pid) > before + 0.1:
+            break
+        time.sleep(0.05)
+    else:
+        state = Path(f"/proc/{job.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return f"made no progress in 5 s (state {state})"
+    tracer = status(job.pid, "TracerPid")
+    return None if tracer == "0" else f"still traced by {tracer}"
+
+
+def leftovers(token: str, tmpdir: Path) -> list[str]:
+    """Files an injection of code holding ``token`` left: bootstrap folders in /tmp, gdb
+    scripts in the agent's temporary directory."""
+    found = [str(path) for path in tmpdir.iterdir()]
+    for folder in Path("/tmp").glob("dlprof-bootstrap-*"):
+        with contextlib.suppress(OSError):
+            if token in (folder / "bootstrap.py").read_text():
+                found.append(str(folder))
+    return found
+
+
+def test_killing_the_agent_and_gdb_at_any_moment_leaves_the_job_training(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """20 injections, each killed (the agent and all it started, SIGKILL) at a random
+    moment from its start to a little past its usual end, into a job that holds the GIL
+    most of the time: the job survives every one, untraced and training, and nothing is
+    left in /tmp."""
+    steps_file = tmp_path / "steps"
+    agent_tmp = tmp_path / "agent-tmp"
+    agent_tmp.mkdir()
+    token = secrets.token_hex(8)
+    marker = tmp_path / "injected"
+    code = f"open({str(marker)!r}, 'a').write({token!r})"
+    attempt = ("import sys\n"
+               "from dlprof_agent.agent.inject import inject\n"
+               "inject(int(sys.argv[1]), sys.argv[2])\n"
+               "print('injected', flush=True)\n")
+    env = {**agent_env(), "TMPDIR": str(agent_tmp)}
+
+    def new_job() -> subprocess.Popen[str]:
+        steps_file.unlink(missing_ok=True)
+        job = start([sys.executable, "-c", TRAINING, str(steps_file), "3"], processes)
+        assert training_goes_on(job) is None
+        return job
+
+    def agent(job: subprocess.Popen[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", attempt, str(job.pid), code], env=env,
+                                cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    def end(job: subprocess.Popen[str]) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(10)
+
+    job = new_job()
+    began = time.monotonic()
+    whole = agent(job)
+    output = whole.communicate(timeout=60)[0]
+    duration = time.monotonic() - began
+    assert whole.returncode == 0, output
+    assert training_goes_on(job) is None
+    end(job)
+
+    rng = random.Random(15)
+    tries, harmed = 20, []
+    for attempt_number in range(tries):
+        job = new_job()  # each kill meets a job that has never been injected
+        delay = rng.uniform(0.0, duration * 1.1)
+        side = agent(job)
+        time.sleep(delay)
+        kill_agent_side(side)
+        if side.stdout is not None:
+            side.stdout.close()
+        problem = training_goes_on(job)
+        if problem is not None:
+            harmed.append(f"try {attempt_number} (killed at {delay:.2f} s): the job {problem}")
+        end(job)
+    left = leftovers(token, agent_tmp)
+    assert not harmed and not left, (
+        f"{len(harmed)} of {tries} kills harmed the job, and {len(left)} files were left "
+        f"(an injection takes {duration:.2f} s here):\n" + "\n".join(harmed + left[:3]))
+
+
+def test_a_job_holding_the_gil_longer_than_the_wait_gets_the_code_once_it_lets_go(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """The job holds the GIL for 11 s inside a C call, past the agent's 10 s wait: the
+    code is queued at once, the job runs it when its hold ends, and meanwhile no debugger
+    and no breakpoint stay in it."""
+    lets_go, out = tmp_path / "lets-go", tmp_path / "ran"
+    job = start([sys.executable, "-c", HOLDS_THE_GIL, "11", str(lets_go)], processes)
+    queued = inject(job.pid, f"import time; open({str(out)!r}, 'w').write(str(time.monotonic()))")
+    assert queued is not None and queued.state() == "queued"
+    assert inject_module.pending_bootstrap(job.pid) == queued
+    assert inject(job.pid, "open('/dev/null')") == queued  # not queued twice
+    assert status(job.pid, "TracerPid") == "0"
+    assert not out.exists()
+    deadline = time.monotonic() + 20
+    while not out.exists() and time.monotonic() < deadline:
+        assert job.poll() is None, f"the job died with {job.returncode}"
+        time.sleep(0.1)
+    assert out.exists(), "the queued code never ran"
+    assert float(out.read_text()) >= float(lets_go.read_text()) - 0.05  # not during the hold
+    assert queued.state() == "ran"
+    assert inject_module.pending_bootstrap(job.pid) is None
+    assert job.poll() is None
+
+
+@pytest.mark.parametrize("raises", ["raise SystemExit(3)", "1 / 0", "raise KeyboardInterrupt"])
+def test_code_that_raises_leaves_the_job_running(
+        processes: list[subprocess.Popen[str]], tmp_path: Path, raises: str) -> None:
+    """PyRun_SimpleString would end the job on SystemExit and make the eval loop raise
+    SystemError on any other exception; the queued code catches everything. A Ctrl-C that
+    lands in it is handed back to the job."""
+    steps_file, interrupted = tmp_path / "steps", tmp_path / "interrupted"
+    on_sigint = ("import signal\nsignal.signal(signal.SIGINT, lambda *_: "
+                 f"open({str(interrupted)!r}, 'w').write('yes'))\n")
+    job = start([sys.executable, "-c", on_sigint + TRAINING, str(steps_file)], processes)
+    inject(job.pid, raises)
+    time.sleep(0.5)
+    assert training_goes_on(job) is None
+    assert interrupted.exists() == (raises == "raise KeyboardInterrupt")
+
+
+def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
+        processes: list[subprocess.Popen[str]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job ends after the agent looked at it and before gdb attaches: that is what
+    the message says, not a refusal of ptrace."""
+    job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
+    find_runtime: Callable[..., object] = inject_module.find_python_runtime
+
+    def exit_next(pid: int) -> object:
+        runtime = find_runtime(pid)
+        os.kill(pid, signal.SIGKILL)
+        while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)
+        return runtime  # not reaped: the pid is a zombie, as it is in a race
+
+    monkeypatch.setattr(inject_module, "find_python_runtime", exit_next)
+    with pytest.raises(TargetNotFound, match=f"process {job.pid} exited during the injection"):
+        inject(job.pid, "pass")
+
+
+def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """A pure-Python spin never enters the kernel: nothing is done to the job (the error
+    says a later try may work), and a later try once it waits again succeeds."""
+    out = tmp_path / "ran"
+    spin = ("import time\nprint('ready', flush=True)\n"
+            "end = time.monotonic() + 3\nwhile time.monotonic() < end: pass\n"
+            "while True: time.sleep(0.01)\n")
+    job = start([sys.executable, "-c", spin], processes)
+    with pytest.raises(InjectionFailed, match="reached no safe point") as raised:
+        inject(job.pid, "pass", wait_seconds=1.0)
+    assert type(raised.value).__name__ == "InjectionNotNow"
+    assert status(job.pid, "TracerPid") == "0"
+    time.sleep(2.5)
+    inject(job.pid, f"open({str(out)!r}, 'w').write('x')", wait_seconds=5.0)
+    deadline = time.monotonic() + 5
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.exists()
+    assert job.poll() is None
+
+
+def test_two_bootstraps_queued_before_either_ran_start_one_probe(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """Two agents queue the probe's bootstrap while the job holds the GIL: both copies run
+    once it lets go, one after the other, and only the first starts a probe."""
+    holds = HOLDS_THE_GIL.replace(
+        "while True:\n    time.sleep(0.01)\n",
+        "end = time.monotonic() + 3\n"
+        "while time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+        "print(sorted(t.name for t in threading.enumerate()), flush=True)\n"
+        "time.sleep(60)\n")
+    job = start([sys.executable, "-c", holds, "3", str(tmp_path / "lets-go")], processes)
+    queued = inject(job.pid, injection_code())
+    assert queued is not None and queued.state() == "queued"
+    other_agent = ("import sys\n"
+                   "from dlprof_agent.agent.inject import inject\n"
+                   "from dlprof_agent.probe.bootstrap import injection_code\n"
+                   "print(inject(int(sys.argv[1]), injection_code()).state())\n")
+    second = subprocess.run([sys.executable, "-c", other_agent, str(job.pid)], env=agent_env(),
+                            cwd="/", capture_output=True, text=True, timeout=60, check=False)
+    assert second.stdout == "queued\n", second.stdout + second.stderr
+    assert job.stdout is not None
+    threads = job.stdout.readline()
+    assert threads.count("'dlprof-probe'") == 1, threads
+    assert queued.state() == "ran"
+
+
+def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an agent killed mid-injection left (a bootstrap folder naming its pid, or an
+    older agent's unnamed folder or gdb script) goes once that agent is gone and the
+    job had time to read it; a live agent's files, young files, another user's files,
+    links and look-alikes stay."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = time.time() - 3600
+
+    def folder(name: str, *, age: float = old, script: bool = True) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        if script:
+            (path / "bootstrap.py").write_text("print('x')\n")
+        os.utime(path, (age, age))
+        return path
+
+    gone = [folder(f"dlprof-bootstrap-{dead.pid}-{'a' * 16}"),
+            folder(f"dlprof-bootstrap-{'b' * 16}"),  # an older agent's: no pid in the name
+            folder(f"dlprof-bootstrap-{dead.pid}-{'c' * 16}", script=False)]
+    old_script = tmp_path / "tmpab_cd123.gdb"
+    old_script.write_text("commands\n  echo dlprof-agent: probe bootstrap ran\\n\nend\n")
+    os.utime(old_script, (old, old))
+    gone.append(old_script)
+
+    kept = [folder(f"dlprof-bootstrap-{os.getpid()}-{'d' * 16}"),  # its agent is alive
+            folder(f"dlprof-bootstrap-{dead.pid}-{'e' * 16}", age=time.time()),  # young
+            folder("dlprof-bootstrap-notours")]
+    someone_elses = tmp_path / "tmpzz_zz999.gdb"
+    someone_elses.write_text("break main\n")
+    os.utime(someone_elses, (old, old))
+    kept.append(someone_elses)
+    target = folder("elsewhere")
+    link = tmp_path / f"dlprof-bootstrap-{dead.pid}-{'f' * 16}"
+    link.symlink_to(target)
+    kept += [target, link]
+    if os.geteuid() == 0:
+        other = folder(f"dlprof-bootstrap-{dead.pid}-{'9' * 16}")
+        os.chown(other, 65534, 65534)
+        os.utime(other, (old, old))
+        kept.append(other)
+
+    removed = inject_module.remove_stale_files()
+    assert sorted(removed) == sorted(path.name for path in gone)
+    assert [path for path in gone if os.path.lexists(path)] == []
+    assert [path for path in kept if not os.path.lexists(path)] == []
+    assert (target / "bootstrap.py").exists()
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_where_the_agent_cannot_inject_itself_gdb_queues_the_code(
+        processes: list[subprocess.Popen[str]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off x86-64 (forced here), gdb makes the same two calls; the job goes on, untraced,
+    and a job with no thread waiting in the kernel is left alone."""
+    monkeypatch.setattr(inject_module, "_ptrace_plan", lambda pid, runtime: None)
+    out = tmp_path / "ran"
+    job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
+    queued = inject(job.pid, f"open({str(out)!r}, 'w').write('x')")
+    assert queued is not None
+    deadline = time.monotonic() + 5
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.exists()
+    assert queued.state() == "ran"
+    assert training_goes_on(job) is None
+    spin = "print('ready', flush=True)\nwhile True: pass\n"
+    spinner = start([sys.executable, "-c", spin], processes)
+    with pytest.raises(InjectionFailed, match="reached no safe point"):
+        inject(spinner.pid, "pass", wait_seconds=0.5)
+    assert status(spinner.pid, "TracerPid") == "0"
