@@ -62,8 +62,10 @@ SYSTEM_SHARE = 0.2
 # cent of a step; half the step there is time spent waiting for data.
 OTHER_SHARE = 0.5
 # Without layer timing: a CPU job whose process tree keeps less than half a core
-# busy while it steps is waiting, not computing.
+# busy while it steps, with its threads mostly asleep, is waiting, not computing.
+# (Threads that are runnable but get little CPU are starved by neighbours instead.)
 WAITING_CORES = 0.5
+WAITING_RUNNABLE_THREADS = 0.5
 # GPU idle. NVML's utilization below half (the dashboards' red band) means the
 # GPU waits more than it computes.
 LOW_GPU_UTILIZATION = 0.5
@@ -159,6 +161,12 @@ class Window:
         if before is None or after is None or self.seconds <= 0:
             return None
         return (after - before) / self.seconds
+
+    def mean_runnable_threads(self) -> float | None:
+        runnable = [p.runnable_threads for p in self.points]
+        if any(r is None for r in runnable):
+            return None
+        return statistics.fmean(r for r in runnable if r is not None)
 
     def busy_cores(self) -> float:
         return ((self.last.user_seconds + self.last.system_seconds
@@ -269,11 +277,10 @@ def _kernel_share(spent: Mapping[str, float], pattern: re.Pattern[str]) -> float
 
 
 def thread_oversubscription(window: Window) -> Check | None:
-    runnable = [p.runnable_threads for p in window.points]
+    mean_runnable = window.mean_runnable_threads()
     allowed = window.allowed_cpus()
-    if allowed is None or any(r is None for r in runnable):
+    if allowed is None or mean_runnable is None:
         return None
-    mean_runnable = statistics.fmean(r for r in runnable if r is not None)
     user = window.last.user_seconds - window.first.user_seconds
     system = window.last.system_seconds - window.first.system_seconds
     cpu = user + system
@@ -297,6 +304,9 @@ def input_bound(window: Window) -> Check | None:
         return None
     evidence = {"step_seconds": step_seconds / window.steady_steps(),
                 "busy_cores": window.busy_cores()}
+    runnable = window.mean_runnable_threads()
+    if runnable is not None:
+        evidence["runnable_threads"] = runnable
     gpu = window.gpu_utilization()
     if gpu is not None:
         evidence["gpu_utilization_ratio"] = gpu
@@ -306,11 +316,11 @@ def input_bound(window: Window) -> Check | None:
         evidence["other_step_ratio"] = other
         holds = other >= OTHER_SHARE and (gpu is None or gpu < LOW_GPU_UTILIZATION)
         return Check(holds, evidence)
-    if gpu is not None:
-        # The GPU idles between steps while the host waits too: neither computes.
-        return Check(gpu < LOW_GPU_UTILIZATION and evidence["busy_cores"] < WAITING_CORES,
-                     evidence)
-    return Check(evidence["busy_cores"] < WAITING_CORES, evidence)
+    # The host waits: little CPU, and not for want of CPUs.
+    waiting = evidence["busy_cores"] < WAITING_CORES and (
+        runnable is None or runnable < WAITING_RUNNABLE_THREADS)
+    # With a GPU, it must idle between steps too: neither side computes.
+    return Check(waiting and (gpu is None or gpu < LOW_GPU_UTILIZATION), evidence)
 
 
 def launch_bound(window: Window) -> Check | None:
