@@ -395,6 +395,9 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
 def finding_families(target_pid: int, findings: Iterable[Finding]) -> list[Metric]:
     """Every rule that could judge the target: 1 while its finding is raised, else 0
     (absent: nothing to judge, e.g. no probe or no GPU)."""
+    findings = list(findings)
+    if not findings:
+        return []
     pid = str(target_pid)
     state = _gauge("dlprof_finding",
                    "1 while a finding about the job holds, 0 while its rule sees no cause; "

@@ -67,46 +67,45 @@ def watch(finding: str, command: list[str], *, expect_raised: bool,
         argv = ["run", *options, "--", *command]
     else:
         argv = ["attach", str(attach_pid), "--no-probe", *options]
-    log = tempfile.TemporaryFile("w+")
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "dlprof_agent", *argv],
-        env=agent_env(), stdout=subprocess.PIPE, stderr=log, text=True)
-    values: list[float] = []
-    evidence: dict[str, float] = {}
-    first_judged = last_judged = None
-    pid = attach_pid
-    try:
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline and agent.poll() is None:
-            time.sleep(INTERVAL)
-            try:
-                value, seen_pid = _finding(port, finding, evidence)
-            except OSError:
-                continue  # not serving yet
-            pid = pid or seen_pid
-            if value is None:
-                continue
-            now = time.monotonic()
-            first_judged = first_judged or now
-            last_judged = now
-            values.append(value)
-            if expect_raised and value == 1:
-                break
-            if not expect_raised and now - first_judged >= RAISE_SECONDS + 3.0:
-                break
-    finally:
-        if pid is not None and attach_pid is None:
-            os.kill(pid, signal.SIGTERM)  # the job ends; the agent prints its summary
-        elif attach_pid is not None:
-            agent.send_signal(signal.SIGTERM)
+    with tempfile.TemporaryFile("w+") as log:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "dlprof_agent", *argv],
+            env=agent_env(), stdout=subprocess.PIPE, stderr=log, text=True)
+        values: list[float] = []
+        evidence: dict[str, float] = {}
+        first_judged = last_judged = None
+        pid = attach_pid
         try:
-            summary, _ = agent.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            summary, _ = agent.communicate()
-        log.seek(0)
-        summary += log.read()  # the agent's log: why, when something went wrong
-        log.close()
+            deadline = time.monotonic() + START_SECONDS
+            while time.monotonic() < deadline and agent.poll() is None:
+                time.sleep(INTERVAL)
+                try:
+                    value, seen_pid = _finding(port, finding, evidence)
+                except OSError:
+                    continue  # not serving yet
+                pid = pid or seen_pid
+                if value is None:
+                    continue
+                now = time.monotonic()
+                first_judged = first_judged or now
+                last_judged = now
+                values.append(value)
+                if expect_raised and value == 1:
+                    break
+                if not expect_raised and now - first_judged >= RAISE_SECONDS + 3.0:
+                    break
+        finally:
+            if pid is not None and attach_pid is None:
+                os.kill(pid, signal.SIGTERM)  # the job ends; the agent prints its summary
+            elif attach_pid is not None:
+                agent.send_signal(signal.SIGTERM)
+            try:
+                summary, _ = agent.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                summary, _ = agent.communicate()
+            log.seek(0)
+            summary += log.read()  # the agent's log: why, when something went wrong
     judged = 0.0 if first_judged is None or last_judged is None else last_judged - first_judged
     return Watch(values, judged, summary, evidence)
 
