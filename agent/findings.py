@@ -57,6 +57,12 @@ RUNNABLE_PER_ALLOWED_CPU = 1.5
 # handful. The system share above 20% is the dashboards' amber line.
 INVOLUNTARY_PER_CPU_SECOND = 100.0
 SYSTEM_SHARE = 0.2
+# CPU contention from outside the job: its runnable threads get less than half
+# the CPU they could use while the host's CPUs are at least 90% busy. The job is
+# not at fault; its neighbours (or the hypervisor: steal) take the CPUs, and its
+# step time says more about them than about the job.
+CONTENTION_SHARE = 0.5
+HOST_BUSY_SHARE = 0.9
 # Input-bound. With layer timing, "other" is the step time no hook saw: data
 # loading, the loss and the loop's Python. The loss and the loop are a few per
 # cent of a step; half the step there is time spent waiting for data.
@@ -295,6 +301,28 @@ def thread_oversubscription(window: Window) -> Check | None:
         "system_cpu_ratio": system_share})
 
 
+def cpu_contention(window: Window) -> Check | None:
+    runnable = window.mean_runnable_threads()
+    allowed = window.allowed_cpus()
+    host_busy = window.rate(_host_busy_seconds)
+    host = window.last.host
+    if runnable is None or allowed is None or host_busy is None or host is None:
+        return None
+    wanted = min(runnable, allowed)  # what its runnable threads could use at most
+    received = _share(window.busy_cores(), wanted) if wanted > 0 else 1.0
+    host_share = host_busy / host.logical_cpus
+    return Check(runnable >= 0.5 and received < CONTENTION_SHARE
+                 and host_share >= HOST_BUSY_SHARE,
+                 {"runnable_threads": runnable, "busy_cores": window.busy_cores(),
+                  "received_cpu_ratio": min(received, 1.0), "host_busy_ratio": host_share})
+
+
+def _host_busy_seconds(point: Point) -> float | None:
+    if point.host is None:
+        return None
+    return sum(s for mode, s in point.host.cpu_seconds if mode not in ("idle", "iowait"))
+
+
 def input_bound(window: Window) -> Check | None:
     split = window.phase_seconds()
     if split is None:
@@ -502,6 +530,11 @@ KINDS: tuple[Kind, ...] = (
          "each other",
          "lower the thread counts (torch.set_num_threads, OMP_NUM_THREADS, intra-op threads, "
          "loader workers) to the allowed CPUs", thread_oversubscription),
+    Kind("cpu_contention", "warning",
+         "the job's runnable threads get less than half the CPU they could use: other "
+         "processes keep the host's CPUs busy",
+         "give the job CPUs of its own (a cpuset, taskset, a dedicated node) or move its "
+         "neighbours; until then its step time measures them too", cpu_contention),
     Kind("input_bound", "warning",
          "the step waits for input: most of it is outside forward, backward and optimizer",
          "load data in parallel (DataLoader num_workers, tf.data prefetch), cache or "

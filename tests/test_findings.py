@@ -47,8 +47,10 @@ H100 = Path(__file__).parent / "data" / "h100-resnet50"
 # ---- building samples ------------------------------------------------------------------------
 
 
-def host(*, cpus: int = 2, memory: int = 16 << 30, swap_in: int = 0) -> HostSample:
-    return HostSample(cpu_seconds=(("user", 1.0),), logical_cpus=cpus, physical_cpus=cpus,
+def host(*, cpus: int = 2, memory: int = 16 << 30, swap_in: int = 0,
+         busy: float = 1.0) -> HostSample:
+    return HostSample(cpu_seconds=(("user", busy), ("idle", 100.0)), logical_cpus=cpus,
+                      physical_cpus=cpus,
                       memory_total_bytes=memory, memory_available_bytes=memory // 2,
                       swap_total_bytes=0, swap_used_bytes=0, swap_in_bytes=swap_in,
                       swap_out_bytes=0, load_average=(0.0, 0.0, 0.0))
@@ -184,6 +186,7 @@ def test_the_h100_run_is_neither_launch_nor_input_bound_nor_short_of_memory(
         assert check is not None and not check.holds, (rule.__name__, check)
     assert rules.gradient_exchange(h100) is None  # one GPU, no NCCL: nothing to judge
     assert rules.thread_oversubscription(h100) is None  # runnable threads not recorded
+    assert rules.cpu_contention(h100) is None
 
 
 def test_the_h100_run_raised_through_the_tracker_once_the_causes_held() -> None:
@@ -336,6 +339,21 @@ def test_oversubscription_counts_runnable_threads_against_affinity_and_quota() -
     assert over(6, limits(affinity=16, quota=2.0))  # a container's quota binds too
     assert not over(6, limits(affinity=16))
     assert not over(6, limits(affinity=2), involuntary=4)  # nothing preempted: no contention
+
+
+def test_cpu_contention_is_a_runnable_job_starved_on_a_busy_host() -> None:
+    def starved(busy_cores: float, host_busy: float, runnable: int = 1) -> bool:
+        check = rules.cpu_contention(window(
+            point(0.0, runnable=runnable, host_sample=host(busy=0.0)),
+            point(2.0, user=2 * busy_cores, runnable=runnable,
+                  host_sample=host(busy=2 * 2 * host_busy))))
+        assert check is not None
+        return check.holds
+
+    assert starved(busy_cores=0.1, host_busy=1.0)  # neighbours take both CPUs
+    assert not starved(busy_cores=0.1, host_busy=0.3)  # a quiet host: something else
+    assert not starved(busy_cores=0.9, host_busy=1.0)  # the job gets its core
+    assert not starved(busy_cores=0.0, host_busy=1.0, runnable=0)  # it sleeps: not starved
 
 
 def test_memory_near_limit_uses_the_cgroup_limit_else_the_host() -> None:
