@@ -241,7 +241,7 @@ class Window:
             mine = [p for p in gpu.processes if p.pid in point.pids]
             shares = [p.sm_utilization_ratio for p in mine if p.sm_utilization_ratio is not None]
             if shares:
-                values.append(sum(shares))
+                values.append(statistics.fmean(shares))
                 continue
             indexes = {p.gpu_index for p in mine}
             devices = [d.utilization_ratio for d in gpu.devices

@@ -679,3 +679,28 @@ def test_runnable_threads_count_the_threads_that_compute(
     # thread sleeps.
     assert all(c is not None and c <= 4 for c in counts), counts
     assert max(c or 0 for c in counts) >= 2, counts
+
+
+def test_the_sampler_judges_on_its_own_passes_and_a_scrape_only_renders_them(
+        spinning: subprocess.Popen[bytes]) -> None:
+    from dlprof_agent.agent.cli import _make_sampler
+
+    sampler = _make_sampler(spinning.pid, interval=0.25, children=True, gpu=False)
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=0.25))
+    first = sampler.sample_once()
+    assert first.findings == ()  # one pass: nothing to judge yet
+    deadline = time.monotonic() + 3 * rules.MIN_WINDOW_SECONDS
+    while not sampler.latest or not sampler.latest.findings:
+        assert time.monotonic() < deadline, "no rule judged the busy process"
+        time.sleep(0.25)
+        sampler.sample_once()
+    judged = {f.id for f in sampler.latest.findings}
+    # Outside signals alone judge these, without a probe.
+    assert {"thread_oversubscription", "memory_near_limit", "memory_stalls"} <= judged
+    labels = {"pid": str(spinning.pid), "finding": "memory_near_limit",
+              "severity": "critical"}
+    assert registry.get_sample_value("dlprof_finding", labels) == 0
+    latest = sampler.latest
+    registry.get_sample_value("dlprof_finding", labels)
+    assert sampler.latest is latest  # scraping sampled nothing
