@@ -34,6 +34,7 @@ from dlprof_agent.agent.errors import (
     TargetNotFound,
     UsageError,
 )
+from dlprof_agent.agent.findings import FindingsTracker
 from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, connect_probe
 from dlprof_agent.agent.sampler import Sampler, Snapshot
 from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
@@ -41,6 +42,7 @@ from dlprof_agent.agent.target import open_target
 from dlprof_agent.collectors.errors import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
@@ -321,7 +323,8 @@ def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sa
         raise TargetNotFound(f"process {pid} exited while the agent was starting",
                              "attach to a running job") from error
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
-                   gpu=gpu_collector, errors=errors, interval_seconds=interval)
+                   gpu=gpu_collector, errors=errors, interval_seconds=interval,
+                   limits=LimitsCollector(pid), findings=FindingsTracker())
 
 
 def _first_sample(sampler: Sampler) -> Snapshot:

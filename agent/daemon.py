@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import psutil
 from prometheus_client import CollectorRegistry
 
+from dlprof_agent.agent.findings import FindingsTracker, point_of
 from dlprof_agent.agent.probe_control import (
     ProbeAlreadyAttached,
     ProbeOptions,
@@ -38,6 +39,7 @@ from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot,
 from dlprof_agent.collectors.errors import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
 from dlprof_agent.exporters.http import MetricsServer
@@ -118,6 +120,8 @@ class Target:
     reason: str
     processes: ProcessCollector
     probe: ProbeSource | None = None  # set by the connecting thread once ready
+    limits: LimitsCollector | None = None
+    findings: FindingsTracker = field(default_factory=FindingsTracker)
     dropped: bool = False
     probe_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -178,7 +182,7 @@ class Daemon:
             processes = ProcessCollector(pid, children=True, errors=self._errors)
         except psutil.Error:
             return  # gone, or not ours to read
-        target = Target(pid, reason, processes)
+        target = Target(pid, reason, processes, limits=LimitsCollector(pid))
         self.targets[pid] = target
         log.info("watching pid %d (%s; %s)", pid, _name(pid), {
             "gpu": "it uses a GPU", "probe": "it loaded the probe",
@@ -225,21 +229,26 @@ class Daemon:
                 self._errors.record("process", error)
                 read.append((target, ()))
         gpu = self._sample_gpu(frozenset(p.pid for _, samples in read for p in samples))
+        agent = AgentSelfSample.read()
         snapshots = []
         for target, processes in read:
             probe_source = target.probe
             probe = self._guarded("probe", probe_source.sample) if probe_source else None
-            snapshots.append(Snapshot(
+            limits_source = target.limits
+            limits = self._guarded("process", limits_source.sample) if limits_source else None
+            snapshot = Snapshot(
                 timestamp_seconds=started_wall, monotonic_seconds=started,
                 target_pid=target.pid, target_up=True, processes=processes,
-                probe=probe, probe_up=probe is not None))
+                probe=probe, probe_up=probe is not None, limits=limits, agent=agent)
+            findings = target.findings.update(point_of(snapshot, host=host, gpu=gpu))
+            snapshots.append(replace(snapshot, findings=findings))
         self._samples_total += 1
         node = NodeSnapshot(
             timestamp_seconds=started_wall, monotonic_seconds=started, host=host, gpu=gpu,
             targets=tuple(snapshots),
             collector_errors=tuple(sorted(self._errors.counts().items())),
             sample_duration_seconds=self._clock() - started,
-            samples_total=self._samples_total, agent=AgentSelfSample.read())
+            samples_total=self._samples_total, agent=agent)
         self._latest = node
         return node
 

@@ -9,12 +9,14 @@ import resource
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
+from dlprof_agent.agent.findings import Finding, FindingsTracker, point_of
 from dlprof_agent.collectors.errors import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector, HostSample
+from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.probe import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
 
@@ -77,6 +79,8 @@ class Snapshot:
     agent: AgentSelfSample | None = None
     probe: ProbeSample | None = None
     probe_up: bool = False
+    limits: LimitsSample | None = None
+    findings: tuple[Finding, ...] = ()  # every rule that could judge this pass
 
     @property
     def target(self) -> ProcessSample | None:
@@ -92,6 +96,8 @@ class Sampler:
     errors: ErrorLog
     interval_seconds: float
     probe: ProbeSource | None = None
+    limits: LimitsCollector | None = None
+    findings: FindingsTracker | None = None
     _latest: Snapshot | None = field(default=None, init=False)
     _samples_total: int = field(default=0, init=False)
     _target_up: bool = field(default=True, init=False)
@@ -122,6 +128,9 @@ class Sampler:
         probe = None
         if self.probe is not None and self._target_up:
             probe = self._guarded("probe", self.probe.sample)
+        limits = None
+        if self.limits is not None and self._target_up:
+            limits = self._guarded("process", self.limits.sample)
         self._samples_total += 1
         snapshot = Snapshot(
             timestamp_seconds=started_wall,
@@ -137,7 +146,10 @@ class Sampler:
             agent=AgentSelfSample.read(),
             probe=probe,
             probe_up=probe is not None,
+            limits=limits,
         )
+        if self.findings is not None and self._target_up:
+            snapshot = replace(snapshot, findings=self.findings.update(point_of(snapshot)))
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
 

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from dlprof_agent.agent.findings import SEVERITIES, Finding, active
 from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.probe import LayerSample, ProbeSample
 
@@ -95,6 +96,23 @@ def _probe_part(probe: ProbeSample | None, previous: ProbeSample | None) -> str:
     return line
 
 
+def _findings_part(findings: tuple[Finding, ...]) -> str:
+    raised = active(findings)
+    return " | findings: " + ", ".join(f.id for f in raised) if raised else ""
+
+
+def format_evidence(quantity: str, value: float) -> str:
+    """One figure of a finding, in the unit its name ends with."""
+    name = quantity.replace("_", " ")
+    if quantity.endswith("_ratio"):
+        return f"{name.removesuffix(' ratio')} {value:.0%}"
+    if quantity.endswith("_bytes"):
+        return f"{name.removesuffix(' bytes')} {format_bytes(value)}"
+    if quantity.endswith("_bytes_per_second"):
+        return f"{name.removesuffix(' bytes per second')} {format_bytes(value)}/s"
+    return f"{name} {value:.3g}"
+
+
 class LiveStatus:
     """Rewrites one terminal line per sample. Log records clear it first."""
 
@@ -121,7 +139,8 @@ class LiveStatus:
         procs = f" in {totals.processes} procs" if totals.processes > 1 else ""
         line = (f"pid {snapshot.target_pid}{procs} | {cpu} | rss "
                 f"{format_bytes(totals.rss_bytes)} | {totals.threads} threads | "
-                f"{_gpu_part(snapshot)}{_probe_part(snapshot.probe, self._previous_probe)}")
+                f"{_gpu_part(snapshot)}{_probe_part(snapshot.probe, self._previous_probe)}"
+                f"{_findings_part(snapshot.findings)}")
         self._previous_probe = snapshot.probe
         self._stream.write("\r\x1b[K" + line)
         self._stream.flush()
@@ -166,6 +185,9 @@ class Summary:
         # comes from between them, free of start-up and warm-up.
         self._steady_first: tuple[ProbeSample, TreeTotals, float] | None = None
         self._steady_last: tuple[ProbeSample, TreeTotals, float] | None = None
+        # Findings raised at any point: id -> [latest raised state, seconds raised, now too]
+        self.findings: dict[str, _SeenFinding] = {}
+        self._last_findings_at: float | None = None
 
     def add(self, snapshot: Snapshot) -> None:
         self.samples += 1
@@ -175,6 +197,7 @@ class Summary:
         if self._first is None:
             self._first, self._first_totals = snapshot, totals
         self._last_up = snapshot
+        self._track_findings(snapshot)
         if snapshot.probe is not None:
             self.last_probe = snapshot.probe
             self._track_steady(snapshot.probe, totals, snapshot.monotonic_seconds)
@@ -190,6 +213,20 @@ class Summary:
                 if device.utilization_ratio is not None:
                     self._gpu_utilization_sum += device.utilization_ratio
                     self._gpu_utilization_count += 1
+
+    def _track_findings(self, snapshot: Snapshot) -> None:
+        now = snapshot.monotonic_seconds
+        elapsed = 0.0 if self._last_findings_at is None else now - self._last_findings_at
+        self._last_findings_at = now
+        raised = {f.id: f for f in active(snapshot.findings)}
+        for seen in self.findings.values():
+            seen.holding = seen.finding.id in raised
+        for finding in raised.values():
+            known = self.findings.get(finding.id)
+            if known is None:
+                self.findings[finding.id] = _SeenFinding(finding)
+            else:
+                known.finding, known.held_seconds = finding, known.held_seconds + elapsed
 
     def _track_steady(self, probe: ProbeSample, totals: TreeTotals, now: float) -> None:
         if not probe.steady_steps:
@@ -260,7 +297,16 @@ class Summary:
                            for layer in probe.layers},
             }
         result["steady"] = self.steady_window()
+        result["findings"] = [
+            {"finding": seen.finding.id, "severity": seen.finding.severity,
+             "held_seconds": seen.held_seconds, "holding_at_end": seen.holding,
+             "evidence": dict(seen.finding.evidence), "advice": seen.finding.kind.advice}
+            for seen in self._seen_in_order()]
         return result
+
+    def _seen_in_order(self) -> list[_SeenFinding]:
+        return sorted(self.findings.values(), key=lambda seen: (
+            -SEVERITIES.index(seen.finding.severity), seen.finding.id))
 
     def render(self, target_pid: int, *, target_exited: bool) -> str:
         lines = [f"dlprof-agent summary for pid {target_pid}"
@@ -292,7 +338,30 @@ class Summary:
         else:
             lines.append("  gpu          not available")
         lines.extend(_probe_summary(self.last_probe))
+        lines.extend(self._findings_summary())
         return "\n".join(lines)
+
+    def _findings_summary(self) -> list[str]:
+        seen = self._seen_in_order()
+        if not seen:
+            return ["  findings     none"]
+        lines = []
+        for item in seen:
+            finding = item.finding
+            when = "holding at the end" if item.holding else "cleared"
+            lines.append(f"  {finding.severity:<12} {finding.id} (held {item.held_seconds:.0f} s, "
+                         f"{when}): {finding.kind.summary}")
+            lines.append("               evidence: " + ", ".join(
+                format_evidence(q, v) for q, v in finding.evidence))
+            lines.append(f"               try: {finding.kind.advice}")
+        return lines
+
+
+@dataclass
+class _SeenFinding:
+    finding: Finding  # as last seen raised: its evidence then
+    held_seconds: float = 0.0
+    holding: bool = True
 
 
 TOP_LAYERS = 5

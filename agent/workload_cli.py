@@ -123,6 +123,9 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
     run.add_argument("--input-grad", action="store_true",
                      help="also compute the gradient of the input, which training does not "
                           "need (Kim et al. IV-C measured what skipping it saves)")
+    run.add_argument("--data-delay", type=seconds(0), default=0.0, metavar="SECONDS",
+                     help="wait this long before each mini-batch, like a data loader that "
+                          "cannot keep up (default 0): the input-bound case")
     run.add_argument("--scale", choices=("full", "tiny"), default="full",
                      help="tiny: batch 2, for quick checks")
     run.add_argument("--ranks", type=_positive, default=1, metavar="N",
@@ -243,7 +246,8 @@ def _config(args: argparse.Namespace) -> Any:
         batch_size=args.batch_size, iterations=args.iterations, warmup=args.warmup,
         intra_op_threads=args.threads, inter_op_threads=args.inter_op_threads,
         layout=args.layout, cudnn_autotune=args.cudnn_autotune, precision=args.precision,
-        input_grad=args.input_grad, scale=args.scale, data=args.data)
+        input_grad=args.input_grad, scale=args.scale, data=args.data,
+        data_delay_seconds=args.data_delay)
 
 
 def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
@@ -360,6 +364,7 @@ def _base_run_args(args: argparse.Namespace) -> list[str]:
     base += ["--cudnn-autotune"] if args.cudnn_autotune else []
     base += ["--input-grad"] if args.input_grad else []
     base += ["--data", args.data] if args.data else []
+    base += ["--data-delay", str(args.data_delay)] if args.data_delay else []
     return base
 
 

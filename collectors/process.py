@@ -54,6 +54,8 @@ class ProcessSample:
     read_chars: int | None  # passed to read-like syscalls, page-cache hits included
     write_chars: int | None
     open_fds: int | None
+    # Threads running or waiting for a CPU (state R) at the read; None where unread.
+    runnable_threads: int | None = None
 
 
 def read_state(pid: int, *, procfs: str = "/proc") -> str | None:
@@ -202,8 +204,8 @@ class ProcessCollector:
             io = _optional(process.io_counters)
             open_fds = _optional(process.num_fds)
         try:
-            thread_groups = state.threads.update(
-                read_thread_stats(process.pid, procfs=self._procfs))
+            thread_stats = read_thread_stats(process.pid, procfs=self._procfs)
+            thread_groups = state.threads.update(thread_stats)
         except FileNotFoundError:
             raise psutil.NoSuchProcess(process.pid) from None
         hwm = read_peak_rss_bytes(process.pid, procfs=self._procfs)
@@ -228,6 +230,7 @@ class ProcessCollector:
             read_chars=getattr(io, "read_chars", None),
             write_chars=getattr(io, "write_chars", None),
             open_fds=open_fds,
+            runnable_threads=sum(1 for stat in thread_stats if stat.state == "R"),
         )
 
 

@@ -29,6 +29,7 @@ class ThreadStat:
     user_seconds: float
     system_seconds: float
     iowait_seconds: float
+    state: str = ""  # scheduler state at the read: R runs or waits for a CPU, S sleeps, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ def read_thread_stats(pid: int, *, procfs: str = "/proc") -> list[ThreadStat]:
                 user_seconds=int(fields[_UTIME]) / CLOCK_TICKS_PER_SECOND,
                 system_seconds=int(fields[_STIME]) / CLOCK_TICKS_PER_SECOND,
                 iowait_seconds=blkio_ticks / CLOCK_TICKS_PER_SECOND,
+                state=fields[0],
             )
         )
     return stats

@@ -19,6 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dlprof_agent import __version__
+from dlprof_agent.agent.findings import Finding
 from dlprof_agent.agent.sampler import NodeSnapshot, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
@@ -398,6 +399,26 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
             hook_errors, dropped, *kernels]
 
 
+def finding_families(target_pid: int, findings: Iterable[Finding]) -> list[Metric]:
+    """Every rule that could judge the target: 1 while its finding is raised, else 0
+    (absent: nothing to judge, e.g. no probe or no GPU)."""
+    findings = list(findings)
+    if not findings:
+        return []
+    pid = str(target_pid)
+    state = _gauge("dlprof_finding",
+                   "1 while a finding about the job holds, 0 while its rule sees no cause; "
+                   "docs/findings.md explains each.", ["pid", "finding", "severity"])
+    evidence = _gauge("dlprof_finding_evidence",
+                      "The figures each finding's rule judged, over its last window; the "
+                      "quantity's name ends in its unit.", ["pid", "finding", "quantity"])
+    for finding in findings:
+        state.add_metric([pid, finding.id, finding.severity], 1 if finding.active else 0)
+        for quantity, value in finding.evidence:
+            evidence.add_metric([pid, finding.id, quantity], value)
+    return [state, evidence]
+
+
 class _LatestCollector(Collector, Generic[_Published]):
     """Renders whatever ``latest`` returns at scrape time; reads nothing itself."""
 
@@ -426,6 +447,7 @@ class SnapshotCollector(_LatestCollector[Snapshot]):
         yield from gpu_families(snapshot.gpu)
         yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe,
                                   snapshot.gpu)
+        yield from finding_families(snapshot.target_pid, snapshot.findings)
 
 
 def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
@@ -458,4 +480,6 @@ class NodeCollector(_LatestCollector[NodeSnapshot]):
         yield from gpu_families(node.gpu)
         yield from merged(probe_families(target.target_pid, target.probe_up, target.probe,
                                          node.gpu)
+                          for target in node.targets)
+        yield from merged(finding_families(target.target_pid, target.findings)
                           for target in node.targets)

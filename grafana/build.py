@@ -33,6 +33,8 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 
+from dlprof_agent.agent.findings import KINDS
+
 DEFAULT_DIRECTORY = Path(__file__).parent / "dashboards"
 
 # Served by the probe's CUPTI tracer (probe/kernel_tracer.py) in a job that uses
@@ -175,8 +177,29 @@ def _states(*states: tuple[str, str, str]) -> list[dashboard_models.ValueMapping
 # ---- Overview: where the time goes --------------------------------------------------
 
 
+def _findings() -> stat.Panel:
+    """One tile per finding the agent judged for the selected processes."""
+    catalogue = "\n".join(f"- **{kind.id}** ({kind.severity}): {kind.summary}. Try: "
+                           f"{kind.advice}." for kind in KINDS)
+    return (_stat(
+        "Findings",
+        "What the agent concludes about the job, judged on its own clock over the last few "
+        "seconds: a tile per rule that had something to judge, *holds* while the cause "
+        "has held for a few seconds, *clear* otherwise. The figures behind each are in "
+        "`dlprof_finding_evidence{finding=\"...\"}`, and in the agent's summary. A rule "
+        "without a tile had nothing to judge (no probe, no GPU, no steady steps yet); "
+        "docs/findings.md gives every rule and its thresholds.\n\n" + catalogue,
+        "short", f"max by (pid, finding, severity) (dlprof_finding{{{PROCESS}}})",
+        legend="{{finding}} ({{severity}}), pid {{pid}}", width=24, height=4,
+        steps=((None, "green"), (1.0, "red")),
+        mappings=_states(("0", "clear", "green"), ("1", "holds", "red")))
+        .text_mode(common.BigValueTextMode.VALUE_AND_NAME)
+        .graph_mode(common.BigValueGraphMode.NONE))
+
+
 def _overview_stats() -> list[Panel]:
     return [
+        _findings(),
         _stat("Target up",
               "1 while the attached process runs, 0 once it exited. No value: Prometheus "
               "does not scrape the agent; check the scrape targets page.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from dlprof_agent.agent.findings import KINDS_BY_ID, Finding
 from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
@@ -29,7 +30,8 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
         thread_groups=(ThreadGroupSample("pt_main_thread", 1, 10.0, 1.0, 0.25),
                        ThreadGroupSample("python", 2, 2.5, 0.5, 0.0)),
         voluntary_context_switches=100, involuntary_context_switches=7,
-        read_bytes=4096, write_bytes=8192, read_chars=10_000, write_chars=20_000, open_fds=12)
+        read_bytes=4096, write_bytes=8192, read_chars=10_000, write_chars=20_000, open_fds=12,
+        runnable_threads=2)
     child = dataclasses.replace(process, pid=pid + 1, ppid=pid, is_target=False)
     host = HostSample(
         cpu_seconds=(("user", 100.0), ("system", 20.0), ("idle", 500.0), ("iowait", 3.0)),
@@ -71,4 +73,6 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
                     target_pid=pid, target_up=True, processes=(process, child), host=host,
                     gpu=gpu, collector_errors=(("gpu", 1),), sample_duration_seconds=0.002,
                     samples_total=5, agent=AgentSelfSample(1.5, 30 << 20, 31 << 20),
-                    probe=probe, probe_up=True)
+                    probe=probe, probe_up=True,
+                    findings=(Finding(KINDS_BY_ID["thread_oversubscription"], False,
+                                      (("allowed_cpus", 2.0), ("runnable_threads", 2.0))),))

@@ -94,6 +94,8 @@ def test_the_daemon_watches_jobs_started_after_it_and_drops_each_when_it_exits(
         assert value(text, "dlprof_target_up", job.pid) == 1
         assert value(text, "dlprof_probe_up", job.pid) == 1
         assert value(text, "dlprof_process_cpu_seconds_total", job.pid, 'mode="user"')
+        # Each job's findings, judged on its own window: memory is far from any limit.
+        assert value(text, "dlprof_finding", job.pid, 'finding="memory_near_limit"') == 0
     # Valid exposition: each family once, whatever the number of jobs.
     names = [family.name for family in text_string_to_metric_families(text)]
     assert len(names) == len(set(names))

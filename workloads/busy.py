@@ -72,8 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop after this long (default: run until killed)")
     parser.add_argument("--duty", type=float, default=1.0,
                         help="share of time each worker computes, 0..1 (default 1)")
+    parser.add_argument("--hold-mib", type=int, default=0,
+                        help="hold this much memory resident, touched once (default 0)")
     args = parser.parse_args(argv)
 
+    held = bytearray(args.hold_mib << 20)
+    for page in range(0, len(held), 4096):
+        held[page] = 1  # touch every page: resident, not just reserved
     stop = threading.Event()
     workers = [threading.Thread(target=_hash_forever, args=(f"busy-{i}", stop, args.duty),
                                 daemon=True) for i in range(args.threads)]

@@ -38,6 +38,7 @@ class RunConfig:
     input_grad: bool = False  # compute the first layer's unneeded input gradient (Kim §IV-C)
     scale: str = "full"
     data: str | None = None  # MNIST or CIFAR-10 files instead of synthetic data
+    data_delay_seconds: float = 0.0  # each step first waits this long, as on a slow loader
 
     def resolved_batch(self) -> int:
         if self.batch_size is not None:
@@ -138,6 +139,8 @@ def _timed(step: Callable[[], None], config: RunConfig,
         if index == config.warmup:
             before = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
+        if config.data_delay_seconds:
+            time.sleep(config.data_delay_seconds)  # the batch is late: part of the step
         step()
         if index >= config.warmup:
             durations.append(time.perf_counter() - started)

@@ -1,0 +1,180 @@
+"""What a process may use: the CPUs its affinity allows, its cgroup's CPU quota
+and memory limit, and how often it ran into that limit.
+
+Read from procfs and the cgroup filesystem, cgroup v2 or v1 (hybrid hosts mount
+the v1 memory and cpu controllers beside an empty v2 tree). A limit along the
+way up the hierarchy binds the job too, so the tightest one counts. Every field
+the host does not provide is None.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# cgroup v1 writes "no limit" as the largest page-aligned 63-bit number.
+_V1_UNLIMITED = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsSample:
+    affinity_cpus: int | None  # CPUs the scheduler may run the process on
+    cpu_quota_cores: float | None  # cgroup CPU bandwidth (quota / period); None: no quota
+    memory_limit_bytes: int | None  # tightest cgroup memory limit; None: no limit
+    memory_usage_bytes: int | None  # the cgroup's charge, page cache included
+    memory_limit_hits: int | None  # times the cgroup hit its limit and had to reclaim
+    memory_stall_ratio: float | None  # PSI: share of the last 10 s some task waited on memory
+
+    @property
+    def allowed_cpus(self) -> float | None:
+        """The cores the job can keep busy at once: affinity or quota, the fewer."""
+        known = [c for c in (self.affinity_cpus, self.cpu_quota_cores) if c is not None]
+        return min(known) if known else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Mounts:
+    v2: str | None  # cgroup2 mount
+    v1: dict[str, str]  # v1 controller -> its mount
+
+    @classmethod
+    def read(cls, mounts_file: str) -> _Mounts:
+        v2: str | None = None
+        v1: dict[str, str] = {}
+        for line in (_read(mounts_file) or "").splitlines():
+            fields = line.split()
+            if len(fields) < 4:
+                continue
+            if fields[2] == "cgroup2" and v2 is None:
+                v2 = fields[1]
+            elif fields[2] == "cgroup":
+                for option in fields[3].split(","):
+                    if option in ("memory", "cpu"):
+                        v1.setdefault(option, fields[1])
+        return cls(v2, v1)
+
+
+def _cgroup_paths(pid: int, procfs: str) -> dict[str, str]:
+    """Controller ("" for v2) -> the process's cgroup path."""
+    paths: dict[str, str] = {}
+    for line in (_read(f"{procfs}/{pid}/cgroup") or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            paths[controller] = path
+    return paths
+
+
+def _levels(mount: str, path: str) -> list[str]:
+    """The cgroup's folder and each parent's, up to the mount, innermost first."""
+    parts = [p for p in path.split("/") if p and p != ".."]
+    return [os.path.join(mount, *parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def _tightest(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return min(known) if known else None
+
+
+def _v2_cpu_max(text: str | None) -> float | None:
+    if not text:
+        return None
+    quota, _, period = text.partition(" ")
+    if quota == "max" or not period:
+        return None
+    return int(quota) / int(period)
+
+
+def _v2_memory_max(text: str | None) -> float | None:
+    return None if not text or text == "max" else float(int(text))
+
+
+def _v1_cpu_quota(folder: str) -> float | None:
+    quota, period = _read(f"{folder}/cpu.cfs_quota_us"), _read(f"{folder}/cpu.cfs_period_us")
+    if quota is None or period is None or int(quota) <= 0:
+        return None
+    return int(quota) / int(period)
+
+
+def _v1_memory_limit(folder: str) -> float | None:
+    text = _read(f"{folder}/memory.limit_in_bytes")
+    return None if text is None or int(text) >= _V1_UNLIMITED else float(int(text))
+
+
+def _psi_some_avg10(text: str | None) -> float | None:
+    for line in (text or "").splitlines():
+        if line.startswith("some "):
+            for field in line.split()[1:]:
+                key, _, value = field.partition("=")
+                if key == "avg10":
+                    return float(value) / 100
+    return None
+
+
+def _events_max(text: str | None) -> int | None:
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key == "max":
+            return int(value)
+    return None
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return None if text is None else int(text)
+
+
+class LimitsCollector:
+    """Reads the limits of one process each pass: a few small files.
+
+    ``procfs``, ``mounts_file`` and ``affinity`` are the data sources; tests pass
+    their own."""
+
+    def __init__(self, pid: int, *, procfs: str = "/proc",
+                 mounts_file: str = "/proc/self/mounts",
+                 affinity: Callable[[int], set[int]] = os.sched_getaffinity) -> None:
+        self.pid = pid
+        self._procfs = procfs
+        self._mounts = _Mounts.read(mounts_file)
+        self._affinity = affinity
+
+    def sample(self) -> LimitsSample:
+        try:
+            affinity: int | None = len(self._affinity(self.pid))
+        except OSError:
+            affinity = None
+        paths = _cgroup_paths(self.pid, self._procfs)
+        quota = limit = None
+        usage = hits = None
+        stall = None
+        v2_path = paths.get("")
+        if self._mounts.v2 is not None and v2_path is not None:
+            levels = _levels(self._mounts.v2, v2_path)
+            quota = _tightest([_v2_cpu_max(_read(f"{d}/cpu.max")) for d in levels])
+            limit = _tightest([_v2_memory_max(_read(f"{d}/memory.max")) for d in levels])
+            leaf = levels[0]
+            usage = _int_or_none(_read(f"{leaf}/memory.current"))
+            hits = _events_max(_read(f"{leaf}/memory.events"))
+            stall = _psi_some_avg10(_read(f"{leaf}/memory.pressure"))
+        memory_mount, memory_path = self._mounts.v1.get("memory"), paths.get("memory")
+        if memory_mount is not None and memory_path is not None:
+            levels = _levels(memory_mount, memory_path)
+            limit = _tightest([limit, *(_v1_memory_limit(d) for d in levels)])
+            if usage is None:
+                usage = _int_or_none(_read(f"{levels[0]}/memory.usage_in_bytes"))
+                hits = _int_or_none(_read(f"{levels[0]}/memory.failcnt"))
+        cpu_mount, cpu_path = self._mounts.v1.get("cpu"), paths.get("cpu")
+        if cpu_mount is not None and cpu_path is not None:
+            quota = _tightest([quota, *(_v1_cpu_quota(d) for d in _levels(cpu_mount, cpu_path))])
+        return LimitsSample(
+            affinity_cpus=affinity, cpu_quota_cores=quota,
+            memory_limit_bytes=None if limit is None or math.isinf(limit) else int(limit),
+            memory_usage_bytes=usage, memory_limit_hits=hits, memory_stall_ratio=stall)
