@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib.util
+import ipaddress
 import logging
 import os
 import re
@@ -44,12 +46,16 @@ from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.exporters.web_config import MissingLibrary, WebConfig, WebConfigError
+from dlprof_agent.exporters.web_config import load as read_web_config
 
 DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-exporter 9400
 DEFAULT_LISTEN = "127.0.0.1"
 DEFAULT_INTERVAL_SECONDS = 1.0
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
 MIN_INTERVAL_SECONDS = 0.05
+# The agent's nice value: under contention the job gets about ten times its CPU share.
+AGENT_NICE = 10
 
 log = logging.getLogger("dlprof_agent")
 
@@ -121,6 +127,12 @@ def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: f
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
                         help=f"port to serve /metrics on (default {DEFAULT_PORT}; 0 picks a "
                              "free one)")
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                        help="TLS and basic authentication for /metrics, in the web "
+                             "configuration format of node_exporter and the other Prometheus "
+                             "exporters (tls_server_config, basic_auth_users with bcrypt "
+                             "hashes); see docs/deploy.md. Needs pip install "
+                             "'dlprof-agent[web]'")
     parser.add_argument("--interval", type=seconds(MIN_INTERVAL_SECONDS),
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
@@ -308,6 +320,7 @@ class ServeOptions:
     gpu: bool
     probe: ProbeOptions | None = None  # None: never talk to the process
     probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
+    web_config: WebConfig | None = None  # --web.config.file, loaded
 
 
 def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
@@ -349,17 +362,50 @@ def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
                          "last_sample_age_seconds": age}
 
     return _listen(_registry(sampler), health, options.listen, options.port,
-                   version=lambda: sampler.latest)
+                   version=lambda: sampler.latest, web_config=options.web_config)
+
+
+def load_web_config(path: str | None) -> WebConfig | None:
+    """--web.config.file, read and checked before anything starts."""
+    if path is None:
+        return None
+    try:
+        return read_web_config(path)
+    except MissingLibrary as error:
+        raise UsageError(f"--web.config.file: {error}") from None
+    except WebConfigError as error:
+        raise UsageError(f"--web.config.file: {error}",
+                         "see \"Locking /metrics\" in docs/deploy.md") from None
+
+
+def lower_process_priority() -> None:
+    """The job comes first. Linux keeps a nice value per thread, and threads inherit it:
+    called before the agent starts its threads (and after `run` started the job, which
+    must not inherit it), it covers every thread of the agent."""
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, 0) < AGENT_NICE:
+            os.setpriority(os.PRIO_PROCESS, 0, AGENT_NICE)
+
+
+def _loopback(listen: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(listen, None))
+    except (OSError, ValueError):
+        return False
 
 
 def _listen(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]],
-            listen: str, port: int, *, version: Callable[[], object] | None = None
-            ) -> MetricsServer:
+            listen: str, port: int, *, version: Callable[[], object] | None = None,
+            web_config: WebConfig | None = None) -> MetricsServer:
     """A started /metrics server, or a one-line error saying why there is none.
     ``version``: the published sample; a scrape renders each one at most once."""
+    if web_config is None and not _loopback(listen):
+        log.warning("serving /metrics on %s without TLS or authentication: anyone who can "
+                    "reach this port reads it (see --web.config.file)", listen)
     try:
         server = MetricsServer(registry, host=listen, port=port, health=health,
-                               version=version)
+                               version=version, web_config=web_config)
     except socket.gaierror:
         raise UsageError(f"cannot listen on {listen!r}: not an address of this "
                          "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None
@@ -404,6 +450,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     ``before_stop`` gets the port while the endpoint still serves, at the end;
     ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet."""
     open_target(pid)
+    lower_process_priority()
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     _configure_logging(status)
     sampler = _make_sampler(pid, interval=options.interval, children=options.children,
@@ -614,6 +661,8 @@ def daemon_command(args: argparse.Namespace) -> int:
     _configure_logging(None)
     if args.quiet:
         log.setLevel(logging.WARNING)
+    web = load_web_config(args.web_config_file)
+    lower_process_priority()
     probe = (ProbeOptions(inject=args.inject, layers=args.layers,
                           warmup_steps=args.warmup_steps, kernels=args.kernels)
              if args.probe else None)
@@ -623,7 +672,8 @@ def daemon_command(args: argparse.Namespace) -> int:
 
     def start(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]],
               version: Callable[[], object]) -> MetricsServer:
-        return _listen(registry, health, args.listen, args.port, version=version)
+        return _listen(registry, health, args.listen, args.port, version=version,
+                       web_config=web)
     return serve_node(options, args.listen, start)
 
 
@@ -651,7 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  warmup_steps=args.warmup_steps, kernels=args.kernels)
         options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                                duration=args.duration, grace=args.grace, quiet=args.quiet,
-                               children=args.children, gpu=args.gpu, probe=probe)
+                               children=args.children, gpu=args.gpu, probe=probe,
+                               web_config=load_web_config(args.web_config_file))
         if args.command == "run":
             return run_command(args.command_line, options)
         if args.command == "demo":
