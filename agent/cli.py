@@ -53,6 +53,10 @@ DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-
 DEFAULT_LISTEN = "127.0.0.1"
 DEFAULT_INTERVAL_SECONDS = 1.0
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
+DEFAULT_WARMUP_STEPS = 10
+# `run`: how long the started command has to load its probe (Python's start-up and
+# the script's first imports) before it is measured from outside only.
+RUN_PROBE_WAIT_SECONDS = 10.0
 MIN_INTERVAL_SECONDS = 0.05
 # The agent's nice value: under contention the job gets about ten times its CPU share.
 AGENT_NICE = 10
@@ -104,10 +108,10 @@ def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> Non
     group.add_argument("--layers", action="store_true",
                        help="also time each layer's forward and backward (costs a little "
                             "per layer call; off by default)")
-    group.add_argument("--warmup-steps", type=whole_number(0, unit="steps"), default=10,
-                       metavar="N",
+    group.add_argument("--warmup-steps", type=whole_number(0, unit="steps"),
+                       default=DEFAULT_WARMUP_STEPS, metavar="N",
                        help="steps counted as warm-up and kept out of the steady-state "
-                            "figures (default 10)")
+                            f"figures (default {DEFAULT_WARMUP_STEPS})")
     group.add_argument("--no-kernels", dest="kernels", action="store_false",
                        help="no continuous CUPTI kernel and memcpy tracing in GPU jobs (on by "
                             "default when the job has cupti-python; `trace` still works)")
@@ -441,14 +445,29 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop
 
 
+def _linger(server: MetricsServer, grace: float, exited: str) -> None:
+    """After the target's exit, serve dlprof_target_up 0 for ``grace`` seconds so that
+    Prometheus's next scrape sees the end; but only if anything scraped at all."""
+    if grace <= 0:
+        log.info("%s", exited)
+    elif server.scrapes == 0:
+        log.info("%s; nothing has scraped /metrics, so the agent stops now", exited)
+    else:
+        log.info("%s; serving dlprof_target_up 0 for %g s more, so that the next scrape "
+                 "sees it (Ctrl-C stops now; --grace sets how long)", exited, grace)
+        time.sleep(grace)
+
+
 def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
           before_stop: Callable[[int], None] | None = None,
-          on_summary: Callable[[dict[str, Any]], None] | None = None) -> int:
+          on_summary: Callable[[dict[str, Any]], None] | None = None,
+          describe_exit: Callable[[], str] | None = None) -> int:
     """Attach to ``pid``, serve until the duration, Ctrl-C, SIGTERM or the target's
     exit, then print the summary. Returns the exit code.
 
     ``before_stop`` gets the port while the endpoint still serves, at the end;
-    ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet."""
+    ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet;
+    ``describe_exit`` says how the target ended (`run`: with its exit code)."""
     open_target(pid)
     lower_process_priority()
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
@@ -504,12 +523,11 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             if failures:
                 raise failures[0]
             exited = not sampler.latest or not sampler.latest.target_up
-            if exited and options.grace > 0:
+            if exited:
                 if status is not None:
                     status.clear()
-                log.info("process %d exited; serving dlprof_target_up 0 for %g s", pid,
-                         options.grace)
-                time.sleep(options.grace)
+                _linger(server, options.grace,
+                        describe_exit() if describe_exit else f"process {pid} exited")
         except (KeyboardInterrupt, _Stop):
             stop.set()
         finally:
@@ -590,7 +608,8 @@ def _start_demo_workload(args: argparse.Namespace, seconds: float, out: TextIO
 def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -> int:
     workload, trains = _start_demo_workload(args, (options.duration or 10) + 30, out)
     if trains:
-        options = replace(options, probe=ProbeOptions(layers=True, warmup_steps=5))
+        options = replace(options, probe=ProbeOptions(layers=True,
+                                                      warmup_steps=DEFAULT_WARMUP_STEPS))
     exposition: list[str] = []
 
     def fetch_metrics(port: int) -> None:
@@ -643,16 +662,54 @@ def run_command(command_line: list[str], options: ServeOptions, *,
     except OSError as error:
         raise UsageError(f"cannot start {command_line[0]!r}: {error.strerror}",
                          "check the command and its path") from None
+    attached = False
     try:
-        serve(job.pid, replace(options, probe_wait_seconds=10.0), on_summary=on_summary)
+        probe = _wait_for_probe_or_exit(job, options)
+        if job.poll() is None:
+            serve(job.pid, replace(options, probe=probe, probe_wait_seconds=1.0),
+                  on_summary=on_summary, describe_exit=lambda: _ended(job))
+            attached = True
     except TargetNotFound:
-        pass  # the command ended before the agent attached: its exit code says why
+        pass  # the command ended before the agent attached: said below, with its code
     except BaseException:
         job.terminate()
         raise
     # The job's life is the run's: wait for it, and hand on its exit code.
     code = job.wait()
+    if not attached:
+        print(f"dlprof-agent: {_ended(job)} before the agent attached; nothing was "
+              "measured", file=sys.stderr)
     return 128 - code if code < 0 else code
+
+
+def _ended(job: subprocess.Popen[bytes]) -> str:
+    """How the command of `run` ended, once the agent saw it go."""
+    code = job.wait()
+    if code < 0:
+        return f"the command (pid {job.pid}) was killed by signal {-code}"
+    return f"the command (pid {job.pid}) exited with code {code}"
+
+
+def _wait_for_probe_or_exit(job: subprocess.Popen[bytes], options: ServeOptions
+                            ) -> ProbeOptions | None:
+    """The probe options to attach with: None (measured from outside only) when no
+    probe was asked for or it did not start in time. Returns early if the job ends."""
+    if options.probe is None:
+        return None
+    from dlprof_agent.collectors.probe import find_probe_socket
+
+    deadline = time.monotonic() + RUN_PROBE_WAIT_SECONDS
+    while job.poll() is None:
+        if find_probe_socket(job.pid) is not None:
+            return options.probe
+        if time.monotonic() >= deadline:
+            print(f"dlprof-agent: no in-process metrics (steps, layers) for pid {job.pid}: "
+                  f"its probe did not start within {RUN_PROBE_WAIT_SECONDS:g} s (not a "
+                  "Python 3.10+ program, or it replaced PYTHONPATH); measuring it from "
+                  "outside", file=sys.stderr)
+            return None
+        time.sleep(0.05)
+    return None
 
 
 def daemon_command(args: argparse.Namespace) -> int:

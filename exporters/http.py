@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import itertools
 import json
 import logging
 import os
@@ -100,7 +101,9 @@ class MetricsServer:
                  request_timeout: float = REQUEST_TIMEOUT_SECONDS,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self._renderer = _Renderer(registry, version)
-        self._handler = _make_handler(self._renderer, health, web_config)
+        self._scrapes = itertools.count()
+        self._scrapes_served = 0
+        self._handler = _make_handler(self._renderer, health, web_config, self._count_scrape)
         self._tls = web_config.tls if web_config is not None else None
         self._timeout = request_timeout
         self._max_connections = max_connections
@@ -121,6 +124,14 @@ class MetricsServer:
     @property
     def port(self) -> int:
         return int(self._listener.getsockname()[1])
+
+    @property
+    def scrapes(self) -> int:
+        """How many times /metrics was served so far."""
+        return self._scrapes_served
+
+    def _count_scrape(self) -> None:
+        self._scrapes_served = next(self._scrapes) + 1  # count() is atomic under the GIL
 
     def start(self) -> None:
         for thread in self._threads:
@@ -323,7 +334,7 @@ Handler = Callable[[socket.socket, Any, bytes], object]
 
 def _make_handler(renderer: _Renderer,
                   health: Callable[[], tuple[bool, dict[str, Any]]],
-                  web_config: WebConfig | None) -> Handler:
+                  web_config: WebConfig | None, on_scrape: Callable[[], None]) -> Handler:
     extra_headers = dict(web_config.headers) if web_config is not None else {}
     locked = web_config is not None and web_config.requires_auth
 
@@ -368,6 +379,7 @@ def _make_handler(renderer: _Renderer,
                 content_type, body = renderer.render(self.headers.get("Accept", ""), gzipped)
                 self._reply(200, content_type, body,
                             {"Content-Encoding": "gzip"} if gzipped else {})
+                on_scrape()
             elif path == "/":
                 self._reply(200, "text/html; charset=utf-8", INDEX_PAGE)
             else:
