@@ -404,9 +404,6 @@ def _listen(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[s
             web_config: WebConfig | None = None) -> MetricsServer:
     """A started /metrics server, or a one-line error saying why there is none.
     ``version``: the published sample; a scrape renders each one at most once."""
-    if web_config is None and not _loopback(listen):
-        log.warning("serving /metrics on %s without TLS or authentication: anyone who can "
-                    "reach this port reads it (see --web.config.file)", listen)
     try:
         server = MetricsServer(registry, host=listen, port=port, health=health,
                                version=version, web_config=web_config)
@@ -425,6 +422,9 @@ def _listen(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[s
                                   f"{DEFAULT_PORT}") from None
         raise UsageError(f"cannot listen on {where}: {error.strerror}",
                          "check --listen and --port") from None
+    if web_config is None and not _loopback(listen):
+        log.warning("serving /metrics on %s without TLS or authentication: anyone who can "
+                    "reach this port reads it (see --web.config.file)", listen)
     server.start()
     return server
 
