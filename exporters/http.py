@@ -1,4 +1,11 @@
-"""The HTTP endpoint Prometheus scrapes: /metrics, /healthz and an index page.
+"""The HTTP endpoint Prometheus scrapes: /metrics, /healthz and an index page,
+optionally behind TLS and basic authentication (``exporters.web_config``).
+
+A fixed set of threads serves it, whatever the load: one I/O thread accepts,
+completes TLS handshakes and reads requests whole without blocking, and a few
+workers answer complete requests; idle and half-sent connections are closed
+after a timeout. The serving threads run under SCHED_IDLE, so the job's threads
+preempt them; renders run on a thread of the agent's own priority.
 
 A scrape renders the latest sample at most once per format and encoding: with
 ``version`` (a value that changes when a new sample is published), the bytes
