@@ -63,7 +63,7 @@ def test_run_that_was_scraped_says_why_it_holds_the_terminal() -> None:
 
 def test_demo_warms_up_for_the_documented_default_of_10_steps() -> None:
     pytest.importorskip("torch")
-    result = agent("demo", "--duration", "5", "--port", "0", "--threads", "1")
+    result = agent("demo", "--duration", "8", "--port", "0", "--threads", "1")
     assert result.returncode == 0, result.stderr
     summary = next(line for line in result.stdout.splitlines()
                    if line.strip().startswith("steps"))
