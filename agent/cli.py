@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import importlib.util
 import ipaddress
@@ -44,7 +43,7 @@ from dlprof_agent.collectors.errors import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.exporters.http import MetricsServer, nice_this_thread
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.web_config import MissingLibrary, WebConfig, WebConfigError
 from dlprof_agent.exporters.web_config import load as read_web_config
@@ -58,8 +57,6 @@ DEFAULT_WARMUP_STEPS = 10
 # the script's first imports) before it is measured from outside only.
 RUN_PROBE_WAIT_SECONDS = 10.0
 MIN_INTERVAL_SECONDS = 0.05
-# The agent's nice value: under contention the job gets about ten times its CPU share.
-AGENT_NICE = 10
 
 log = logging.getLogger("dlprof_agent")
 
@@ -382,15 +379,6 @@ def load_web_config(path: str | None) -> WebConfig | None:
                          "see \"Locking /metrics\" in docs/deploy.md") from None
 
 
-def lower_process_priority() -> None:
-    """The job comes first. Linux keeps a nice value per thread, and threads inherit it:
-    called before the agent starts its threads (and after `run` started the job, which
-    must not inherit it), it covers every thread of the agent."""
-    with contextlib.suppress(OSError):
-        if os.getpriority(os.PRIO_PROCESS, 0) < AGENT_NICE:
-            os.setpriority(os.PRIO_PROCESS, 0, AGENT_NICE)
-
-
 def _loopback(listen: str) -> bool:
     try:
         return all(ipaddress.ip_address(info[4][0]).is_loopback
@@ -469,7 +457,6 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet;
     ``describe_exit`` says how the target ended (`run`: with its exit code)."""
     open_target(pid)
-    lower_process_priority()
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     _configure_logging(status)
     sampler = _make_sampler(pid, interval=options.interval, children=options.children,
@@ -502,6 +489,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         failures: list[BaseException] = []
 
         def sample_until_stopped() -> None:
+            nice_this_thread()  # the job comes first
             try:
                 sampler.run(stop, on_sample)
             except BaseException as error:  # a bug: re-raised below, with its traceback
@@ -719,7 +707,6 @@ def daemon_command(args: argparse.Namespace) -> int:
     if args.quiet:
         log.setLevel(logging.WARNING)
     web = load_web_config(args.web_config_file)
-    lower_process_priority()
     probe = (ProbeOptions(inject=args.inject, layers=args.layers,
                           warmup_steps=args.warmup_steps, kernels=args.kernels)
              if args.probe else None)

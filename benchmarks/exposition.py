@@ -143,15 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--series", type=int, default=1000, help="about this many series")
     parser.add_argument("--as-agent", type=float, default=0.0, metavar="INTERVAL",
                         help="serve as the agent does: a new sample every INTERVAL seconds, "
-                             "each rendered at most once, at the agent's priority (nice 10); "
-                             "0 renders every scrape (default)")
+                             "each rendered at most once; 0 renders every scrape (default)")
     args = parser.parse_args(argv)
     shape, count = shape_for(args.series)
     version: Callable[[], object] | None = None
     if args.as_agent:
-        from dlprof_agent.agent.cli import lower_process_priority
-
-        lower_process_priority()
         interval = args.as_agent
         # The renderer keeps a render while version() returns the same object.
         current: list[tuple[int, object]] = [(-1, object())]

@@ -69,8 +69,21 @@ MAX_CONNECTIONS = 1000  # open at once, besides the listening socket
 MAX_REQUEST_BYTES = 65536
 # Lower than any nice value: the job's threads preempt the serving threads at once.
 SERVING_POLICY = getattr(os, "SCHED_IDLE", None)
+# The nice value of the agent's other working threads (sampling, rendering): under
+# contention the job gets about ten times their CPU share.
+AGENT_NICE = 10
 
 log = logging.getLogger("dlprof_agent")
+
+
+def nice_this_thread(nice: int = AGENT_NICE) -> None:
+    """Lower the calling thread (and the threads it starts later) to ``nice``. Only
+    threads: the thread that injects the probe keeps its priority, because gdb, which
+    stops the job while it works, inherits it."""
+    with contextlib.suppress(OSError):  # Linux keeps a nice value per thread
+        thread = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, thread) < nice:
+            os.setpriority(os.PRIO_PROCESS, thread, nice)
 
 
 def lower_thread_priority() -> None:
@@ -305,14 +318,14 @@ class _Renderer:
         self._version = version
         self._lock = threading.Lock()
         self._cached: dict[tuple[str, bool], tuple[object, str, bytes]] = {}
-        # Renders run on a thread of their own, started here so that it has the agent's
-        # priority and not the serving threads' SCHED_IDLE (threads inherit it): a render
+        # Renders run on a thread of their own, started here so that it runs at nice 10
+        # and not under the serving threads' SCHED_IDLE (threads inherit it): a render
         # is once per sample, and a job that fills every core must not starve it.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="dlprof-render")
-        self._executor.submit(lambda: None).result()
+        self._executor.submit(nice_this_thread).result()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False)
+        self._executor.shutdown(wait=True)
 
     def render(self, accept: str, gzipped: bool) -> tuple[str, bytes]:
         return self._executor.submit(self._render, accept, gzipped).result()

@@ -4,21 +4,28 @@ answered, and a scraper that leaves mid-answer prints nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dlprof_agent.exporters.http import WORKERS, MetricsServer
+from dlprof_agent.exporters.http import AGENT_NICE, WORKERS, MetricsServer
+from tests.conftest import agent_env, free_port, wait_for
 
 HALF_SENT = 500
+SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 SCRAPERS = 100
 
 
@@ -141,3 +148,39 @@ def test_a_scraper_that_leaves_mid_answer_prints_no_traceback(
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err + captured.out
     assert "BrokenPipe" not in captured.err and "ConnectionReset" not in captured.err
+
+
+def scheduling(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's (nice, policy) from /proc/PID/task/TID/stat (fields 19 and 41)."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            stat = (task / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            found[int(task.name)] = (int(fields[16]), int(fields[38]))
+    return found
+
+
+def test_the_agents_threads_yield_to_the_job() -> None:
+    """Serving threads under SCHED_IDLE, sampling and rendering at nice 10, and the
+    main thread (which injects, and whose gdb stops the job) left as it was."""
+    job = subprocess.Popen(["sleep", "600"])
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "dlprof_agent", "attach", str(job.pid),
+                              "--port", str(port), "--quiet", "--no-probe"],
+                             env=agent_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: scrape(port) == 200, "the agent's /metrics")
+        threads = scheduling(agent.pid)
+        policies = [policy for _, policy in threads.values()]
+        assert policies.count(SCHED_IDLE) == 1 + WORKERS
+        assert sum(nice == AGENT_NICE for nice, policy in threads.values()
+                   if policy != SCHED_IDLE) >= 2  # the sampler and the render thread
+        assert threads[agent.pid] == (0, 0)  # SCHED_OTHER at the nice it was started with
+        assert scheduling(job.pid)[job.pid] == (0, 0)  # the job is untouched
+    finally:
+        agent.terminate()
+        agent.wait(30)
+        job.kill()
+        job.wait()
