@@ -672,7 +672,10 @@ def run_command(command_line: list[str], options: ServeOptions, *,
 
 def _ended(job: subprocess.Popen[bytes]) -> str:
     """How the command of `run` ended, once the agent saw it go."""
-    code = job.wait()
+    try:
+        code = job.wait(5)  # gone from the samples: a zombie, reaped at once
+    except subprocess.TimeoutExpired:
+        return f"the command (pid {job.pid}) is no longer seen"
     if code < 0:
         return f"the command (pid {job.pid}) was killed by signal {-code}"
     return f"the command (pid {job.pid}) exited with code {code}"
