@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
+import ipaddress
 import logging
 import os
 import re
@@ -44,13 +45,19 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.exporters.http import MetricsServer, nice_this_thread
 from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.exporters.web_config import MissingLibrary, WebConfig, WebConfigError
+from dlprof_agent.exporters.web_config import load as read_web_config
 
 DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-exporter 9400
 DEFAULT_LISTEN = "127.0.0.1"
 DEFAULT_INTERVAL_SECONDS = 1.0
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
+DEFAULT_WARMUP_STEPS = 10
+# `run`: how long the started command has to load its probe (Python's start-up and
+# the script's first imports) before it is measured from outside only.
+RUN_PROBE_WAIT_SECONDS = 10.0
 MIN_INTERVAL_SECONDS = 0.05
 
 log = logging.getLogger("dlprof_agent")
@@ -100,10 +107,10 @@ def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> Non
     group.add_argument("--layers", action="store_true",
                        help="also time each layer's forward and backward (costs a little "
                             "per layer call; off by default)")
-    group.add_argument("--warmup-steps", type=whole_number(0, unit="steps"), default=10,
-                       metavar="N",
+    group.add_argument("--warmup-steps", type=whole_number(0, unit="steps"),
+                       default=DEFAULT_WARMUP_STEPS, metavar="N",
                        help="steps counted as warm-up and kept out of the steady-state "
-                            "figures (default 10)")
+                            f"figures (default {DEFAULT_WARMUP_STEPS})")
     group.add_argument("--no-kernels", dest="kernels", action="store_false",
                        help="no continuous CUPTI kernel and memcpy tracing in GPU jobs (on by "
                             "default when the job has cupti-python; `trace` still works)")
@@ -123,6 +130,12 @@ def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: f
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
                         help=f"port to serve /metrics on (default {DEFAULT_PORT}; 0 picks a "
                              "free one)")
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                        help="TLS and basic authentication for /metrics, in the web "
+                             "configuration format of node_exporter and the other Prometheus "
+                             "exporters (tls_server_config, basic_auth_users with bcrypt "
+                             "hashes); see docs/deploy.md. Needs pip install "
+                             "'dlprof-agent[web]'")
     parser.add_argument("--interval", type=seconds(MIN_INTERVAL_SECONDS),
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
@@ -310,6 +323,7 @@ class ServeOptions:
     gpu: bool
     probe: ProbeOptions | None = None  # None: never talk to the process
     probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
+    web_config: WebConfig | None = None  # --web.config.file, loaded
 
 
 def _make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
@@ -352,17 +366,38 @@ def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
                          "last_sample_age_seconds": age}
 
     return _listen(_registry(sampler), health, options.listen, options.port,
-                   version=lambda: sampler.latest)
+                   version=lambda: sampler.latest, web_config=options.web_config)
+
+
+def load_web_config(path: str | None) -> WebConfig | None:
+    """--web.config.file, read and checked before anything starts."""
+    if path is None:
+        return None
+    try:
+        return read_web_config(path)
+    except MissingLibrary as error:
+        raise UsageError(f"--web.config.file: {error}") from None
+    except WebConfigError as error:
+        raise UsageError(f"--web.config.file: {error}",
+                         "see \"Locking /metrics\" in docs/deploy.md") from None
+
+
+def _loopback(listen: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(listen, None))
+    except (OSError, ValueError):
+        return False
 
 
 def _listen(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]],
-            listen: str, port: int, *, version: Callable[[], object] | None = None
-            ) -> MetricsServer:
+            listen: str, port: int, *, version: Callable[[], object] | None = None,
+            web_config: WebConfig | None = None) -> MetricsServer:
     """A started /metrics server, or a one-line error saying why there is none.
     ``version``: the published sample; a scrape renders each one at most once."""
     try:
         server = MetricsServer(registry, host=listen, port=port, health=health,
-                               version=version)
+                               version=version, web_config=web_config)
     except socket.gaierror:
         raise UsageError(f"cannot listen on {listen!r}: not an address of this "
                          "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None
@@ -378,6 +413,9 @@ def _listen(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[s
                                   f"{DEFAULT_PORT}") from None
         raise UsageError(f"cannot listen on {where}: {error.strerror}",
                          "check --listen and --port") from None
+    if web_config is None and not _loopback(listen):
+        log.warning("serving /metrics on %s without TLS or authentication: anyone who can "
+                    "reach this port reads it (see --web.config.file)", listen)
     server.start()
     return server
 
@@ -398,14 +436,29 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop
 
 
+def _linger(server: MetricsServer, grace: float, exited: str) -> None:
+    """After the target's exit, serve dlprof_target_up 0 for ``grace`` seconds so that
+    Prometheus's next scrape sees the end; but only if anything scraped at all."""
+    if grace <= 0:
+        log.info("%s", exited)
+    elif server.scrapes == 0:
+        log.info("%s; nothing has scraped /metrics, so the agent stops now", exited)
+    else:
+        log.info("%s; serving dlprof_target_up 0 for %g s more, so that the next scrape "
+                 "sees it (Ctrl-C stops now; --grace sets how long)", exited, grace)
+        time.sleep(grace)
+
+
 def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
           before_stop: Callable[[int], None] | None = None,
-          on_summary: Callable[[dict[str, Any]], None] | None = None) -> int:
+          on_summary: Callable[[dict[str, Any]], None] | None = None,
+          describe_exit: Callable[[], str] | None = None) -> int:
     """Attach to ``pid``, serve until the duration, Ctrl-C, SIGTERM or the target's
     exit, then print the summary. Returns the exit code.
 
     ``before_stop`` gets the port while the endpoint still serves, at the end;
-    ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet."""
+    ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet;
+    ``describe_exit`` says how the target ended (`run`: with its exit code)."""
     open_target(pid)
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     _configure_logging(status)
@@ -439,6 +492,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         failures: list[BaseException] = []
 
         def sample_until_stopped() -> None:
+            nice_this_thread()  # the job comes first
             try:
                 sampler.run(stop, on_sample)
             except BaseException as error:  # a bug: re-raised below, with its traceback
@@ -460,12 +514,11 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             if failures:
                 raise failures[0]
             exited = not sampler.latest or not sampler.latest.target_up
-            if exited and options.grace > 0:
+            if exited:
                 if status is not None:
                     status.clear()
-                log.info("process %d exited; serving dlprof_target_up 0 for %g s", pid,
-                         options.grace)
-                time.sleep(options.grace)
+                _linger(server, options.grace,
+                        describe_exit() if describe_exit else f"process {pid} exited")
         except (KeyboardInterrupt, _Stop):
             stop.set()
         finally:
@@ -546,7 +599,8 @@ def _start_demo_workload(args: argparse.Namespace, seconds: float, out: TextIO
 def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -> int:
     workload, trains = _start_demo_workload(args, (options.duration or 10) + 30, out)
     if trains:
-        options = replace(options, probe=ProbeOptions(layers=True, warmup_steps=5))
+        options = replace(options, probe=ProbeOptions(layers=True,
+                                                      warmup_steps=DEFAULT_WARMUP_STEPS))
     exposition: list[str] = []
 
     def fetch_metrics(port: int) -> None:
@@ -599,16 +653,57 @@ def run_command(command_line: list[str], options: ServeOptions, *,
     except OSError as error:
         raise UsageError(f"cannot start {command_line[0]!r}: {error.strerror}",
                          "check the command and its path") from None
+    attached = False
     try:
-        serve(job.pid, replace(options, probe_wait_seconds=10.0), on_summary=on_summary)
+        probe = _wait_for_probe_or_exit(job, options)
+        if job.poll() is None:
+            serve(job.pid, replace(options, probe=probe, probe_wait_seconds=1.0),
+                  on_summary=on_summary, describe_exit=lambda: _ended(job))
+            attached = True
     except TargetNotFound:
-        pass  # the command ended before the agent attached: its exit code says why
+        pass  # the command ended before the agent attached: said below, with its code
     except BaseException:
         job.terminate()
         raise
     # The job's life is the run's: wait for it, and hand on its exit code.
     code = job.wait()
+    if not attached:
+        print(f"dlprof-agent: {_ended(job)} before the agent attached; nothing was "
+              "measured", file=sys.stderr)
     return 128 - code if code < 0 else code
+
+
+def _ended(job: subprocess.Popen[bytes]) -> str:
+    """How the command of `run` ended, once the agent saw it go."""
+    try:
+        code = job.wait(5)  # gone from the samples: a zombie, reaped at once
+    except subprocess.TimeoutExpired:
+        return f"the command (pid {job.pid}) is no longer seen"
+    if code < 0:
+        return f"the command (pid {job.pid}) was killed by signal {-code}"
+    return f"the command (pid {job.pid}) exited with code {code}"
+
+
+def _wait_for_probe_or_exit(job: subprocess.Popen[bytes], options: ServeOptions
+                            ) -> ProbeOptions | None:
+    """The probe options to attach with: None (measured from outside only) when no
+    probe was asked for or it did not start in time. Returns early if the job ends."""
+    if options.probe is None:
+        return None
+    from dlprof_agent.collectors.probe import find_probe_socket
+
+    deadline = time.monotonic() + RUN_PROBE_WAIT_SECONDS
+    while job.poll() is None:
+        if find_probe_socket(job.pid) is not None:
+            return options.probe
+        if time.monotonic() >= deadline:
+            print(f"dlprof-agent: no in-process metrics (steps, layers) for pid {job.pid}: "
+                  f"its probe did not start within {RUN_PROBE_WAIT_SECONDS:g} s (not a "
+                  "Python 3.10+ program, or it replaced PYTHONPATH); measuring it from "
+                  "outside", file=sys.stderr)
+            return None
+        time.sleep(0.05)
+    return None
 
 
 def daemon_command(args: argparse.Namespace) -> int:
@@ -617,6 +712,7 @@ def daemon_command(args: argparse.Namespace) -> int:
     _configure_logging(None)
     if args.quiet:
         log.setLevel(logging.WARNING)
+    web = load_web_config(args.web_config_file)
     probe = (ProbeOptions(inject=args.inject, layers=args.layers,
                           warmup_steps=args.warmup_steps, kernels=args.kernels)
              if args.probe else None)
@@ -626,7 +722,8 @@ def daemon_command(args: argparse.Namespace) -> int:
 
     def start(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict[str, Any]]],
               version: Callable[[], object]) -> MetricsServer:
-        return _listen(registry, health, args.listen, args.port, version=version)
+        return _listen(registry, health, args.listen, args.port, version=version,
+                       web_config=web)
     return serve_node(options, args.listen, start)
 
 
@@ -654,7 +751,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  warmup_steps=args.warmup_steps, kernels=args.kernels)
         options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                                duration=args.duration, grace=args.grace, quiet=args.quiet,
-                               children=args.children, gpu=args.gpu, probe=probe)
+                               children=args.children, gpu=args.gpu, probe=probe,
+                               web_config=load_web_config(args.web_config_file))
         if args.command == "run":
             return run_command(args.command_line, options)
         if args.command == "demo":

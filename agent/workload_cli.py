@@ -15,8 +15,11 @@ from typing import Any, TextIO
 from dlprof_agent.agent.arguments import seconds, whole_number
 from dlprof_agent.agent.errors import UsageError
 from dlprof_agent.workloads.models import MODELS
+from dlprof_agent.workloads.sweep import PARAMETERS as SWEEP_PARAMETERS
 
 FRAMEWORKS = ("pytorch", "tensorflow")
+# How long an attached run holds its first step for the agent's probe.
+PROBE_WAIT_SECONDS = 30.0
 
 
 def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> None:
@@ -62,6 +65,8 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
     # Under --attach the agent's live line owns the terminal: the child shows no bar.
     run.add_argument("--no-progress", dest="progress", action="store_false",
                      help=argparse.SUPPRESS)
+    # Set by --attach for the child it runs: see runner.wait_for_probe.
+    run.add_argument("--wait-for-probe", type=seconds(0), default=0.0, help=argparse.SUPPRESS)
 
     sweep = actions.add_parser(
         "sweep", help="run a grid of settings and write results, a table and plots",
@@ -78,8 +83,8 @@ def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> No
                "      --param threads=1,2,4 --param batch_size=32,128 --out resnet56-threads\n")
     _add_run_options(sweep)
     sweep.add_argument("--param", action="append", required=True, metavar="NAME=V1,V2,...",
-                       help="a setting and its values: threads, inter_op_threads, "
-                            "batch_size, layout or precision; repeat for a grid")
+                       help="a setting and its values: " + ", ".join(SWEEP_PARAMETERS) +
+                            "; repeat for a grid")
     sweep.add_argument("--out", metavar="DIR",
                        help="where to write (default: sweep-DATE-TIME in this folder)")
     sweep.add_argument("--attach", action="store_true",
@@ -101,9 +106,13 @@ def _add_interval_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_run_options(run: argparse.ArgumentParser) -> None:
-    run.add_argument("--framework", choices=FRAMEWORKS, default="pytorch")
-    run.add_argument("--model", choices=list(MODELS), default="small-cnn")
-    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--framework", choices=FRAMEWORKS, default="pytorch",
+                     help="the framework that builds and trains the model (default pytorch)")
+    run.add_argument("--model", choices=list(MODELS), default="small-cnn", metavar="MODEL",
+                     help="the reference model: " + ", ".join(MODELS) + " (default small-cnn; "
+                          "`dlprof-agent workload list` describes them)")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="train on the CPU or the first CUDA GPU (default cpu)")
     run.add_argument("--batch-size", type=_positive, metavar="N",
                      help="samples per mini-batch (default: the papers' CPU batch)")
     run.add_argument("--iterations", type=_positive, default=50, metavar="N",
@@ -112,7 +121,9 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
                      help="untimed mini-batches first (default 10)")
     run.add_argument("--threads", type=_positive, metavar="N",
                      help="intra-op threads (default: the framework's)")
-    run.add_argument("--inter-op-threads", type=_positive, metavar="N")
+    run.add_argument("--inter-op-threads", type=_positive, metavar="N",
+                     help="threads that run independent operations side by side "
+                          "(default: the framework's)")
     run.add_argument("--layout", choices=("NCHW", "NHWC"),
                      help="image layout: channels-last memory format in PyTorch, "
                           "data_format in TensorFlow (default NCHW / NHWC)")
@@ -247,7 +258,8 @@ def _config(args: argparse.Namespace) -> Any:
         intra_op_threads=args.threads, inter_op_threads=args.inter_op_threads,
         layout=args.layout, cudnn_autotune=args.cudnn_autotune, precision=args.precision,
         input_grad=args.input_grad, scale=args.scale, data=args.data,
-        data_delay_seconds=args.data_delay)
+        data_delay_seconds=args.data_delay,
+        wait_for_probe_seconds=getattr(args, "wait_for_probe", 0.0))
 
 
 def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
@@ -288,6 +300,8 @@ def _attached(args: argparse.Namespace) -> int:
 
     child = [sys.executable, "-m", "dlprof_agent", "workload", "run",
              *_base_run_args(args), "--ranks", str(args.ranks), "--no-progress"]
+    if args.ranks == 1:
+        child += ["--wait-for-probe", str(PROBE_WAIT_SECONDS)]
     child += ["--json"] if args.json else []
     # The probe's warm-up is the run's: its steady steps are the run's timed ones.
     options = ServeOptions(listen=DEFAULT_LISTEN, port=args.port, interval=args.interval,
@@ -331,10 +345,7 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
     except DatasetError as error:
         raise UsageError(f"cannot use the data: {error}", "check --data") from None
     except (ValueError, RuntimeError) as error:
-        # A setting the framework refuses (NCHW convolutions on a CPU in TensorFlow, say).
-        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise UsageError(f"{args.framework} cannot run {args.model} so: {first[:300]}",
-                         "change the settings (see --help)") from None
+        raise refusal(args, error) from None
     if args.json:
         out.write(json.dumps(result.as_dict(), indent=2) + "\n")
         return 0
@@ -349,6 +360,32 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
            if result.peak_device_memory_bytes is not None else "") + "\n"
         f"  parameters           {result.parameters:,}\n")
     return 0
+
+
+def _chosen_settings(args: argparse.Namespace) -> list[str]:
+    """The settings given that change how the framework computes, as options."""
+    chosen = [f"--precision {args.precision}"] if args.precision != "fp32" else []
+    chosen += [f"--layout {args.layout}"] if args.layout else []
+    chosen += ["--cudnn-autotune"] if args.cudnn_autotune else []
+    chosen += ["--input-grad"] if args.input_grad else []
+    return chosen
+
+
+def refusal(args: argparse.Namespace, error: BaseException) -> UsageError:
+    """A setting the framework refuses, as a one-line error that names the setting."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else repr(error)
+    if (args.precision == "amp" and args.device == "cpu"
+            and "primitive descriptor" in first):
+        # oneDNN has no bfloat16 kernel for this layer on CPUs without AVX512-BF16 or AMX.
+        return UsageError(f"{args.framework} cannot train {args.model} with --precision amp "
+                          "on this CPU: its oneDNN has no bfloat16 kernel for it here",
+                          "use --precision fp32 (the default)")
+    chosen = _chosen_settings(args)
+    where = f"with {' '.join(chosen)}" if chosen else "with the default settings"
+    return UsageError(f"{args.framework} cannot train {args.model} {where} on {args.device}: "
+                      f"{first[:300]}", "change " + ("those settings" if chosen else
+                                                     "the settings") + " (see --help)")
 
 
 def _base_run_args(args: argparse.Namespace) -> list[str]:

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -140,10 +141,25 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--series", type=int, default=1000, help="about this many series")
+    parser.add_argument("--as-agent", type=float, default=0.0, metavar="INTERVAL",
+                        help="serve as the agent does: a new sample every INTERVAL seconds, "
+                             "each rendered at most once; 0 renders every scrape (default)")
     args = parser.parse_args(argv)
     shape, count = shape_for(args.series)
+    version: Callable[[], object] | None = None
+    if args.as_agent:
+        interval = args.as_agent
+        # The renderer keeps a render while version() returns the same object.
+        current: list[tuple[int, object]] = [(-1, object())]
+
+        def sample() -> object:
+            tick = int(time.monotonic() / interval)
+            if current[0][0] != tick:
+                current[0] = (tick, object())
+            return current[0][1]
+        version = sample
     server = MetricsServer(registry_for(node_snapshot(shape)), host="127.0.0.1", port=0,
-                           health=lambda: (True, {}))
+                           health=lambda: (True, {}), version=version)
     server.start()
     print(f"port {server.port} series {count}", flush=True)
     sys.stdin.read()  # serve until the harness closes our stdin

@@ -1,4 +1,11 @@
-"""The HTTP endpoint Prometheus scrapes: /metrics, /healthz and an index page.
+"""The HTTP endpoint Prometheus scrapes: /metrics, /healthz and an index page,
+optionally behind TLS and basic authentication (``exporters.web_config``).
+
+A fixed set of threads serves it, whatever the load: one I/O thread accepts,
+completes TLS handshakes and reads requests whole without blocking, and a few
+workers answer complete requests; idle and half-sent connections are closed
+after a timeout. The serving threads run under SCHED_IDLE, so the job's threads
+preempt them; renders run on a thread of the agent's own priority.
 
 A scrape renders the latest sample at most once per format and encoding: with
 ``version`` (a value that changes when a new sample is published), the bytes
@@ -12,18 +19,30 @@ gzipped when the scraper asks, as Prometheus does.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
+import itertools
 import json
+import logging
+import os
+import queue
+import selectors
 import socket
+import ssl
 import threading
+import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from dlprof_agent.exporters.text import render_text
+from dlprof_agent.exporters.web_config import WebConfig
 
 INDEX_PAGE = b"""<!doctype html><html><head><title>dlprof-agent</title></head><body>
 <h1>dlprof-agent</h1><ul>
@@ -37,38 +56,235 @@ GZIP_LEVEL = 1  # most of the size for a fraction of the CPU of the default 9
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # SO_REUSEADDR only skips TIME_WAIT; a port another program listens on still fails.
-    allow_reuse_address = True
+# The kernel's queue of connections not yet accepted: 100 scrapers arriving at once
+# overflowed the old 5 (Linux caps it at net.core.somaxconn, 4096 by default).
+LISTEN_BACKLOG = 1024
+# Threads that answer requests. The I/O thread reads requests until they are whole, so a
+# worker never waits on a slow or idle client; the bound is 1 + WORKERS + 1 render thread.
+WORKERS = 2
+# A connection that has not sent its whole request this long after it opened (or a
+# client that takes this long to read the answer) is closed.
+REQUEST_TIMEOUT_SECONDS = 10.0
+MAX_CONNECTIONS = 1000  # open at once, besides the listening socket
+MAX_REQUEST_BYTES = 65536
+# Lower than any nice value: the job's threads preempt the serving threads at once.
+SERVING_POLICY = getattr(os, "SCHED_IDLE", None)
+# The nice value of the agent's other working threads (sampling, rendering): under
+# contention the job gets about ten times their CPU share.
+AGENT_NICE = 10
+
+log = logging.getLogger("dlprof_agent")
+
+
+def nice_this_thread(nice: int = AGENT_NICE) -> None:
+    """Lower the calling thread (and the threads it starts later) to ``nice``. Only
+    threads: the thread that injects the probe keeps its priority, because gdb, which
+    stops the job while it works, inherits it."""
+    with contextlib.suppress(OSError):  # Linux keeps a nice value per thread
+        thread = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, thread) < nice:
+            os.setpriority(os.PRIO_PROCESS, thread, nice)
+
+
+def lower_thread_priority() -> None:
+    """Put the calling thread under SCHED_IDLE where the platform has it."""
+    if SERVING_POLICY is None:
+        return
+    # Not permitted (some containers): then served at the process's priority.
+    with contextlib.suppress(OSError):
+        os.sched_setscheduler(0, SERVING_POLICY, os.sched_param(0))  # 0: this thread
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    address: Any
+    deadline: float
+    handshaking: bool
+    received: bytearray
 
 
 class MetricsServer:
     """Serves ``registry``. ``health`` returns (healthy, details) for /healthz;
-    ``version`` returns what identifies the data the registry renders now."""
+    ``version`` returns what identifies the data the registry renders now;
+    ``web_config`` adds TLS and basic authentication (``exporters.web_config``).
+
+    One I/O thread accepts connections, completes TLS handshakes and reads each
+    request whole, without blocking; WORKERS threads answer whole requests. So
+    idle or half-sent connections cost a socket each and never a thread, and
+    are closed after ``request_timeout`` seconds."""
 
     def __init__(self, registry: CollectorRegistry, *, host: str, port: int,
                  health: Callable[[], tuple[bool, dict[str, Any]]],
-                 version: Callable[[], object] | None = None) -> None:
-        handler = _make_handler(_Renderer(registry, version), health)
-        server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) \
-            if ":" in host else _Server
-        # Raises OSError (EADDRINUSE, EADDRNOTAVAIL) here, before anything starts.
-        self._server = server_class((host, port), handler)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="dlprof-http", daemon=True)
+                 version: Callable[[], object] | None = None,
+                 web_config: WebConfig | None = None, workers: int = WORKERS,
+                 request_timeout: float = REQUEST_TIMEOUT_SECONDS,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self._renderer = _Renderer(registry, version)
+        self._scrapes = itertools.count()
+        self._scrapes_served = 0
+        self._handler = _make_handler(self._renderer, health, web_config, self._count_scrape)
+        self._tls = web_config.tls if web_config is not None else None
+        self._timeout = request_timeout
+        self._max_connections = max_connections
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # Raises OSError (EADDRINUSE, EADDRNOTAVAIL, gaierror) here, before anything starts.
+        self._listener = socket.create_server((host, port), family=family,
+                                              backlog=LISTEN_BACKLOG)
+        self._listener.setblocking(False)
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._stopping = threading.Event()
+        self._requests: queue.SimpleQueue[_Connection | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._serve_io, name="dlprof-http",
+                                          daemon=True)]
+        self._threads += [threading.Thread(target=self._answer, name=f"dlprof-http-{i}",
+                                           daemon=True) for i in range(workers)]
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return int(self._listener.getsockname()[1])
+
+    @property
+    def scrapes(self) -> int:
+        """How many times /metrics was served so far."""
+        return self._scrapes_served
+
+    def _count_scrape(self) -> None:
+        self._scrapes_served = next(self._scrapes) + 1  # count() is atomic under the GIL
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        if self._thread.is_alive():  # shutdown() waits forever on a loop never started
-            self._server.shutdown()
-        self._server.server_close()
+        self._stopping.set()
+        self._wake_write.send(b"x")
+        for _ in self._threads[1:]:
+            self._requests.put(None)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(5)
+        self._renderer.close()
+        self._listener.close()
+        self._wake_read.close()
+        self._wake_write.close()
+
+    # The I/O thread.
+
+    def _serve_io(self) -> None:
+        lower_thread_priority()
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        selector.register(self._wake_read, selectors.EVENT_READ, None)
+        open_connections: dict[socket.socket, _Connection] = {}
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                timeout = min((c.deadline for c in open_connections.values()), default=now + 1)
+                for key, _ in selector.select(max(0.0, min(1.0, timeout - now))):
+                    if key.fileobj is self._listener:
+                        self._accept(selector, open_connections)
+                    elif key.fileobj is self._wake_read:
+                        continue
+                    else:
+                        connection = key.data
+                        if self._progress(connection):
+                            selector.unregister(connection.sock)
+                            del open_connections[connection.sock]
+                            if connection.received:
+                                self._requests.put(connection)
+                            else:
+                                _close(connection.sock)
+                now = time.monotonic()
+                for connection in [c for c in open_connections.values() if c.deadline <= now]:
+                    selector.unregister(connection.sock)
+                    del open_connections[connection.sock]
+                    _close(connection.sock)
+        finally:
+            for connection in open_connections.values():
+                _close(connection.sock)
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector,
+                open_connections: dict[socket.socket, _Connection]) -> None:
+        while True:
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # EMFILE and the like: the queued connection waits for later
+                return
+            if len(open_connections) >= self._max_connections:
+                # Full: the oldest connection (the likeliest to be stuck) makes room.
+                oldest = min(open_connections.values(), key=lambda c: c.deadline)
+                selector.unregister(oldest.sock)
+                del open_connections[oldest.sock]
+                _close(oldest.sock)
+            sock.setblocking(False)
+            handshaking = False
+            if self._tls is not None:
+                try:
+                    sock = self._tls.wrap_socket(sock, server_side=True,
+                                                 do_handshake_on_connect=False)
+                except (ssl.SSLError, OSError):
+                    _close(sock)
+                    continue
+                handshaking = True
+            connection = _Connection(sock, address, time.monotonic() + self._timeout,
+                                     handshaking, bytearray())
+            open_connections[sock] = connection
+            selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _progress(self, connection: _Connection) -> bool:
+        """Reads what arrived; True once the request is whole, or the connection is done
+        (an empty ``received`` then means: close it)."""
+        sock = connection.sock
+        try:
+            if connection.handshaking:
+                assert isinstance(sock, ssl.SSLSocket)
+                sock.do_handshake()
+                connection.handshaking = False
+            while True:
+                chunk = sock.recv(16384)
+                if not chunk:
+                    connection.received.clear()  # closed before the request was whole
+                    return True
+                connection.received += chunk
+                if b"\r\n\r\n" in connection.received or \
+                        len(connection.received) >= MAX_REQUEST_BYTES:
+                    return True
+                if not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+                    return False
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+            return False  # a TLS client waiting on us for writes is rare; the deadline holds
+        except (ssl.SSLError, OSError):
+            connection.received.clear()
+            return True
+
+    # The workers.
+
+    def _answer(self) -> None:
+        lower_thread_priority()
+        while True:
+            connection = self._requests.get()
+            if connection is None:
+                return
+            sock = connection.sock
+            try:
+                sock.settimeout(self._timeout)  # for the answer: a client that never reads
+                self._handler(sock, connection.address, bytes(connection.received))
+            except (OSError, ValueError):
+                pass  # the scraper left (broken pipe, reset, timeout): nothing to tell
+            except Exception:  # a bug: said once per occurrence, without killing the worker
+                log.exception("serving a request failed")
+            finally:
+                _close(sock)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()
 
 
 def _accepts_text(accept: str) -> bool:
@@ -102,8 +318,19 @@ class _Renderer:
         self._version = version
         self._lock = threading.Lock()
         self._cached: dict[tuple[str, bool], tuple[object, str, bytes]] = {}
+        # Renders run on a thread of their own, started here so that it runs at nice 10
+        # and not under the serving threads' SCHED_IDLE (threads inherit it): a render
+        # is once per sample, and a job that fills every core must not starve it.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dlprof-render")
+        self._executor.submit(nice_this_thread).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
 
     def render(self, accept: str, gzipped: bool) -> tuple[str, bytes]:
+        return self._executor.submit(self._render, accept, gzipped).result()
+
+    def _render(self, accept: str, gzipped: bool) -> tuple[str, bytes]:
         if self._version is None:
             return render_for(self._registry, accept, gzipped)
         key = ("text" if _accepts_text(accept) else accept, gzipped)
@@ -122,23 +349,57 @@ def _wants_gzip(accept_encoding: str) -> bool:
                for part in accept_encoding.split(","))
 
 
+Handler = Callable[[socket.socket, Any, bytes], object]
+
+
 def _make_handler(renderer: _Renderer,
-                  health: Callable[[], tuple[bool, dict[str, Any]]]
-                  ) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "dlprof-agent"
+                  health: Callable[[], tuple[bool, dict[str, Any]]],
+                  web_config: WebConfig | None, on_scrape: Callable[[], None]) -> Handler:
+    extra_headers = dict(web_config.headers) if web_config is not None else {}
+    locked = web_config is not None and web_config.requires_auth
+
+    class RequestHandler(BaseHTTPRequestHandler):
+        """Answers one request that the I/O thread read whole (``received``)."""
+
+        def __init__(self, sock: socket.socket, address: Any, received: bytes) -> None:
+            self._received = received
+            super().__init__(sock, address, None)  # type: ignore[arg-type]
+
+        def setup(self) -> None:
+            self.connection = self.request
+            self.rfile = io.BytesIO(self._received)
+            self.wfile = self.connection.makefile("wb")
+
+        def finish(self) -> None:
+            try:
+                self.wfile.flush()
+            finally:
+                self.wfile.close()
+                self.rfile.close()
+
+        def version_string(self) -> str:
+            return "dlprof-agent"  # no Python version: nothing for a scanner to match
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
-            if path == "/metrics":
+            allowed = not locked or (web_config is not None and web_config.authorized(
+                self.headers.get("Authorization")))
+            if path == "/healthz":
+                healthy, details = health()
+                # Without credentials, only the verdict: a liveness probe needs no more.
+                report = {"status": "ok" if healthy else "stale", **(details if allowed
+                                                                      else {})}
+                self._reply(200 if healthy else 503, "application/json",
+                            json.dumps(report).encode())
+            elif not allowed:
+                self._reply(401, "text/plain; charset=utf-8", b"Unauthorized\n",
+                            {"WWW-Authenticate": 'Basic realm="dlprof-agent"'})
+            elif path == "/metrics":
                 gzipped = _wants_gzip(self.headers.get("Accept-Encoding", ""))
                 content_type, body = renderer.render(self.headers.get("Accept", ""), gzipped)
                 self._reply(200, content_type, body,
                             {"Content-Encoding": "gzip"} if gzipped else {})
-            elif path == "/healthz":
-                healthy, details = health()
-                report = json.dumps({"status": "ok" if healthy else "stale", **details})
-                self._reply(200 if healthy else 503, "application/json", report.encode())
+                on_scrape()
             elif path == "/":
                 self._reply(200, "text/html; charset=utf-8", INDEX_PAGE)
             else:
@@ -148,7 +409,7 @@ def _make_handler(renderer: _Renderer,
                    headers: dict[str, str] | None = None) -> None:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
-            for name, value in (headers or {}).items():
+            for name, value in {**extra_headers, **(headers or {})}.items():
                 self.send_header(name, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -157,4 +418,4 @@ def _make_handler(renderer: _Renderer,
         def log_message(self, format: str, *args: Any) -> None:
             pass  # a line per scrape would bury the status display
 
-    return Handler
+    return RequestHandler

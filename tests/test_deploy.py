@@ -246,6 +246,58 @@ def test_kustomize_renders() -> None:
                for doc in rendered if doc["kind"] != "Namespace")
 
 
+def test_the_locked_component_serves_tls_and_basic_auth(tmp_path: Path) -> None:
+    """deploy/kubernetes/locked, added to the kustomization as its comment says: the
+    agent reads a web config from the Secret's mount, its probes speak HTTPS, and the
+    ServiceMonitor scrapes with the CA and the credentials."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [{os.path.relpath(KUBERNETES, tmp_path)}]\n"
+        f"components: [{os.path.relpath(KUBERNETES / 'locked', tmp_path)}]\n")
+    result = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    rendered = {doc["kind"]: doc for doc in yaml.safe_load_all(result.stdout) if doc}
+    agent = agent_container(rendered)
+    args = assert_agent_accepts(agent["command"][1:])
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    assert Path(args.web_config_file).parent == Path(mounts["web-config"])
+    volumes = {v["name"]: v for v in pod_spec(rendered)["volumes"]}
+    assert volumes["web-config"]["secret"]["secretName"] == "dlprof-agent-web"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert agent[probe]["httpGet"]["scheme"] == "HTTPS"
+        assert agent[probe]["httpGet"]["path"] == "/healthz"
+    (endpoint,) = rendered["ServiceMonitor"]["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https" and endpoint["port"] == "metrics"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "dlprof-agent-web",
+                                                     "key": "tls.crt"}
+    assert endpoint["basicAuth"]["password"]["name"] == "dlprof-agent-scrape"
+    # The base's endpoint settings are all still there.
+    base_endpoint = kubernetes_objects()["ServiceMonitor"]["spec"]["endpoints"][0]
+    assert base_endpoint.items() <= endpoint.items()
+    # Without the component, the base stays as it was.
+    assert "--web.config.file" not in agent_container(kubernetes_objects())["command"]
+
+
+def test_the_example_web_config_is_one_the_agent_reads(tmp_path: Path) -> None:
+    pytest.importorskip("bcrypt")
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed, and the test makes its certificate with it")
+    from dlprof_agent.exporters import web_config
+
+    config = tmp_path / "web-config.yml"
+    shutil.copy(KUBERNETES / "locked" / "web-config.yml.example", config)
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=dlprof-agent", "-addext", "subjectAltName=DNS:dlprof-agent",
+                    "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
+                   check=True, capture_output=True, timeout=60)
+    loaded = web_config.load(config)
+    assert loaded.tls is not None and set(loaded.users) == {"prometheus"}
+
+
 # docker compose.
 
 @pytest.fixture(scope="module")

@@ -348,7 +348,7 @@ def test_a_loop_without_torch_optim_still_has_steps(
 def test_demo_trains_injects_and_shows_what_prometheus_gets() -> None:
     """The README's main command, as a user runs it."""
     result = subprocess.run(
-        [sys.executable, "-m", "dlprof_agent", "demo", "--duration", "4", "--port", "0"],
+        [sys.executable, "-m", "dlprof_agent", "demo", "--duration", "8", "--port", "0"],
         env=agent_env(), capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr

@@ -4,8 +4,10 @@ with the same trainable-parameter count in both."""
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -14,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dlprof_agent.agent.cli import build_parser
+from dlprof_agent.agent.workload_cli import refusal
 from dlprof_agent.workloads.models import MODELS
 from tests.conftest import agent_env
 
@@ -76,11 +80,87 @@ def test_run_measures_time_per_mini_batch(framework: str) -> None:
     assert result["layout"] == ("NCHW" if framework == "pytorch" else "NHWC")
 
 
+@functools.cache
+def bf16_lstm_missing() -> str:
+    """Why this CPU cannot train an LSTM in bfloat16, or "" if it can: oneDNN has the
+    primitive only with AVX512-BF16 or AMX (an AMD EPYC without them refuses it)."""
+    import torch
+
+    lstm = torch.nn.LSTM(4, 4, batch_first=True)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output, _ = lstm(torch.randn(2, 3, 4))
+        output.float().sum().backward()
+    except RuntimeError as error:
+        return str(error).strip().splitlines()[0][:200]
+    return ""
+
+
 def test_run_takes_the_papers_levers() -> None:
-    result = run_json("--model", "lstm", "--precision", "amp", "--input-grad")
-    assert result["precision"] == "amp" and result["model"] == "lstm"
     result = run_json("--model", "small-cnn", "--layout", "NHWC", "--batch-size", "4")
     assert result["layout"] == "NHWC" and result["batch_size"] == 4
+
+
+def test_run_trains_an_lstm_in_bfloat16_where_the_cpu_can() -> None:
+    if why := bf16_lstm_missing():
+        pytest.skip(f"this CPU's oneDNN has no bfloat16 LSTM ({why})")
+    result = run_json("--model", "lstm", "--precision", "amp", "--input-grad")
+    assert result["precision"] == "amp" and result["model"] == "lstm"
+
+
+def test_amp_on_a_cpu_without_bfloat16_kernels_names_the_setting() -> None:
+    if not bf16_lstm_missing():
+        pytest.skip("this CPU trains an LSTM in bfloat16: nothing is refused")
+    result = workload("run", "--scale", "tiny", "--iterations", "1", "--warmup", "0",
+                      "--model", "lstm", "--precision", "amp")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "dlprof-agent: error: pytorch cannot train lstm with --precision amp on this CPU: its "
+        "oneDNN has no bfloat16 kernel for it here: use --precision fp32 (the default)\n")
+
+
+def test_a_refusal_names_the_settings_that_caused_it() -> None:
+    """What oneDNN says on a CPU without AVX512-BF16 or AMX (an AMD EPYC), and what the
+    user is told instead."""
+    parser = build_parser()
+    onednn = RuntimeError("could not create a primitive descriptor for an LSTM forward "
+                          "propagation primitive")
+    args = parser.parse_args(["workload", "run", "--model", "lstm", "--precision", "amp"])
+    assert refusal(args, onednn).one_line() == (
+        "pytorch cannot train lstm with --precision amp on this CPU: its oneDNN has no "
+        "bfloat16 kernel for it here: use --precision fp32 (the default)")
+    args = parser.parse_args(["workload", "run", "--framework", "tensorflow", "--layout",
+                              "NCHW", "--input-grad"])
+    conv = ValueError("The Conv2D op currently only supports the NHWC tensor format on the "
+                      "CPU.\nThe op was given the format: NCHW")
+    assert refusal(args, conv).one_line() == (
+        "tensorflow cannot train small-cnn with --layout NCHW --input-grad on cpu: The Conv2D "
+        "op currently only supports the NHWC tensor format on the CPU.: change those "
+        "settings (see --help)")
+
+
+def test_run_help_explains_every_option() -> None:
+    lines = workload("run", "--help").stdout.splitlines()
+    explained, bare = set(), []
+    for index, line in enumerate(lines):
+        if not line.startswith("  -"):
+            continue
+        invocation, *help_text = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        name = invocation.split()[0].rstrip(",")
+        follows = index + 1 < len(lines) and re.match(r" {20,}\S", lines[index + 1])
+        (explained.add(name) if help_text or follows else bare.append(name))
+    assert {"--framework", "--model", "--device", "--inter-op-threads"} <= explained
+    assert bare == []
+
+
+def test_sweep_help_lists_every_param_name() -> None:
+    from dlprof_agent.workloads.sweep import PARAMETERS
+
+    result = workload("sweep", "--help")
+    text = " ".join(result.stdout.split())
+    listed = re.search(r"a setting and its values: ([a-z_, ]+);", text)
+    assert listed is not None
+    assert listed.group(1).split(", ") == list(PARAMETERS)
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -204,3 +284,15 @@ def test_run_under_the_agent_prints_the_workloads_and_the_agents_figures() -> No
     steps = next(line for line in result.stdout.splitlines() if line.strip().startswith("steps"))
     assert "steady" in steps
     assert "lost the probe" not in result.stderr  # the job ending is not a loss
+
+
+def test_run_under_the_agent_counts_every_step_of_a_short_run() -> None:
+    """The agent samples every --interval: a run of a fraction of a second must wait
+    for the probe's hooks before its first step, and for a last read after its last."""
+    result = workload("run", "--model", "small-cnn", "--scale", "tiny", "--iterations", "50",
+                      "--warmup", "10", "--threads", "1", "--attach", "--json")
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout)["agent"]["probe"]
+    assert probe["warmup_steps"] == 10
+    # A step is the time between two step boundaries: 60 steps close 59 of them.
+    assert probe["steady_steps"] == 49

@@ -39,6 +39,10 @@ class RunConfig:
     scale: str = "full"
     data: str | None = None  # MNIST or CIFAR-10 files instead of synthetic data
     data_delay_seconds: float = 0.0  # each step first waits this long, as on a slow loader
+    # Under `workload run --attach`: hold the first step until the agent's probe has
+    # hooked the framework, and the exit until the agent has read the last step (each
+    # at most this long), so that it counts every step.
+    wait_for_probe_seconds: float = 0.0
 
     def resolved_batch(self) -> int:
         if self.batch_size is not None:
@@ -130,10 +134,48 @@ class CpuUse:
                    after.ru_nvcsw - before.ru_nvcsw, after.ru_nivcsw - before.ru_nivcsw)
 
 
+def wait_for_probe(seconds: float) -> bool:
+    """Whether an agent attached to this process's probe and its hooks are in, within
+    ``seconds``. The agent connects once the probe's socket appears and hooks the
+    framework on its next sample: steps taken before that are not counted."""
+    from dlprof_agent.probe import runtime
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        probe = runtime.current()
+        session = probe.session if probe is not None else None
+        if session is not None and session.hooks:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def wait_for_agent_to_read(seconds: float) -> bool:
+    """Whether the attached agent read the probe after the last step, within ``seconds``.
+    It samples every interval: a run that ends between two samples would otherwise
+    take its last steps with it. Two requests after now: the first one's answer (the
+    final counts) was sent before the second came."""
+    from dlprof_agent.probe import runtime
+
+    probe = runtime.current()
+    session = probe.session if probe is not None else None
+    if session is None:
+        return False
+    requests, last = 0, session.last_message
+    deadline = time.monotonic() + seconds
+    while requests < 2 and time.monotonic() < deadline:
+        if session.last_message != last:
+            requests, last = requests + 1, session.last_message
+        time.sleep(0.01)
+    return requests >= 2
+
+
 def _timed(step: Callable[[], None], config: RunConfig,
            on_step: Callable[[int, int], None] | None) -> tuple[list[float], CpuUse]:
     total = config.warmup + config.iterations
     durations = []
+    if config.wait_for_probe_seconds:
+        wait_for_probe(config.wait_for_probe_seconds)
     before = resource.getrusage(resource.RUSAGE_SELF)
     for index in range(total):
         if index == config.warmup:
@@ -146,7 +188,10 @@ def _timed(step: Callable[[], None], config: RunConfig,
             durations.append(time.perf_counter() - started)
         if on_step is not None:
             on_step(index + 1, total)
-    return durations, CpuUse.between(before, resource.getrusage(resource.RUSAGE_SELF))
+    cpu = CpuUse.between(before, resource.getrusage(resource.RUSAGE_SELF))
+    if config.wait_for_probe_seconds:
+        wait_for_agent_to_read(config.wait_for_probe_seconds)
+    return durations, cpu
 
 
 def run_pytorch(config: RunConfig, on_step: Callable[[int, int], None] | None = None
