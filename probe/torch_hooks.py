@@ -3,8 +3,15 @@
 Steps come from the global optimizer hooks; loops without ``torch.optim``
 fall back to the start of each training-mode forward of the model. The model
 is found by watching module calls for one iteration: the outermost module with
-parameters. After that only hooks on the model (and, with layer timing, on its
-leaf modules) remain, so a step costs a handful of Python calls.
+parameters. After that only a hook on the model remains, so a step costs a
+handful of Python calls.
+
+Layer timing is duty-cycled (``recorder.LayerSampling``): hooks go on the leaf
+modules at the step boundary before a timed step and come off at the next
+one. A module with any hook runs ``Module._call_impl``'s slow path and every
+hooked output's autograd node calls back into Python, so hooks left on would
+cost every step. Leaves past the ``max_layers`` cap are never hooked. A layer
+is named by its path in the model and its type (``features.0 Conv2d``).
 
 Backward time per layer runs from the moment autograd reaches the node that
 produced the layer's output (a node pre-hook, registered during forward) to
@@ -70,6 +77,8 @@ class TorchHooks:
         self.kernels: Any = None
         self.layer_labels: list[str] = []
         self._layer_index: dict[int, int] = {}
+        self._leaves: list[Any] = []  # the modules timed in a timed step, capped
+        self._layer_handles: list[Any] = []  # present only during a timed step
         self._pushed: dict[int, Any] = {}  # id of a module in forward -> its correlator
         self._backward_pushed: dict[int, Any] = {}  # thread ident -> correlator
 
@@ -87,7 +96,11 @@ class TorchHooks:
         self._discovery = register_module_forward_pre_hook(self._discover)
 
     def remove(self) -> None:
-        handles, self._handles = self._handles, []
+        if self._layer_boundary in self.recorder.layer_listeners:
+            self.recorder.layer_listeners.remove(self._layer_boundary)
+        handles, self._handles = self._handles + self._layer_handles, []
+        self._layer_handles = []
+        self._leaves = []
         if self._discovery is not None:
             handles.append(self._discovery)
             self._discovery = None
@@ -160,15 +173,38 @@ class TorchHooks:
             self._hook_layers(root)
 
     def _hook_layers(self, root: Any) -> None:
+        """Name the leaf modules; their hooks go in only for timed steps."""
         for name, module in root.named_modules():
             if next(module.children(), None) is not None:
                 continue  # containers: their time is their leaves' time
-            self._labels[id(module)] = name or type(module).__name__
+            if len(self._leaves) >= self.recorder.max_layers:
+                break  # past the cap: never hooked, so they cost nothing
+            label = f"{name} {type(module).__name__}" if name else type(module).__name__
+            self._labels[id(module)] = label
             self._layer_index[id(module)] = len(self.layer_labels)
-            self.layer_labels.append(self._labels[id(module)])
-            self._handles.append(module.register_forward_pre_hook(self._layer_pre))
-            self._handles.append(module.register_forward_hook(self._layer_post,
-                                                              always_call=True))
+            self.layer_labels.append(label)
+            self._leaves.append(module)
+        self.recorder.layer_listeners.append(self._layer_boundary)
+
+    def _layer_boundary(self, timed: bool) -> None:
+        """At a step boundary: hooks in for a timed step, out for the others."""
+        try:
+            if timed and not self._layer_handles:
+                handles = self._layer_handles
+                for module in self._leaves:
+                    handles.append(module.register_forward_pre_hook(self._layer_pre))
+                    handles.append(module.register_forward_hook(self._layer_post,
+                                                                always_call=True))
+            elif not timed and self._layer_handles:
+                handles, self._layer_handles = self._layer_handles, []
+                for handle in handles:
+                    handle.remove()
+                self._layer_started.clear()
+                for correlator in self._pushed.values():
+                    correlator.pop()
+                self._pushed.clear()
+        except Exception as error:
+            self.recorder.hook_failed("layer_sampling", error)
 
     def _root_pre(self, module: Any, args: Any) -> None:
         try:
