@@ -74,7 +74,7 @@ class LayerSampling:
             cost = max(0.0, statistics.median(self._costs))
             wanted = cost / (self.budget * statistics.median(self._baseline))
             self.interval = min(MAX_SAMPLE_INTERVAL,
-                                max(MIN_SAMPLE_INTERVAL, math.ceil(wanted)))
+                                max(MIN_SAMPLE_INTERVAL, math.ceil(wanted - 1e-9)))
         return self.since_sample + 1 >= self.interval
 
     @property
@@ -108,11 +108,12 @@ class Recorder:
         # estimated for all steady steps from the timed ones.
         self.layers: dict[str, list[float]] = {}
         self._pending_layers: dict[str, list[float]] = {}  # the step being timed
-        # None: every step's layers count as they come (no duty cycle).
-        self.layer_sampling = layer_sampling
         self.layer_step = False  # the open step is timed: layer hooks are in
+        # None: no duty cycle, every steady step is timed.
+        self._layer_sampling = layer_sampling
         self.layer_sampled_steps = 0
-        self._sampled_phases: dict[str, float] = {}  # the last timed step's forward/backward
+        # Untimed steps' time outside the optimizer, split at the next timed step.
+        self._unsplit_seconds = 0.0
         # Called on the training thread after each boundary with ``layer_step``:
         # the framework hooks install or remove their layer hooks.
         self.layer_listeners: list[Callable[[bool], None]] = []
@@ -126,6 +127,17 @@ class Recorder:
     def set_warmup_steps(self, steps: int) -> None:
         self.warmup_steps = steps
         self.steady = self.steps["warmup"] >= steps
+        self.layer_step = self.steady and self._layer_sampling is None
+
+    @property
+    def layer_sampling(self) -> LayerSampling | None:
+        return self._layer_sampling
+
+    @layer_sampling.setter
+    def layer_sampling(self, sampling: LayerSampling | None) -> None:
+        with self._lock:
+            self._layer_sampling = sampling
+            self.layer_step = self.steady and sampling is None
 
     # Hot path: called by hooks on the training thread.
 
@@ -208,19 +220,24 @@ class Recorder:
             self.steps["warmup"] += 1
             self.samples["warmup"] += samples
             self.steady = self.steps["warmup"] >= self.warmup_steps
+            self.layer_step = self.steady and (self._layer_sampling is None
+                                               or self._layer_sampling.interval <= 1)
             return
         sampling = self.layer_sampling
         weight = 1
-        if sampling is not None:
+        if sampling is None:
+            self.layer_step = True  # no duty cycle: every steady step is timed
+        else:
             weight = sampling.since_sample + 1  # the steps this timed one stands for
             self.layer_step = sampling.closed(seconds, sampled)
             if sampled:
                 self.layer_sampled_steps += 1
-                self._sampled_phases = {phase: phases.get(phase, 0.0) for phase in PHASES}
             else:
                 layers = {}  # a late hook call from a step that was not timed
                 phases = {phase: phases.get(phase, 0.0) for phase in phases
                           if phase not in PHASES}
+        if self.capture is not None:
+            self.layer_step = True  # a trace window takes every step's layers
         self._add_layers(layers, weight)
         self.steps["steady"] += 1
         self.samples["steady"] += samples
@@ -232,13 +249,18 @@ class Recorder:
             scale = weight if phase in PHASES else 1
             self.phase_seconds[phase] = (self.phase_seconds.get(phase, 0.0)
                                          + scale * phase_seconds)
-            measured += phase_seconds
-        if sampling is not None and not sampled:
-            # An untimed step's forward and backward: as in the last timed one.
-            measured += sum(self._sampled_phases.values())
+            measured += scale * phase_seconds
+        unsplit = seconds
+        if sampling is not None:
+            # Untimed steps wait for the next timed one to know their forward and backward.
+            self._unsplit_seconds += seconds - measured
+            if not sampled:
+                return
+            unsplit, measured = self._unsplit_seconds + measured, measured
+            self._unsplit_seconds = 0.0
         # What no hook saw: data loading, the loss, zero_grad, the loop's own Python.
         self.phase_seconds["other"] = (self.phase_seconds.get("other", 0.0)
-                                       + max(0.0, seconds - measured))
+                                       + max(0.0, unsplit - measured))
 
     def _add_layers(self, layers: dict[str, list[float]], weight: int) -> None:
         for name, (forward, forward_calls, backward, backward_calls) in layers.items():

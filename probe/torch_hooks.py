@@ -185,6 +185,7 @@ class TorchHooks:
             self.layer_labels.append(label)
             self._leaves.append(module)
         self.recorder.layer_listeners.append(self._layer_boundary)
+        self._layer_boundary(self.recorder.layer_step)
 
     def _layer_boundary(self, timed: bool) -> None:
         """At a step boundary: hooks in for a timed step, out for the others."""
