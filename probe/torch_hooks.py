@@ -56,6 +56,7 @@ class TorchHooks:
     def __init__(self, recorder: Recorder, *, layers: bool) -> None:
         self.recorder = recorder
         self.layers = layers
+        self._clock = recorder.clock  # the recorder's: steps and layers on one clock
         self._handles: list[Any] = []
         self._discovery: Any = None
         self._seen: dict[int, Any] = {}  # id -> module, during discovery only
@@ -116,13 +117,13 @@ class TorchHooks:
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            self._optimizer_started = time.perf_counter()
-        except Exception as error:  # pragma: no cover - perf_counter does not fail
+            self._optimizer_started = self._clock()
+        except Exception as error:  # pragma: no cover - the clock does not fail
             self.recorder.hook_failed("optimizer_pre", error)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            now = time.perf_counter()
+            now = self._clock()
             if self._optimizer_started:
                 self.recorder.add_phase_time("optimizer", now - self._optimizer_started)
                 self._optimizer_started = 0.0
@@ -224,7 +225,7 @@ class TorchHooks:
             self.recorder.hook_failed("model_forward", error)
 
     def _layer_pre(self, module: Any, args: Any) -> None:
-        self._layer_started[id(module)] = time.perf_counter()
+        self._layer_started[id(module)] = self._clock()
         kernels = self.kernels
         if kernels is not None and kernels.correlator is not None:
             self._push_forward(id(module))
@@ -240,7 +241,7 @@ class TorchHooks:
 
     def _layer_post(self, module: Any, args: Any, output: Any) -> None:
         try:
-            now = time.perf_counter()
+            now = self._clock()
             if self._pushed:
                 correlator = self._pushed.pop(id(module), None)
                 if correlator is not None:
@@ -265,7 +266,7 @@ class TorchHooks:
     def _backward_reached(self, label: str, index: int, grad_outputs: Any) -> None:
         """Autograd reached ``label``'s output: the previous layer's backward ends."""
         try:
-            now = time.perf_counter()
+            now = self._clock()
             previous = self._segment_label
             if previous is None:  # this pass's first layer: have its end reported
                 self._torch.autograd.Variable._execution_engine.queue_callback(
@@ -300,7 +301,7 @@ class TorchHooks:
         try:
             label, self._segment_label = self._segment_label, None
             if label is not None:
-                self._backward_segment(label, time.perf_counter())
+                self._backward_segment(label, self._clock())
             if self._backward_pushed:
                 self._switch_backward(None)
         except Exception as error:
