@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
 from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
-from dlprof_agent.agent.arguments import paragraph as _para
 from dlprof_agent.agent.arguments import budget_fraction, seconds, whole_number
+from dlprof_agent.agent.arguments import paragraph as _para
 from dlprof_agent.agent.errors import (
     EXIT_CODES_HELP,
     AgentError,

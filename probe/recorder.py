@@ -256,18 +256,17 @@ class Recorder:
             self._unsplit_seconds += seconds - measured
             if not sampled:
                 return
-            unsplit, measured = self._unsplit_seconds + measured, measured
+            unsplit = self._unsplit_seconds + measured
             self._unsplit_seconds = 0.0
         # What no hook saw: data loading, the loss, zero_grad, the loop's own Python.
         self.phase_seconds["other"] = (self.phase_seconds.get("other", 0.0)
                                        + max(0.0, unsplit - measured))
 
     def _add_layers(self, layers: dict[str, list[float]], weight: int) -> None:
-        for name, (forward, forward_calls, backward, backward_calls) in layers.items():
-            stats = self.layers.get(name)
+        for layer, (forward, forward_calls, backward, backward_calls) in layers.items():
+            stats = self.layers.get(layer)
             if stats is None:
-                if len(self.layers) >= self.max_layers:
-                    name = OTHER_LAYER
+                name = OTHER_LAYER if len(self.layers) >= self.max_layers else layer
                 stats = self.layers.setdefault(name, [0.0, 0, 0.0, 0])
             stats[0] += weight * forward
             stats[1] += weight * forward_calls

@@ -32,7 +32,6 @@ import functools
 import os
 import sys
 import threading
-import time
 from typing import Any
 
 from dlprof_agent.probe.recorder import Recorder

@@ -30,8 +30,9 @@ def training_step(name: str) -> tuple[Any, Callable[[], None]]:
         inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
         cross_entropy = torch.nn.CrossEntropyLoss()
 
-        def loss_fn(logits: Any, labels: Any) -> Any:
+        def sequence_loss(logits: Any, labels: Any) -> Any:
             return cross_entropy(logits.reshape(-1, 2000), labels.reshape(-1))
+        loss_fn: Callable[[Any, Any], Any] = sequence_loss
     else:
         model = torch_models.build(name)
         inputs, targets = torch_models.example_batch(name, 8 if name == "resnet-56" else 32)
@@ -118,7 +119,7 @@ def layer_shares(name: str, sampling: LayerSampling | None, *, steps: int = 0,
     ``steps`` steps, or until ``timed_steps`` were timed, ending with a timed
     one (the steps after the last timed one are not yet estimated). Also how
     many steps were timed, and what a timed one cost."""
-    model, step = training_step(name)
+    _model, step = training_step(name)
     for _ in range(3):
         step()
     # The training thread's CPU time, not wall time: on a shared machine other
