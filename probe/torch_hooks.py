@@ -79,6 +79,8 @@ class TorchHooks:
         self._layer_index: dict[int, int] = {}
         self._leaves: list[Any] = []  # the modules timed in a timed step, capped
         self._layer_handles: list[Any] = []  # present only during a timed step
+        # Step boundaries (training thread) and remove() (probe thread) both change them.
+        self._layer_lock = threading.Lock()
         self._pushed: dict[int, Any] = {}  # id of a module in forward -> its correlator
         self._backward_pushed: dict[int, Any] = {}  # thread ident -> correlator
 
@@ -98,9 +100,10 @@ class TorchHooks:
     def remove(self) -> None:
         if self._layer_boundary in self.recorder.layer_listeners:
             self.recorder.layer_listeners.remove(self._layer_boundary)
-        handles, self._handles = self._handles + self._layer_handles, []
-        self._layer_handles = []
-        self._leaves = []
+        with self._layer_lock:
+            handles, self._handles = self._handles + self._layer_handles, []
+            self._layer_handles = []
+            self._leaves = []
         if self._discovery is not None:
             handles.append(self._discovery)
             self._discovery = None
@@ -190,20 +193,23 @@ class TorchHooks:
     def _layer_boundary(self, timed: bool) -> None:
         """At a step boundary: hooks in for a timed step, out for the others."""
         try:
-            if timed and not self._layer_handles:
-                handles = self._layer_handles
-                for module in self._leaves:
-                    handles.append(module.register_forward_pre_hook(self._layer_pre))
-                    handles.append(module.register_forward_hook(self._layer_post,
-                                                                always_call=True))
-            elif not timed and self._layer_handles:
-                handles, self._layer_handles = self._layer_handles, []
-                for handle in handles:
-                    handle.remove()
-                self._layer_started.clear()
-                for correlator in self._pushed.values():
-                    correlator.pop()
-                self._pushed.clear()
+            if timed == bool(self._layer_handles):
+                return
+            with self._layer_lock:
+                if timed and not self._layer_handles:
+                    handles = self._layer_handles
+                    for module in self._leaves:  # empty once removed
+                        handles.append(module.register_forward_pre_hook(self._layer_pre))
+                        handles.append(module.register_forward_hook(self._layer_post,
+                                                                    always_call=True))
+                elif not timed and self._layer_handles:
+                    handles, self._layer_handles = self._layer_handles, []
+                    for handle in handles:
+                        handle.remove()
+                    self._layer_started.clear()
+                    for correlator in self._pushed.values():
+                        correlator.pop()
+                    self._pushed.clear()
         except Exception as error:
             self.recorder.hook_failed("layer_sampling", error)
 
