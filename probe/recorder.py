@@ -30,9 +30,10 @@ DEFAULT_MAX_LAYERS = 512
 OTHER_LAYER = "other"
 PHASES = ("forward", "backward")
 DEFAULT_LAYER_BUDGET = 0.01  # layer timing may add this fraction of step time
-# One timed step in at most this many, at least this often, and from the start
-# until the cost of a timed step is known.
-MIN_SAMPLE_INTERVAL = 2
+# Under a budget: one timed step in MIN_SAMPLE_INTERVAL at most (so a timed step
+# costing up to 5% stays within 1% even if its cost is misjudged), one in
+# MAX_SAMPLE_INTERVAL at least, and one in FIRST_SAMPLE_INTERVAL until the cost is known.
+MIN_SAMPLE_INTERVAL = 5
 MAX_SAMPLE_INTERVAL = 1000
 FIRST_SAMPLE_INTERVAL = 8
 BASELINE_STEPS = 63  # untimed step times kept: their median is the baseline

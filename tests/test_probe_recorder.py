@@ -131,7 +131,7 @@ def test_a_fixed_rate_times_one_step_in_n_and_scales_to_all_steps() -> None:
 
 
 @pytest.mark.parametrize(("budget", "cost", "interval"), [
-    (0.01, 0.05, 5), (0.01, 0.2, 20), (0.001, 0.05, 50), (0.05, 0.05, 2)])
+    (0.01, 0.05, 5), (0.01, 0.2, 20), (0.001, 0.05, 50), (0.05, 0.05, 5)])
 def test_the_budget_sets_how_often_steps_are_timed(budget: float, cost: float,
                                                    interval: int) -> None:
     """A timed step costing ``cost`` of a step, under ``budget``: one step in
