@@ -50,3 +50,19 @@ def seconds(minimum: float, maximum: float | None = None, *, above: bool = False
             raise argparse.ArgumentTypeError(f"{text} is out of range: give {bound} seconds")
         return value
     return parse
+
+
+def budget_fraction(text: str) -> float:
+    """A share of step time: ``1%`` or ``0.01`` (a bare number is a fraction)."""
+    percent = text.strip().endswith("%")
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a share of step time (e.g. 1% or 0.01)") from None
+    if percent:
+        value /= 100
+    if not math.isfinite(value) or not 0.0001 <= value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text} is out of range: give 0.01% to 100% (0.0001 to 1)")
+    return value

@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
 from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
+from dlprof_agent.agent.arguments import budget_fraction, seconds, whole_number
 from dlprof_agent.agent.arguments import paragraph as _para
-from dlprof_agent.agent.arguments import seconds, whole_number
 from dlprof_agent.agent.errors import (
     EXIT_CODES_HELP,
     AgentError,
@@ -105,8 +105,18 @@ def _add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> Non
         "in-process probe", "step time, samples per second, per-layer time and framework "
         "settings, measured inside the job")
     group.add_argument("--layers", action="store_true",
-                       help="also time each layer's forward and backward (costs a little "
-                            "per layer call; off by default)")
+                       help="also time each layer's forward and backward, in a share of the "
+                            "steps chosen to stay within --layers-budget; the other steps run "
+                            "without hooks (off by default)")
+    group.add_argument("--layers-budget", type=budget_fraction, default=0.01,
+                       metavar="SHARE",
+                       help="step time --layers may add, as a percentage (1%%) or a fraction "
+                            "(0.01): the probe measures what a timed step costs and times one "
+                            "step in as many as that allows (default 1%%)")
+    group.add_argument("--layers-every", type=whole_number(1, 1000, unit="steps"),
+                       metavar="N",
+                       help="time the layers of one step in N, whatever it costs (1: every "
+                            "step); overrides --layers-budget")
     group.add_argument("--warmup-steps", type=whole_number(0, unit="steps"),
                        default=DEFAULT_WARMUP_STEPS, metavar="N",
                        help="steps counted as warm-up and kept out of the steady-state "
@@ -714,7 +724,8 @@ def daemon_command(args: argparse.Namespace) -> int:
         log.setLevel(logging.WARNING)
     web = load_web_config(args.web_config_file)
     probe = (ProbeOptions(inject=args.inject, layers=args.layers,
-                          warmup_steps=args.warmup_steps, kernels=args.kernels)
+                          warmup_steps=args.warmup_steps, kernels=args.kernels,
+                          layers_budget=args.layers_budget, layers_every=args.layers_every or 0)
              if args.probe else None)
     options = DaemonOptions(interval=args.interval, scan_interval=args.scan_interval,
                             matches=tuple(args.match), environment=tuple(args.env),
@@ -748,7 +759,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         probe = None
         if getattr(args, "probe", args.command == "run"):
             probe = ProbeOptions(inject=getattr(args, "inject", False), layers=args.layers,
-                                 warmup_steps=args.warmup_steps, kernels=args.kernels)
+                                 warmup_steps=args.warmup_steps, kernels=args.kernels,
+                                 layers_budget=args.layers_budget,
+                                 layers_every=args.layers_every or 0)
         options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                                duration=args.duration, grace=args.grace, quiet=args.quiet,
                                children=args.children, gpu=args.gpu, probe=probe,

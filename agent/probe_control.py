@@ -41,6 +41,8 @@ class ProbeOptions:
     warmup_steps: int = 10
     wait_seconds: float = SOCKET_WAIT_SECONDS
     kernels: bool = True  # continuous CUPTI kernel tracing while the job uses CUDA
+    layers_budget: float = 0.01  # share of step time layer timing may add
+    layers_every: int = 0  # > 0: time one step in this many, whatever the budget
 
 
 def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
@@ -50,6 +52,10 @@ def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
     if not options.kernels:
         # Sent only when off: a probe older than kernel tracing refuses unknown options.
         started["kernels"] = False
+    if options.layers and options.layers_budget != 0.01:
+        started["layers_budget"] = options.layers_budget  # likewise: only when not default
+    if options.layers and options.layers_every:
+        started["layers_every"] = options.layers_every
     return started
 
 

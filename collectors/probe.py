@@ -134,6 +134,7 @@ class ProbeSample:
     dropped_messages: tuple[tuple[str, int], ...]  # (reason, count)
     settings: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # per framework
     kernels: KernelSample | None = None  # None: a probe older than kernel tracing
+    layer_sampled_steps: int | None = None  # steps whose layers were timed; None: not told
 
     @property
     def steady_steps(self) -> int:
@@ -160,6 +161,8 @@ class ProbeSample:
                                        for k, v in probe["phase_seconds"].items())),
             layers=tuple(LayerSample(str(n), float(fs), int(fc), float(bs), int(bc))
                          for n, fs, fc, bs, bc in probe["layers"]),
+            layer_sampled_steps=(int(probe["layer_sampled_steps"])
+                                 if "layer_sampled_steps" in probe else None),
             hook_errors=int(probe["hook_errors"]),
             dropped_messages=tuple(sorted((str(k), int(v))
                                           for k, v in reply.get("dropped", {}).items())),

@@ -366,10 +366,17 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
     for phase, seconds in probe.phase_seconds:
         phases.add_metric([pid, phase], seconds)
     layer_seconds = _counter("dlprof_layer_seconds_total",
-                             "Time in each layer, forward and backward (with --layers).",
+                             "Time in each layer, forward and backward (with --layers), "
+                             "estimated for every step from the timed ones.",
                              ["pid", "layer", "phase"])
-    layer_calls = _counter("dlprof_layer_calls_total", "Calls of each layer, by phase.",
+    layer_calls = _counter("dlprof_layer_calls_total",
+                           "Calls of each layer, by phase, estimated like the time.",
                            ["pid", "layer", "phase"])
+    sampled = _counter("dlprof_layer_sampled_steps_total",
+                       "Steady steps whose layers were timed (with --layers); the layer "
+                       "counters are estimated from these.", ["pid"])
+    if probe.layer_sampled_steps is not None:
+        sampled.add_metric([pid], probe.layer_sampled_steps)
     for layer in probe.layers:
         for phase, seconds, calls in (
                 ("forward", layer.forward_seconds, layer.forward_calls),
@@ -395,8 +402,8 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
         dropped.add_metric([pid, reason], count)
     kernels = (kernel_families(pid, probe.kernels, gpu_labels(gpu))
                if probe.kernels is not None else [])
-    return [probe_up, steps, samples, duration, phases, layer_seconds, layer_calls, info,
-            hook_errors, dropped, *kernels]
+    return [probe_up, steps, samples, duration, phases, layer_seconds, layer_calls, sampled,
+            info, hook_errors, dropped, *kernels]
 
 
 def finding_families(target_pid: int, findings: Iterable[Finding]) -> list[Metric]:

@@ -3,13 +3,23 @@
 Hooks run on the training thread, so every method here is a few additions;
 the agent reads a copy once per interval through ``snapshot()``. Memory is
 bounded: fixed histogram buckets and at most ``max_layers`` layer names.
+
+Layer time is duty-cycled (``LayerSampling``): the layer hooks are installed
+for one step in N and removed for the others, which then take the framework's
+fast path. A timed step's layer times are multiplied by the number of steps it
+stands for, so the layer counters estimate every step's layer time and their
+rates read as before; ``layer_sampled_steps`` counts the timed steps.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 # Upper bounds in seconds; a CPU step of a small CNN sits near the middle.
@@ -19,17 +29,69 @@ DEFAULT_WARMUP_STEPS = 10
 DEFAULT_MAX_LAYERS = 512
 OTHER_LAYER = "other"
 PHASES = ("forward", "backward")
+DEFAULT_LAYER_BUDGET = 0.01  # layer timing may add this fraction of step time
+# Under a budget: one timed step in MIN_SAMPLE_INTERVAL at most (so a timed step
+# costing up to 5% stays within 1% even if its cost is misjudged), one in
+# MAX_SAMPLE_INTERVAL at least, and one in FIRST_SAMPLE_INTERVAL until the cost is known.
+MIN_SAMPLE_INTERVAL = 5
+MAX_SAMPLE_INTERVAL = 1000
+FIRST_SAMPLE_INTERVAL = 8
+BASELINE_STEPS = 63  # untimed step times kept: their median is the baseline
+COST_SAMPLES = 15  # timed steps' extra times kept: their median is the cost
+MIN_COST_SAMPLES = 3
 
 # Who marks step boundaries, weakest first. A stronger source, once seen, wins:
 # an explicit probe.step() call beats optimizer hooks, which beat the fallbacks.
 SOURCE_RANK = {"forward": 1, "tf_function": 1, "keras": 2, "optimizer": 2, "manual": 3}
 
 
+class LayerSampling:
+    """Which steps get their layers timed: one in ``every``, or as often as the
+    budget allows, measured as a timed step's time minus the median of recent
+    untimed steps."""
+
+    def __init__(self, *, budget: float = DEFAULT_LAYER_BUDGET, every: int = 0) -> None:
+        self.budget = budget
+        self.every = every  # > 0: a fixed rate, the budget is not consulted
+        self.interval = every or FIRST_SAMPLE_INTERVAL
+        self.since_sample = 0  # steady steps closed since the last timed one
+        self._baseline: deque[float] = deque(maxlen=BASELINE_STEPS)
+        self._costs: deque[float] = deque(maxlen=COST_SAMPLES)
+        self._after_sample = False  # removing the hooks lands in the step after one
+
+    def closed(self, seconds: float, sampled: bool) -> bool:
+        """A steady step of ``seconds`` closed; returns whether to time the next."""
+        if sampled:
+            self.since_sample = 0
+            if len(self._baseline) >= MIN_COST_SAMPLES:
+                self._costs.append(seconds - statistics.median(self._baseline))
+            self._after_sample = True
+        else:
+            self.since_sample += 1
+            if not self._after_sample:
+                self._baseline.append(seconds)
+            self._after_sample = False
+        if not self.every and len(self._costs) >= MIN_COST_SAMPLES and self._baseline:
+            cost = max(0.0, statistics.median(self._costs))
+            wanted = cost / (self.budget * statistics.median(self._baseline))
+            self.interval = min(MAX_SAMPLE_INTERVAL,
+                                max(MIN_SAMPLE_INTERVAL, math.ceil(wanted - 1e-9)))
+        return self.since_sample + 1 >= self.interval
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """What a timed step adds, as a fraction of an untimed one."""
+        if len(self._costs) < MIN_COST_SAMPLES or not self._baseline:
+            return None
+        return max(0.0, statistics.median(self._costs)) / statistics.median(self._baseline)
+
+
 class Recorder:
     """Step, phase and layer totals since the agent said start."""
 
     def __init__(self, *, warmup_steps: int = DEFAULT_WARMUP_STEPS,
-                 max_layers: int = DEFAULT_MAX_LAYERS, clock: Any = time.perf_counter) -> None:
+                 max_layers: int = DEFAULT_MAX_LAYERS, clock: Any = time.perf_counter,
+                 layer_sampling: LayerSampling | None = None) -> None:
         self.max_layers = max_layers
         self.clock = clock
         self._lock = threading.Lock()
@@ -43,8 +105,19 @@ class Recorder:
         self.step_seconds_sum = 0.0
         self.last_step_seconds: float | None = None
         self.phase_seconds: dict[str, float] = {}
-        # name -> [forward seconds, forward calls, backward seconds, backward calls]
+        # name -> [forward seconds, forward calls, backward seconds, backward calls],
+        # estimated for all steady steps from the timed ones.
         self.layers: dict[str, list[float]] = {}
+        self._pending_layers: dict[str, list[float]] = {}  # the step being timed
+        self.layer_step = False  # the open step is timed: layer hooks are in
+        # None: no duty cycle, every steady step is timed.
+        self._layer_sampling = layer_sampling
+        self.layer_sampled_steps = 0
+        # Untimed steps' time outside the optimizer, split at the next timed step.
+        self._unsplit_seconds = 0.0
+        # Called on the training thread after each boundary with ``layer_step``:
+        # the framework hooks install or remove their layer hooks.
+        self.layer_listeners: list[Callable[[bool], None]] = []
         self.hook_errors = 0
         self.hook_error_kinds: dict[str, str] = {}
         self.steady = False  # past warm-up: layer time counts from here
@@ -55,6 +128,17 @@ class Recorder:
     def set_warmup_steps(self, steps: int) -> None:
         self.warmup_steps = steps
         self.steady = self.steps["warmup"] >= steps
+        self.layer_step = self.steady and self._layer_sampling is None
+
+    @property
+    def layer_sampling(self) -> LayerSampling | None:
+        return self._layer_sampling
+
+    @layer_sampling.setter
+    def layer_sampling(self, sampling: LayerSampling | None) -> None:
+        with self._lock:
+            self._layer_sampling = sampling
+            self.layer_step = self.steady and sampling is None
 
     # Hot path: called by hooks on the training thread.
 
@@ -78,8 +162,12 @@ class Recorder:
             if previous is None:
                 self._pending_samples = 0
                 self._pending_phases.clear()
-                return
-            self._close_step(now - previous)
+                self._pending_layers.clear()
+            else:
+                self._close_step(now - previous)
+            layer_step = self.layer_step
+        for listener in self.layer_listeners:
+            listener(layer_step)
 
     def add_samples(self, count: int) -> None:
         self._pending_samples += count
@@ -88,11 +176,12 @@ class Recorder:
         """Called for every layer call: kept to a few additions."""
         if not self.steady:
             return  # warm-up layers (first calls, allocator growth) would skew the split
-        stats = self.layers.get(layer)
+        stats = self._pending_layers.get(layer)
         if stats is None:
-            if len(self.layers) >= self.max_layers:
+            if layer not in self.layers and len(self.layers) + len(
+                    self._pending_layers) >= self.max_layers:
                 layer = OTHER_LAYER
-            stats = self.layers.setdefault(layer, [0.0, 0, 0.0, 0])
+            stats = self._pending_layers.setdefault(layer, [0.0, 0, 0.0, 0])
         pending = self._pending_phases
         if phase == "forward":
             stats[0] += seconds
@@ -117,17 +206,40 @@ class Recorder:
         self._last_boundary = now
         self._pending_samples = 0
         self._pending_phases.clear()
+        self._pending_layers.clear()
+        self.layer_step = False
 
     def _close_step(self, seconds: float) -> None:
         samples = self._pending_samples
         phases = self._pending_phases
+        layers = self._pending_layers
         self._pending_samples = 0
         self._pending_phases = {}
+        self._pending_layers = {}
+        sampled, self.layer_step = self.layer_step, False
         if self.steps["warmup"] < self.warmup_steps:
             self.steps["warmup"] += 1
             self.samples["warmup"] += samples
             self.steady = self.steps["warmup"] >= self.warmup_steps
+            self.layer_step = self.steady and (self._layer_sampling is None
+                                               or self._layer_sampling.interval <= 1)
             return
+        sampling = self.layer_sampling
+        weight = 1
+        if sampling is None:
+            self.layer_step = True  # no duty cycle: every steady step is timed
+        else:
+            weight = sampling.since_sample + 1  # the steps this timed one stands for
+            self.layer_step = sampling.closed(seconds, sampled)
+            if sampled:
+                self.layer_sampled_steps += 1
+            else:
+                layers = {}  # a late hook call from a step that was not timed
+                phases = {phase: phases.get(phase, 0.0) for phase in phases
+                          if phase not in PHASES}
+        if self.capture is not None:
+            self.layer_step = True  # a trace window takes every step's layers
+        self._add_layers(layers, weight)
         self.steps["steady"] += 1
         self.samples["steady"] += samples
         self.last_step_seconds = seconds
@@ -135,17 +247,38 @@ class Recorder:
         self.bucket_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
         measured = 0.0
         for phase, phase_seconds in phases.items():
-            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + phase_seconds
-            measured += phase_seconds
+            scale = weight if phase in PHASES else 1
+            self.phase_seconds[phase] = (self.phase_seconds.get(phase, 0.0)
+                                         + scale * phase_seconds)
+            measured += scale * phase_seconds
+        unsplit = seconds
+        if sampling is not None:
+            # Untimed steps wait for the next timed one to know their forward and backward.
+            self._unsplit_seconds += seconds - measured
+            if not sampled:
+                return
+            unsplit = self._unsplit_seconds + measured
+            self._unsplit_seconds = 0.0
         # What no hook saw: data loading, the loss, zero_grad, the loop's own Python.
         self.phase_seconds["other"] = (self.phase_seconds.get("other", 0.0)
-                                       + max(0.0, seconds - measured))
+                                       + max(0.0, unsplit - measured))
+
+    def _add_layers(self, layers: dict[str, list[float]], weight: int) -> None:
+        for layer, (forward, forward_calls, backward, backward_calls) in layers.items():
+            stats = self.layers.get(layer)
+            if stats is None:
+                name = OTHER_LAYER if len(self.layers) >= self.max_layers else layer
+                stats = self.layers.setdefault(name, [0.0, 0, 0.0, 0])
+            stats[0] += weight * forward
+            stats[1] += weight * forward_calls
+            stats[2] += weight * backward
+            stats[3] += weight * backward_calls
 
     # Read side: the probe thread, once per interval.
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {
+            snapshot = {
                 "step_source": self.step_source,
                 "steps": dict(self.steps),
                 "samples": dict(self.samples),
@@ -158,3 +291,6 @@ class Recorder:
                 "hook_errors": self.hook_errors,
                 "hook_error_kinds": dict(self.hook_error_kinds),
             }
+            if self.layer_sampling is not None:
+                snapshot["layer_sampled_steps"] = self.layer_sampled_steps
+            return snapshot

@@ -34,7 +34,14 @@ from dlprof_agent.probe.protocol import (
     runtime_dir_candidates,
     socket_name,
 )
-from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, DEFAULT_WARMUP_STEPS, Recorder
+from dlprof_agent.probe.recorder import (
+    DEFAULT_LAYER_BUDGET,
+    DEFAULT_MAX_LAYERS,
+    DEFAULT_WARMUP_STEPS,
+    MAX_SAMPLE_INTERVAL,
+    LayerSampling,
+    Recorder,
+)
 
 HANDSHAKE_SECONDS = 5.0  # a connection must say start within this
 FRAME_SECONDS = 2.0  # a frame, once begun, must arrive within this
@@ -76,6 +83,8 @@ class _Session:
         self.layers = bool(options["layers"])
         self.recorder = Recorder(warmup_steps=int(options["warmup_steps"]),
                                  max_layers=int(options["max_layers"]))
+        self.layer_sampling = (float(options["layers_budget"]), int(options["layers_every"]))
+        self.set_layers(self.layers)
         self.hooks: dict[str, Any] = {}
         self.last_message = time.monotonic()
         self.tracer = KernelTracer(continuous=bool(options["kernels"]),
@@ -85,6 +94,12 @@ class _Session:
     @property
     def lease_seconds(self) -> float:
         return max(MIN_LEASE_SECONDS, 3 * self.interval + 1)
+
+    def set_layers(self, layers: bool) -> None:
+        self.layers = layers
+        budget, every = self.layer_sampling
+        self.recorder.layer_sampling = (LayerSampling(budget=budget, every=every)
+                                        if layers else None)
 
     def install_new_hooks(self, errors: dict[str, int]) -> None:
         """Hook each framework once it is imported: with `run`, the agent
@@ -148,7 +163,8 @@ def _options(args: Any, current: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("args must be an object")
     merged = dict(current)
     checks = {"interval_seconds": (int, float), "layers": (bool,), "warmup_steps": (int,),
-              "max_layers": (int,), "agent_pid": (int,), "kernels": (bool,)}
+              "max_layers": (int,), "agent_pid": (int,), "kernels": (bool,),
+              "layers_budget": (int, float), "layers_every": (int,)}
     for key, value in args.items():
         kinds = checks.get(key)
         # bool is an int in Python; only "layers" and "kernels" may be one.
@@ -162,13 +178,18 @@ def _options(args: Any, current: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("warmup_steps out of range")
     if not 1 <= int(merged["max_layers"]) <= 4096:
         raise ValueError("max_layers out of range")
+    if not 0.0001 <= float(merged["layers_budget"]) <= 1:
+        raise ValueError("layers_budget out of range")
+    if not 0 <= int(merged["layers_every"]) <= MAX_SAMPLE_INTERVAL:
+        raise ValueError("layers_every out of range")
     return merged
 
 
 DEFAULT_OPTIONS: dict[str, Any] = {"interval_seconds": 1.0, "layers": False,
                                    "warmup_steps": DEFAULT_WARMUP_STEPS,
                                    "max_layers": DEFAULT_MAX_LAYERS, "agent_pid": 0,
-                                   "kernels": True}
+                                   "kernels": True, "layers_budget": DEFAULT_LAYER_BUDGET,
+                                   "layers_every": 0}
 # What this probe does beyond the first protocol's commands, told in its hello.
 CAPABILITIES = ("kernels", "trace")
 
@@ -424,7 +445,9 @@ class Probe:
                     "interval_seconds": session.interval, "layers": session.layers,
                     "warmup_steps": session.recorder.warmup_steps,
                     "max_layers": session.recorder.max_layers, "agent_pid": 0,
-                    "kernels": session.tracer.continuous})
+                    "kernels": session.tracer.continuous,
+                    "layers_budget": session.layer_sampling[0],
+                    "layers_every": session.layer_sampling[1]})
             except ValueError as error:
                 self._count("malformed")
                 self._reply(session.connection, {"ok": False, "error": str(error)})
@@ -432,9 +455,11 @@ class Probe:
             session.interval = float(options["interval_seconds"])
             session.recorder.set_warmup_steps(int(options["warmup_steps"]))
             session.recorder.max_layers = int(options["max_layers"])
-            if bool(options["layers"]) != session.layers:
-                session.layers = bool(options["layers"])
+            sampling = (float(options["layers_budget"]), int(options["layers_every"]))
+            if bool(options["layers"]) != session.layers or sampling != session.layer_sampling:
+                session.layer_sampling = sampling
                 session.remove_hooks()
+                session.set_layers(bool(options["layers"]))
                 session.install_new_hooks(self.dropped)
             session.tracer.set_continuous(bool(options["kernels"]))
             self._reply(session.connection, {"ok": True})

@@ -182,6 +182,9 @@ class TensorFlowHooks:
         self._boundaries = 0
         self._layer_calls_in_step = 0
         self._eager_layer_calls = 0
+        self._layer_patch: _Patch | None = None  # Layer.__call__, on in timed steps only
+        self._layer_patched = False  # Layer.__call__ is patched now
+        self._layer_step_timed = False  # ... and was during the step that just ended
         self._layer_mode: str | None = None
         self._precision: str | None = None
         self._device: str | None = None
@@ -227,6 +230,14 @@ class TensorFlowHooks:
                 except Exception as exc:
                     self.recorder.hook_failed("tensorflow.remove", exc)
             self._patches.clear()
+            if self._layer_boundary in self.recorder.layer_listeners:
+                self.recorder.layer_listeners.remove(self._layer_boundary)
+            if self._layer_patch is not None:
+                try:
+                    self._layer_patch.undo()
+                except Exception as exc:
+                    self.recorder.hook_failed("tensorflow.remove", exc)
+                self._layer_patch = None
             for model_ref, wrapper in list(self._wrapped_models.values()):
                 model = model_ref()
                 try:
@@ -283,8 +294,12 @@ class TensorFlowHooks:
         self._patch(trainer_class, "make_train_function",
                     self._make_train_function_wrapper(trainer_class.make_train_function))
         if self.layers:
+            # Patched only for timed steps (``_layer_boundary``): the others call Keras as is.
             layer_class = layer_module.Layer
-            self._patch(layer_class, "__call__", self._layer_call_wrapper(layer_class.__call__))
+            self._layer_patch = _Patch(layer_class, "__call__",
+                                       self._layer_call_wrapper(layer_class.__call__))
+            self.recorder.layer_listeners.append(self._layer_boundary)
+            self._layer_boundary(self.recorder.layer_step)
         for model in self._live_models(trainer_class):
             self._wrap_model(model)
 
@@ -495,10 +510,29 @@ class TensorFlowHooks:
             self.recorder.hook_failed("keras.layer_call", exc)
             return None
 
+    def _layer_boundary(self, timed: bool) -> None:
+        """At a step boundary, on the training thread: Keras layers patched for a
+        timed step, put back for the others."""
+        try:
+            patch = self._layer_patch
+            if patch is None or timed == self._layer_patched:
+                return
+            with self._process_lock():
+                if not self._active:
+                    return
+                if timed:
+                    patch.apply()
+                else:
+                    patch.undo()
+                self._layer_patched = timed
+        except Exception as exc:
+            self.recorder.hook_failed("keras.layer_sampling", exc)
+
     def _layer_call_end(self, layer: Any, start: float) -> None:
         try:
             elapsed = time.perf_counter() - start
-            self.recorder.add_layer_time(layer.name, "forward", elapsed)
+            self.recorder.add_layer_time(f"{layer.name} {type(layer).__name__}", "forward",
+                                         elapsed)
             self._layer_calls_in_step += 1
             self._eager_layer_calls += 1
         except Exception as exc:
@@ -507,8 +541,9 @@ class TensorFlowHooks:
     def _note_boundary(self, model: Any) -> None:
         """A step of ours ended: note whether it ran its layers eagerly."""
         self._boundaries += 1
-        if self._boundaries > 1:
+        if self._boundaries > 1 and self._layer_step_timed:
             self._layer_mode = "eager" if self._layer_calls_in_step else "graph"
+        self._layer_step_timed = self._layer_patched
         self._layer_calls_in_step = 0
         if self._precision is None or self._boundaries % 256 == 0:
             self._capture_precision(model)

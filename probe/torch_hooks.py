@@ -3,8 +3,15 @@
 Steps come from the global optimizer hooks; loops without ``torch.optim``
 fall back to the start of each training-mode forward of the model. The model
 is found by watching module calls for one iteration: the outermost module with
-parameters. After that only hooks on the model (and, with layer timing, on its
-leaf modules) remain, so a step costs a handful of Python calls.
+parameters. After that only a hook on the model remains, so a step costs a
+handful of Python calls.
+
+Layer timing is duty-cycled (``recorder.LayerSampling``): hooks go on the leaf
+modules at the step boundary before a timed step and come off at the next
+one. A module with any hook runs ``Module._call_impl``'s slow path and every
+hooked output's autograd node calls back into Python, so hooks left on would
+cost every step. Leaves past the ``max_layers`` cap are never hooked. A layer
+is named by its path in the model and its type (``features.0 Conv2d``).
 
 Backward time per layer runs from the moment autograd reaches the node that
 produced the layer's output (a node pre-hook, registered during forward) to
@@ -25,7 +32,6 @@ import functools
 import os
 import sys
 import threading
-import time
 from typing import Any
 
 from dlprof_agent.probe.recorder import Recorder
@@ -49,6 +55,7 @@ class TorchHooks:
     def __init__(self, recorder: Recorder, *, layers: bool) -> None:
         self.recorder = recorder
         self.layers = layers
+        self._clock = recorder.clock  # the recorder's: steps and layers on one clock
         self._handles: list[Any] = []
         self._discovery: Any = None
         self._seen: dict[int, Any] = {}  # id -> module, during discovery only
@@ -70,6 +77,10 @@ class TorchHooks:
         self.kernels: Any = None
         self.layer_labels: list[str] = []
         self._layer_index: dict[int, int] = {}
+        self._leaves: list[Any] = []  # the modules timed in a timed step, capped
+        self._layer_handles: list[Any] = []  # present only during a timed step
+        # Step boundaries (training thread) and remove() (probe thread) both change them.
+        self._layer_lock = threading.Lock()
         self._pushed: dict[int, Any] = {}  # id of a module in forward -> its correlator
         self._backward_pushed: dict[int, Any] = {}  # thread ident -> correlator
 
@@ -87,7 +98,12 @@ class TorchHooks:
         self._discovery = register_module_forward_pre_hook(self._discover)
 
     def remove(self) -> None:
-        handles, self._handles = self._handles, []
+        if self._layer_boundary in self.recorder.layer_listeners:
+            self.recorder.layer_listeners.remove(self._layer_boundary)
+        with self._layer_lock:
+            handles, self._handles = self._handles + self._layer_handles, []
+            self._layer_handles = []
+            self._leaves = []
         if self._discovery is not None:
             handles.append(self._discovery)
             self._discovery = None
@@ -103,13 +119,13 @@ class TorchHooks:
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            self._optimizer_started = time.perf_counter()
-        except Exception as error:  # pragma: no cover - perf_counter does not fail
+            self._optimizer_started = self._clock()
+        except Exception as error:  # pragma: no cover - the clock does not fail
             self.recorder.hook_failed("optimizer_pre", error)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            now = time.perf_counter()
+            now = self._clock()
             if self._optimizer_started:
                 self.recorder.add_phase_time("optimizer", now - self._optimizer_started)
                 self._optimizer_started = 0.0
@@ -160,15 +176,42 @@ class TorchHooks:
             self._hook_layers(root)
 
     def _hook_layers(self, root: Any) -> None:
+        """Name the leaf modules; their hooks go in only for timed steps."""
         for name, module in root.named_modules():
             if next(module.children(), None) is not None:
                 continue  # containers: their time is their leaves' time
-            self._labels[id(module)] = name or type(module).__name__
+            if len(self._leaves) >= self.recorder.max_layers:
+                break  # past the cap: never hooked, so they cost nothing
+            label = f"{name} {type(module).__name__}" if name else type(module).__name__
+            self._labels[id(module)] = label
             self._layer_index[id(module)] = len(self.layer_labels)
-            self.layer_labels.append(self._labels[id(module)])
-            self._handles.append(module.register_forward_pre_hook(self._layer_pre))
-            self._handles.append(module.register_forward_hook(self._layer_post,
-                                                              always_call=True))
+            self.layer_labels.append(label)
+            self._leaves.append(module)
+        self.recorder.layer_listeners.append(self._layer_boundary)
+        self._layer_boundary(self.recorder.layer_step)
+
+    def _layer_boundary(self, timed: bool) -> None:
+        """At a step boundary: hooks in for a timed step, out for the others."""
+        try:
+            if timed == bool(self._layer_handles):
+                return
+            with self._layer_lock:
+                if timed and not self._layer_handles:
+                    handles = self._layer_handles
+                    for module in self._leaves:  # empty once removed
+                        handles.append(module.register_forward_pre_hook(self._layer_pre))
+                        handles.append(module.register_forward_hook(self._layer_post,
+                                                                    always_call=True))
+                elif not timed and self._layer_handles:
+                    handles, self._layer_handles = self._layer_handles, []
+                    for handle in handles:
+                        handle.remove()
+                    self._layer_started.clear()
+                    for correlator in self._pushed.values():
+                        correlator.pop()
+                    self._pushed.clear()
+        except Exception as error:
+            self.recorder.hook_failed("layer_sampling", error)
 
     def _root_pre(self, module: Any, args: Any) -> None:
         try:
@@ -187,7 +230,7 @@ class TorchHooks:
             self.recorder.hook_failed("model_forward", error)
 
     def _layer_pre(self, module: Any, args: Any) -> None:
-        self._layer_started[id(module)] = time.perf_counter()
+        self._layer_started[id(module)] = self._clock()
         kernels = self.kernels
         if kernels is not None and kernels.correlator is not None:
             self._push_forward(id(module))
@@ -203,7 +246,7 @@ class TorchHooks:
 
     def _layer_post(self, module: Any, args: Any, output: Any) -> None:
         try:
-            now = time.perf_counter()
+            now = self._clock()
             if self._pushed:
                 correlator = self._pushed.pop(id(module), None)
                 if correlator is not None:
@@ -228,7 +271,7 @@ class TorchHooks:
     def _backward_reached(self, label: str, index: int, grad_outputs: Any) -> None:
         """Autograd reached ``label``'s output: the previous layer's backward ends."""
         try:
-            now = time.perf_counter()
+            now = self._clock()
             previous = self._segment_label
             if previous is None:  # this pass's first layer: have its end reported
                 self._torch.autograd.Variable._execution_engine.queue_callback(
@@ -263,7 +306,7 @@ class TorchHooks:
         try:
             label, self._segment_label = self._segment_label, None
             if label is not None:
-                self._backward_segment(label, time.perf_counter())
+                self._backward_segment(label, self._clock())
             if self._backward_pushed:
                 self._switch_backward(None)
         except Exception as error:

@@ -46,9 +46,9 @@ def test_attach_serves_kernels_copies_and_kernel_time_per_layer(
         launches * 20e-6)
     assert values["dlprof_kernel_duration_seconds_count{gpu=0}"] == launches
     assert values["dlprof_memcpy_bytes_total{gpu=0,kind=h2d}"] >= SimulatedGpu.COPY_BYTES
-    # The small CNN's first layer ("0", a conv) launched kernels in both phases.
-    assert values["dlprof_layer_gpu_seconds_total{layer=0,phase=forward}"] > 0
-    assert values["dlprof_layer_gpu_seconds_total{layer=0,phase=backward}"] > 0
+    # The small CNN's first layer ("0 Conv2d") launched kernels in both phases.
+    assert values["dlprof_layer_gpu_seconds_total{layer=0 Conv2d,phase=forward}"] > 0
+    assert values["dlprof_layer_gpu_seconds_total{layer=0 Conv2d,phase=backward}"] > 0
     assert values["dlprof_cupti_dropped_records_total{}"] == 0
     assert values["dlprof_probe_hook_errors_total{}"] == 0
 

@@ -15,7 +15,7 @@ from dlprof_agent.probe.protocol import (
     encode,
     read_frame,
 )
-from dlprof_agent.probe.recorder import OTHER_LAYER, STEP_BUCKETS, Recorder
+from dlprof_agent.probe.recorder import OTHER_LAYER, STEP_BUCKETS, LayerSampling, Recorder
 from dlprof_agent.probe.runtime import DEFAULT_OPTIONS, _options
 
 
@@ -80,8 +80,10 @@ def test_phases_add_up_to_the_step_time() -> None:
 
 def test_layer_names_are_capped_with_an_other_bucket() -> None:
     recorder = Recorder(warmup_steps=0, max_layers=4, clock=Clock())
+    recorder.step_boundary("optimizer")
     for index in range(10):
         recorder.add_layer_time(f"layer{index}", "forward", 1.0)
+    run_steps(recorder, [1.0])
     layers = {row[0]: row[1:] for row in recorder.snapshot()["layers"]}
     assert set(layers) == {"layer0", "layer1", "layer2", "layer3", OTHER_LAYER}
     assert layers[OTHER_LAYER] == [6.0, 6, 0.0, 0]
@@ -93,7 +95,68 @@ def test_layers_are_not_counted_during_warmup() -> None:
     recorder.add_layer_time("conv", "forward", 1.0)
     run_steps(recorder, [1.0, 1.0])
     recorder.add_layer_time("conv", "forward", 0.5)
+    run_steps(recorder, [1.0])
     assert recorder.snapshot()["layers"] == [["conv", 0.5, 1, 0.0, 0]]
+
+
+def timed_steps(recorder: Recorder, steps: int, *, step: float, cost: float) -> list[bool]:
+    """Steps of ``step`` seconds, ``cost`` more when timed, each timed one with
+    a 0.2 s forward and 0.3 s backward in ``conv``; which steps were timed."""
+    clock = recorder.clock
+    assert isinstance(clock, Clock)
+    timed = []
+    for _ in range(steps):
+        timed.append(recorder.layer_step)
+        if recorder.layer_step:
+            recorder.add_layer_time("conv", "forward", 0.2 * step)
+            recorder.add_layer_time("conv", "backward", 0.3 * step)
+        clock.now += step + (cost if recorder.layer_step else 0.0)
+        recorder.step_boundary("optimizer")
+    return timed
+
+
+def test_a_fixed_rate_times_one_step_in_n_and_scales_to_all_steps() -> None:
+    recorder = Recorder(warmup_steps=2, clock=Clock(), layer_sampling=LayerSampling(every=4))
+    recorder.step_boundary("optimizer")
+    timed = timed_steps(recorder, 2 + 40, step=1.0, cost=0.0)
+    assert timed[:2] == [False, False]  # warm-up
+    assert timed[2:] == [False, False, False, True] * 10
+    snapshot = recorder.snapshot()
+    assert snapshot["layer_sampled_steps"] == 10
+    # Each timed step stands for four: the estimate covers all 40 steady steps.
+    assert snapshot["layers"] == [["conv", pytest.approx(8.0), 40, pytest.approx(12.0), 40]]
+    phases = snapshot["phase_seconds"]
+    assert phases["forward"] == pytest.approx(8.0) and phases["backward"] == pytest.approx(12.0)
+    assert sum(phases.values()) == pytest.approx(snapshot["step_seconds_sum"])
+
+
+@pytest.mark.parametrize(("budget", "cost", "interval"), [
+    (0.01, 0.05, 5), (0.01, 0.2, 20), (0.001, 0.05, 50), (0.05, 0.05, 5)])
+def test_the_budget_sets_how_often_steps_are_timed(budget: float, cost: float,
+                                                   interval: int) -> None:
+    """A timed step costing ``cost`` of a step, under ``budget``: one step in
+    cost / budget is timed, so timing adds ``budget`` of the step time."""
+    sampling = LayerSampling(budget=budget)
+    recorder = Recorder(warmup_steps=0, clock=Clock(), layer_sampling=sampling)
+    recorder.step_boundary("optimizer")
+    timed_steps(recorder, 40 * interval, step=1.0, cost=cost)  # learns the cost
+    assert sampling.interval == interval
+    assert sampling.cost_ratio == pytest.approx(cost)
+    timed = timed_steps(recorder, 20 * interval, step=1.0, cost=cost)
+    assert sum(timed) == pytest.approx(20, abs=1)
+    added = sum(timed) * cost / (20 * interval)
+    assert added <= budget * 1.05
+
+
+def test_without_duty_cycle_every_step_counts_and_no_sampled_count_is_told() -> None:
+    recorder = Recorder(warmup_steps=0, clock=Clock())
+    recorder.step_boundary("optimizer")
+    for _ in range(3):
+        recorder.add_layer_time("conv", "forward", 0.5)
+        run_steps(recorder, [1.0])
+    snapshot = recorder.snapshot()
+    assert snapshot["layers"] == [["conv", 1.5, 3, 0.0, 0]]
+    assert "layer_sampled_steps" not in snapshot
 
 
 def test_frames_round_trip_and_bad_frames_are_named() -> None:

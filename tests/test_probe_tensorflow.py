@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from dlprof_agent.probe.recorder import Recorder
+from dlprof_agent.probe.recorder import LayerSampling, Recorder
 from dlprof_agent.probe.tensorflow_hooks import GRAPH_MODE, TensorFlowHooks
 
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None
@@ -230,10 +230,12 @@ def test_remove_restores_everything(make_hooks: MakeHooks) -> None:
     recorder, hooks = make_hooks(layers=True)
     hooks.install()
     assert Function.__dict__["__call__"] is not function_call
-    assert keras.Layer.__dict__["__call__"] is not layer_call
+    # Keras layers are patched only for timed steps: none before the warm-up ends.
+    assert keras.Layer.__dict__["__call__"] is layer_call
     assert TensorFlowTrainer.__dict__["make_train_function"] is not make_train_function
     assert trained.train_function is not train_function  # found by the heap scan
     trained.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    assert keras.Layer.__dict__["__call__"] is not layer_call
     later = cnn()
     later.fit(x, y, batch_size=BATCH, verbose=0)
     later_function = later.train_function.__dlprof_wrapped__
@@ -288,13 +290,44 @@ def test_layer_times_in_eager_mode(make_hooks: MakeHooks) -> None:
 
     snap = recorder.snapshot()
     layers = {name: stats for name, *stats in snap["layers"]}
-    assert set(layers) == {"conv", "pool", "head"}  # leaves only, not the model
+    # Leaves only, not the model; each named with its type.
+    assert set(layers) == {"conv Conv2D", "pool GlobalAveragePooling2D", "head Dense"}
     for forward_seconds, forward_calls, backward_seconds, backward_calls in layers.values():
-        assert forward_calls == 6 - WARMUP  # the recorder skips the warm-up steps' layers
+        # The recorder skips the warm-up steps' layers, and counts a step's when
+        # it ends: the sixth ends with the next call.
+        assert forward_calls == 6 - WARMUP - 1
         assert forward_seconds > 0
         assert (backward_seconds, backward_calls) == (0, 0)
     assert snap["phase_seconds"]["forward"] > 0
     assert hooks.settings()["layer_timing"] == "eager"
+
+
+def test_keras_layers_are_patched_only_for_timed_steps(make_hooks: MakeHooks) -> None:
+    """One step in three timed: Keras's own Layer.__call__ runs the others."""
+    layer_call = keras.Layer.__dict__["__call__"]
+    recorder, hooks = make_hooks(
+        recorder=Recorder(warmup_steps=WARMUP, layer_sampling=LayerSampling(every=3)),
+        layers=True)
+    hooks.install()
+    seen: list[tuple[bool, bool]] = []
+
+    class Watch(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            # Runs after the step, before the next boundary: the step's own state.
+            seen.append((recorder.layer_step,
+                         keras.Layer.__dict__["__call__"] is not layer_call))
+
+    x, y = data(20 * BATCH)
+    cnn(run_eagerly=True).fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Watch()])
+    assert all(timed == patched for timed, patched in seen)
+    assert [timed for timed, _ in seen[WARMUP:]] == [False, False, True] * 6
+    snap = recorder.snapshot()
+    assert snap["layer_sampled_steps"] == 6 - 1  # the last one ends with the next call
+    layers = {name: stats for name, *stats in snap["layers"]}
+    # Five timed steps standing for three steps each.
+    assert {stats[1] for stats in layers.values()} == {15}
+    hooks.remove()
+    assert keras.Layer.__dict__["__call__"] is layer_call
 
 
 def test_no_layer_times_in_graph_mode(make_hooks: MakeHooks) -> None:

@@ -107,7 +107,8 @@ def test_run_reports_steps_samples_and_layers_matching_the_jobs_own_timer(
     port = free_port()
     run = subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "run", "--port", str(port), "--quiet",
-         "--interval", "0.2", "--grace", "5", "--layers", "--warmup-steps", "5", "--",
+         "--interval", "0.2", "--grace", "5", "--layers", "--layers-every", "1",
+         "--warmup-steps", "5", "--",
          sys.executable, JOB, "--log", str(log), "--steps", "150", "--linger", "3"],
         env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     processes.append(run)
@@ -132,8 +133,10 @@ def test_run_reports_steps_samples_and_layers_matching_the_jobs_own_timer(
     assert 0.8 * probe_seconds <= layers <= probe_seconds
     phases = sum(v for k, v in values.items() if k.startswith("dlprof_step_phase_seconds"))
     assert phases == pytest.approx(probe_seconds, rel=1e-6)
-    conv = values["dlprof_layer_seconds_total{layer=0,phase=forward}"]
-    assert conv > 0 and values["dlprof_layer_calls_total{layer=0,phase=backward}"] >= steady
+    conv = values["dlprof_layer_seconds_total{layer=0 Conv2d,phase=forward}"]
+    assert conv > 0
+    assert values["dlprof_layer_calls_total{layer=0 Conv2d,phase=backward}"] >= steady
+    assert values["dlprof_layer_sampled_steps_total{}"] == steady  # every step was timed
 
     labels = info_labels(port)
     assert labels["framework"] == "pytorch"

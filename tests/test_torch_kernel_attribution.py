@@ -49,7 +49,8 @@ def test_each_layer_pushes_its_id_for_forward_and_backward_and_pops_it_again() -
     job, hooks, recorder = run(5, tracer=tracer)
     try:
         correlator = tracer.correlator
-        assert hooks.layer_labels == [str(index) for index in range(10)]
+        assert hooks.layer_labels == [f"{index} {type(module).__name__}"
+                                      for index, module in enumerate(job.model)]
         pushed = [decode(external) for call, external in correlator.calls if call == "push"]
         forward = {index for index, phase in pushed if phase == 0}
         backward = {index for index, phase in pushed if phase == 1}
@@ -100,6 +101,7 @@ def test_a_trace_window_gets_the_layer_ranges_and_the_steps() -> None:
     assert capture.phase == "collecting" and len(capture.boundaries) == 3
     first, last = capture.boundaries[0], capture.boundaries[-1]
     phases = {(label, backward) for label, backward, _, _, _ in capture.layers}
-    assert phases == {(str(i), b) for i in range(10) for b in (False, True)}
+    labels = [f"{index} {type(module).__name__}" for index, module in enumerate(job.model)]
+    assert phases == {(label, b) for label in labels for b in (False, True)}
     for _, _, start, end, _ in capture.layers:
         assert first <= start <= end <= last

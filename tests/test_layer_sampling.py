@@ -1,0 +1,163 @@
+"""Duty-cycled layer timing on real PyTorch models in this process: untimed
+steps carry no hooks, leaves past the name cap never do, and the layer split
+estimated from timed steps matches the one every step's hooks measure."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dlprof_agent.probe.recorder import LayerSampling, Recorder  # noqa: E402
+from dlprof_agent.probe.torch_hooks import TorchHooks  # noqa: E402
+from dlprof_agent.workloads import torch_models  # noqa: E402
+
+SHARE_TOLERANCE = 0.05  # each layer's share of the step, sampled against every step
+
+
+def training_step(name: str) -> tuple[Any, Callable[[], None]]:
+    """A model and one optimizer step of it on a fixed synthetic batch."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model: Any
+    if name == "lstm":  # the reference LSTM's structure at a size a CPU steps through quickly
+        model = torch_models.LSTMLanguageModel(vocabulary=2000, hidden=128)
+        ids = torch.randint(0, 2000, (16, 21))
+        inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        cross_entropy = torch.nn.CrossEntropyLoss()
+
+        def sequence_loss(logits: Any, labels: Any) -> Any:
+            return cross_entropy(logits.reshape(-1, 2000), labels.reshape(-1))
+        loss_fn: Callable[[Any, Any], Any] = sequence_loss
+    else:
+        model = torch_models.build(name)
+        inputs, targets = torch_models.example_batch(name, 8 if name == "resnet-56" else 32)
+        loss_fn = torch_models.loss_fn(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+
+    return model, step
+
+
+def layer_hooks(model: Any) -> int:
+    """Forward hooks on the model's modules, and global ones on every module."""
+    from torch.nn.modules import module
+
+    return (sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+                for m in model.modules())
+            + len(module._global_forward_pre_hooks) + len(module._global_forward_hooks)
+            + len(module._global_backward_hooks))
+
+
+def attach(sampling: LayerSampling | None, *, max_layers: int = 512,
+           clock: Callable[[], float] = time.perf_counter) -> tuple[Recorder, TorchHooks]:
+    recorder = Recorder(warmup_steps=2, max_layers=max_layers, layer_sampling=sampling,
+                        clock=clock)
+    hooks = TorchHooks(recorder, layers=True)
+    hooks.install()
+    return recorder, hooks
+
+
+def test_untimed_steps_run_without_any_hook_on_the_model() -> None:
+    model, step = training_step("small-cnn")
+    recorder, hooks = attach(LayerSampling(every=4))
+    root_hook = 1  # the model's own pre-hook: step boundaries and samples
+    seen = []
+    try:
+        for _ in range(30):
+            # Hooks change only at step boundaries: what is on now is on for the step.
+            seen.append((recorder.layer_step, layer_hooks(model)))
+            step()
+    finally:
+        hooks.remove()
+    assert layer_hooks(model) == 0
+    steady = seen[-20:]
+    assert {hooks for timed, hooks in steady if not timed} == {root_hook}
+    # A timed step: a pre- and a post-hook on each of the ten leaves.
+    assert {hooks for timed, hooks in steady if timed} == {root_hook + 20}
+    assert sum(timed for timed, _ in steady) == 5
+    snapshot = recorder.snapshot()
+    assert snapshot["layer_sampled_steps"] == sum(timed for timed, _ in seen)
+    assert snapshot["layers"][0][0] == "0 Conv2d"
+
+
+def test_leaves_past_the_name_cap_are_never_hooked() -> None:
+    """5,002 small layers and a cap of 512: the layers past it cost nothing."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(5002)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs = torch.randn(4, 2)
+    recorder, hooks = attach(LayerSampling(every=1), max_layers=512)
+    past_cap = list(model)[512:]
+    hooked_past_cap = []
+    try:
+        for _ in range(6):
+            hooked_past_cap.append(sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
+                                       for m in past_cap))
+            optimizer.zero_grad()
+            model(inputs).sum().backward()
+            optimizer.step()
+        hooked_within = sum(len(m._forward_pre_hooks) for m in list(model)[:512])
+    finally:
+        hooks.remove()
+    assert recorder.layer_step and hooked_within == 512  # timing was on for the others
+    assert hooked_past_cap == [0] * 6
+    names = {row[0] for row in recorder.snapshot()["layers"]}
+    assert len(names) <= 512 and "511 Linear" in names and "512 Linear" not in names
+
+
+def layer_shares(name: str, sampling: LayerSampling | None, *, steps: int = 0,
+                 timed_steps: int = 0) -> tuple[dict[str, float], int, float | None]:
+    """Each layer's forward plus backward time as a share of the step time: over
+    ``steps`` steps, or until ``timed_steps`` were timed, ending with a timed
+    one (the steps after the last timed one are not yet estimated). Also how
+    many steps were timed, and what a timed one cost."""
+    _model, step = training_step(name)
+    for _ in range(3):
+        step()
+    # The training thread's CPU time, not wall time: on a shared machine other
+    # processes' preemptions land on random layers and would swamp the comparison.
+    recorder, hooks = attach(sampling, clock=time.thread_time)
+    try:
+        for _ in range(steps):
+            step()
+        while timed_steps and not (
+                recorder.snapshot().get("layer_sampled_steps", 0) >= timed_steps
+                and recorder.layer_sampling is not None
+                and recorder.layer_sampling.since_sample == 0):
+            step()
+    finally:
+        hooks.remove()
+    snapshot = recorder.snapshot()
+    layers = {layer: forward + backward for layer, forward, _, backward, _ in snapshot["layers"]}
+    timed = snapshot.get("layer_sampled_steps", snapshot["steps"]["steady"])
+    cost = recorder.layer_sampling.cost_ratio if recorder.layer_sampling else None
+    return ({layer: seconds / snapshot["step_seconds_sum"] for layer, seconds in layers.items()},
+            timed, cost)
+
+
+@pytest.mark.parametrize(("name", "steps", "timed_steps"), [
+    ("small-cnn", 40, 40), ("resnet-56", 15, 25), ("lstm", 40, 40)])
+def test_the_split_from_timed_steps_matches_timing_every_step(
+        name: str, steps: int, timed_steps: int) -> None:
+    """Full-rate hooks, then the default budget, then full-rate hooks again,
+    on the same model, so that the machine's drift hits both alike."""
+    before, _, _ = layer_shares(name, None, steps=steps)
+    sampled, timed, cost = layer_shares(name, LayerSampling(), timed_steps=timed_steps)
+    after, _, _ = layer_shares(name, None, steps=steps)
+    every_step = {layer: (before[layer] + after[layer]) / 2 for layer in before}
+    assert set(sampled) == set(every_step)
+    worst = max(abs(sampled[layer] - every_step[layer]) for layer in every_step)
+    print(f"{name}: {len(every_step)} layers, {timed} timed steps, a timed step cost "
+          f"{100 * (cost or 0):.1f}% of a step; largest difference in a layer's share "
+          f"{100 * worst:.2f} percentage points")
+    assert worst <= SHARE_TOLERANCE, {layer: (round(every_step[layer], 3),
+                                              round(sampled[layer], 3))
+                                      for layer in every_step}
