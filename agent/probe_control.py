@@ -28,6 +28,7 @@ from dlprof_agent.collectors.probe import (
     find_probe_socket,
 )
 from dlprof_agent.collectors.process import read_state
+from dlprof_agent.probe.protocol import ProtocolError
 
 log = logging.getLogger("dlprof_agent")
 _T = TypeVar("_T")
@@ -279,7 +280,12 @@ class ProbeSource:
                                   "holding the GIL in a long native call, or be stopped); "
                                   "its reply is still awaited")
             return None
-        except Exception as error:  # a closed socket, a bad frame
+        except ProtocolError as error:  # not what a probe sends: said now, not after a grace
+            self._drop(client, str(error))
+            self._lost = None
+            self._say_waiting(f"refused its reply ({error})")
+            return None
+        except Exception as error:  # a closed socket
             self._drop(client, str(error) or type(error).__name__)
             return None
         if not self._answering or self._waiting:

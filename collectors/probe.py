@@ -212,6 +212,7 @@ class KernelSample:
             durations.append(KernelDurations(_count(d, "device"), per_bucket,
                                              _seconds(total, "kernel seconds")))
         devices = _map(kernels.get("devices", {}), "devices", MAX_DEVICES)
+        layer_rows = _rows(kernels.get("layers", []), 2 * MAX_LAYER_ROWS, 3, "layer GPU rows")
         return cls(
             state=_text(kernels["state"], "kernel state"),
             reason=_text(kernels.get("reason", ""), "kernel state reason"),
@@ -227,9 +228,7 @@ class KernelSample:
                                                  MAX_DEVICES * 8, 4, "copy rows")),
             layers=tuple(LayerGpuRow(_text(n, "layer name"), _text(p, "phase"),
                                      _seconds(t, "layer GPU seconds"))
-                         for n, p, t in _rows(kernels.get("layers", []),
-                                              2 * MAX_LAYER_ROWS, 3, "layer GPU rows")
-                         ) if layers else (),
+                         for n, p, t in layer_rows) if layers else (),
             overhead_seconds=_seconds(kernels.get("overhead_seconds", 0.0), "overhead"),
             dropped_records=_count(kernels.get("dropped_records", 0), "dropped records"),
             devices=tuple(sorted((int(_text(d, "device")), _text(u, "GPU UUID"))
@@ -279,6 +278,8 @@ class ProbeSample:
         last = probe["last_step_seconds"]
         settings = _map(reply.get("settings", {}), "settings", 8)
         kernels = reply.get("kernels")
+        # Checked whether asked for or not: a probe not asked for layers sends none.
+        layer_rows = _rows(probe["layers"], MAX_LAYER_ROWS, 5, "layers")
         return cls(
             pid=pid,
             step_source=_text(probe["step_source"], "step source"),
@@ -294,8 +295,7 @@ class ProbeSample:
             layers=tuple(LayerSample(_text(n, "layer name"), _seconds(fs, "layer seconds"),
                                      _count(fc, "layer calls"), _seconds(bs, "layer seconds"),
                                      _count(bc, "layer calls"))
-                         for n, fs, fc, bs, bc in _rows(probe["layers"], MAX_LAYER_ROWS, 5,
-                                                        "layers")) if layers else (),
+                         for n, fs, fc, bs, bc in layer_rows) if layers else (),
             hook_errors=_count(probe["hook_errors"], "hook errors"),
             dropped_messages=_counts(reply.get("dropped", {}), "dropped messages"),
             settings=tuple(sorted(
