@@ -255,9 +255,9 @@ class ProbeSource:
         self._tries, self._lost = 0, None
 
     def sample(self) -> ProbeSample | None:
-        self._check_program()
         client = self.client
         if client is None:
+            self._check_program(probe_answers=False)
             client = self._take_reached()
             if client is None:
                 self._report_loss()
@@ -267,6 +267,7 @@ class ProbeSource:
         try:
             sample = client.snapshot()
         except ReplyLate:
+            self._check_program(probe_answers=False)
             self._late_since = self._late_since or now
             silent = now - self._late_since
             if silent < LATE_LIMIT_SECONDS:
@@ -287,7 +288,9 @@ class ProbeSource:
             return None
         except Exception as error:  # a closed socket
             self._drop(client, str(error) or type(error).__name__)
+            self._check_program(probe_answers=False)
             return None
+        self._check_program(probe_answers=True)
         if not self._answering or self._waiting:
             self._answering = True
             self._say_back(client)
@@ -308,21 +311,25 @@ class ProbeSource:
                      or "no framework imported yet")
         self._waiting = ""
 
-    def _check_program(self) -> None:
-        """After exec the pid runs a new program: say so, and reach its probe afresh."""
+    def _check_program(self, *, probe_answers: bool) -> None:
+        """After exec the pid runs a new program: say so, and reach its probe afresh.
+        A new command line under the same executable while the probe still answers
+        is a job renaming itself (setproctitle), not an exec: exec closes the probe."""
         identity = program_identity(self.pid)
-        if identity is None or self._identity is None or identity == self._identity:
+        previous = self._identity
+        if identity is None or previous is None or identity == previous:
             return
-        previous, self._identity = self._identity, identity
-        if (self.client is not None and self._answering
-                and identity.executable == previous.executable):
-            return  # it renamed itself (setproctitle): its probe still answers, as before
+        self._identity = identity
+        if probe_answers and identity.executable == previous.executable:
+            return
         log.warning("process %d now runs another program (exec): %s, was %s; its metrics "
                     "from here on are the new program's", self.pid, identity.describe(),
                     previous.describe())
         client = self.client
         if client is not None:
             self._drop(client, "the process exec'd a new program")
+        self._lost = None  # said just now
+        self._waiting = "the process exec'd a new program"
         self._next_try = time.monotonic()  # reach the new program's probe at once
         self._tries = 0
 
