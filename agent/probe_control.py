@@ -80,7 +80,13 @@ def _connect(pid: int, path: str, options: ProbeOptions, interval: float) -> Pro
 
 
 class _NoProbe(Exception):
-    """Why the process has no probe to talk to, in plain words."""
+    """Why the process has no probe to talk to, in plain words. ``final``: trying
+    again cannot help while the process runs this program (not Python, ptrace
+    denied, a socket someone else serves)."""
+
+    def __init__(self, why: str, *, final: bool = False) -> None:
+        super().__init__(why)
+        self.final = final
 
 
 def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
@@ -94,7 +100,8 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
         except ProbeBusy:
             raise
         except ProbeImpostor as error:
-            raise _NoProbe(f"{error}; someone may be impersonating the probe") from None
+            raise _NoProbe(f"{error}; someone may be impersonating the probe",
+                           final=True) from None
         except ProbeStale as error:
             if not options.inject:
                 raise _NoProbe(f"the probe in it is gone: {error}") from None
@@ -112,7 +119,8 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
     try:
         inject.inject(pid, injection_code())
     except inject.InjectionError as error:
-        raise _NoProbe(error.one_line()) from None
+        raise _NoProbe(error.one_line(), final=isinstance(
+            error, (inject.NotPython, inject.InjectionRefused))) from None
     path = _wait_for_socket(pid, options.wait_seconds)
     if path is None:
         raise _NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
@@ -147,14 +155,18 @@ def open_probe(pid: int, options: ProbeOptions, *, interval: float,
     """The probe channel for ``pid``: connected now, or waiting for a probe that
     later passes keep trying to reach. Raises ProbeAlreadyAttached."""
     identity = program_identity(pid)
+    final = False
     try:
         client: ProbeClient | None = _try_connect(pid, options, interval, wait_seconds)
         why = ""
     except _NoProbe as error:
-        client, why = None, str(error)
-        _missing(pid, why)
-    return ProbeSource(client, interval=interval, pid=pid, options=options,
-                       identity=identity, waiting=why)
+        client, why, final = None, str(error), error.final
+        _missing(pid, why, trying_again=not final)
+    source = ProbeSource(client, interval=interval, pid=pid, options=options,
+                         identity=identity, waiting=why)
+    if final:
+        source.give_up_until_exec()
+    return source
 
 
 TRACE_INTERVAL_SECONDS = 1.0  # the trace client's own session: it polls well within the lease
@@ -184,9 +196,10 @@ def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, ob
                                "kernel traces are taken by the in-process probe") from None
 
 
-def _missing(pid: int, why: str) -> None:
+def _missing(pid: int, why: str, *, trying_again: bool = False) -> None:
     log.warning("no in-process metrics (steps, layers, framework settings) for pid %d: %s; "
-                "the process, thread and GPU metrics are unaffected", pid, why)
+                "the process, thread and GPU metrics are unaffected%s", pid, why,
+                "; trying again on later passes" if trying_again else "")
 
 
 def _running(pid: int) -> bool:
@@ -202,7 +215,8 @@ LATE_LIMIT_SECONDS = 10.0
 # and reached afresh; until then a late reply is still taken when it comes.
 SILENT_LIMIT_SECONDS = 120.0
 # Between tries to reach a lost probe: a failed injection costs seconds of gdb.
-RETRY_SECONDS = (2.0, 4.0, 8.0, 16.0, 30.0)
+# Each try may attach gdb to the job: the pause grows to minutes.
+RETRY_SECONDS = (2.0, 4.0, 8.0, 16.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class ProbeSource:
@@ -352,12 +366,13 @@ class ProbeSource:
         """Off the sampling pass: a connection, and perhaps an injection."""
         client: ProbeClient | None = None
         failure: str | None = None
+        final = False
         try:
             client = _try_connect(self.pid, options, self._interval, 0.0)
         except ProbeAlreadyAttached as error:
             failure = error.one_line()
         except _NoProbe as why:
-            failure = str(why)
+            failure, final = str(why), why.final
         except Exception as error:  # the process metrics go on regardless
             failure = str(error) or type(error).__name__
         with self._lock:
@@ -368,8 +383,16 @@ class ProbeSource:
                 self._reached, client = client, None
             else:
                 self._reach_failure = failure
+                if final:
+                    self._next_try = float("inf")
         if client is not None:
             client.stop()  # stopped meanwhile: the probe removes its hooks
+
+    def give_up_until_exec(self) -> None:
+        """Trying again cannot help while the process runs this program (not
+        Python, ptrace denied, a socket someone else serves)."""
+        with self._lock:
+            self._next_try = float("inf")
 
     def _take_reached(self) -> ProbeClient | None:
         with self._lock:

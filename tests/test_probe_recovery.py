@@ -5,6 +5,7 @@ the pid runs another program. Real jobs, real agents, real sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -88,10 +89,8 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def with_cont(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
 
 
 def start_job(processes: list[subprocess.Popen[str]], tmp_path: Path, *args: str) -> Job:
@@ -169,7 +168,7 @@ def test_a_deeply_nested_frame_leaves_the_probe_serving(
                 client.sendall(frame(data))
                 assert b'"ok":true' in client.recv(4096)
             client.sendall(frame(DEEP))
-            with _closed():
+            with contextlib.suppress(ConnectionResetError):  # or recv ends: it hung up
                 while client.recv(4096):
                     pass
     agent, port = attach(processes, job.pid, "--no-inject")
@@ -177,16 +176,6 @@ def test_a_deeply_nested_frame_leaves_the_probe_serving(
     assert dropped(port, "oversized") + dropped(port, "malformed") == 2
     assert job.process.poll() is None
     stderr_of(agent)
-
-
-class _closed:
-    """The probe hung up: recv ends, or the connection resets."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, error: object, trace: object) -> bool:
-        return kind is None or kind is ConnectionResetError
 
 
 def dribble(path: str, data: bytes, every: float, stop: threading.Event,
@@ -348,3 +337,23 @@ def test_garbage_beside_an_attached_agent_is_counted_and_learns_nothing(
     assert not any(str(agent.pid).encode() in reply for reply in replies), replies
     assert not any(b"agent_pid" in reply for reply in replies), replies
     stderr_of(agent)
+
+
+def test_a_probe_kept_from_running_does_not_take_it_for_the_agents_departure(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """Job and agent stopped together (a frozen cgroup, a suspended VM), the job
+    resumed first: the probe finds the agent's lease long expired, and nothing
+    sent. It could not run either; the session goes on, nothing is reconnected."""
+    job = start_job(processes, tmp_path)
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: steps(port) >= 10, "steps before the freeze", 30)
+    os.kill(agent.pid, signal.SIGSTOP)
+    os.kill(job.pid, signal.SIGSTOP)
+    time.sleep(5)  # past the probe's lease (2 s)
+    os.kill(job.pid, signal.SIGCONT)
+    time.sleep(0.3)  # the probe's thread wakes first
+    os.kill(agent.pid, signal.SIGCONT)
+    before = steps(port)
+    wait_for(lambda: steps(port) > before + 10, "steps after the freeze", 30)
+    stderr = stderr_of(agent)
+    assert "lost the probe" not in stderr and "probe back" not in stderr, stderr
