@@ -188,8 +188,9 @@ def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, ob
         return _reach_probe(pid, options, 0.0, connect)
     except ProbeBusy as busy:
         raise TraceUnavailable(
-            f"process {pid} has an agent attached (pid {busy.agent_pid}) whose probe is "
-            "too old to trace beside it", "restart the job with this dlprof-agent version"
+            f"process {pid} has an agent attached"
+            + (f" (pid {busy.agent_pid})" if busy.agent_pid else "")
+            + " whose probe is too old to trace beside it", "restart the job with this dlprof-agent version"
         ) from None
     except _NoProbe as why:
         raise TraceUnavailable(f"no probe in process {pid}: {why}",

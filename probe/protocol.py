@@ -32,7 +32,7 @@ SOCKET_DIR_ENV = "DLPROF_AGENT_RUNTIME_DIR"
 MAX_DEPTH = 16  # the deepest real frame nests 4 levels
 MAX_REQUEST_VALUES = 1_000
 MAX_REPLY_VALUES = 200_000  # 512 layers, 16 devices of 201 kernels: a tenth of this
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 

@@ -247,3 +247,17 @@ def test_without_layers_a_probe_reply_gives_no_layer_series(
     wait_for(lambda: "dlprof_steps_total" in scrape(port), "the probe's steps")
     assert len(samples(scrape(port), "dlprof_layer_seconds_total")) == 10  # 5 layers, 2 phases
     stop_and_read(agent)
+
+
+def test_a_probe_in_a_child_of_the_job_is_the_jobs(
+        processes: list[subprocess.Popen[str]], runtime_dir: Path) -> None:
+    """A launcher (here a shell) whose child runs Python: the child's probe is
+    served under the launcher's pid, and is accepted."""
+    runtime_dir.mkdir(mode=0o700)
+    job = start(processes, ["sh", "-c", f'{sys.executable} -c "$0" "{runtime_dir}/probe-$$.sock"'
+                            ' 0 no; true', FAKE_PROBE],
+                {**agent_env(), "DLPROF_AGENT_RUNTIME_DIR": str(runtime_dir)})
+    assert job.stdout is not None and job.stdout.readline().strip() == "serving"
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: samples(scrape(port), "dlprof_probe_up") == [1.0], "the child's probe")
+    stop_and_read(agent)
