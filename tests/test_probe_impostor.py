@@ -254,8 +254,8 @@ def test_a_probe_in_a_child_of_the_job_is_the_jobs(
     """A launcher (here a shell) whose child runs Python: the child's probe is
     served under the launcher's pid, and is accepted."""
     runtime_dir.mkdir(mode=0o700)
-    job = start(processes, ["sh", "-c", f'{sys.executable} -c "$0" "{runtime_dir}/probe-$$.sock"'
-                            ' 0 no; true', FAKE_PROBE],
+    shell = f'{sys.executable} -c "$0" "{runtime_dir}/probe-$$.sock" 0 no; true'
+    job = start(processes, ["sh", "-c", shell, FAKE_PROBE],
                 {**agent_env(), "DLPROF_AGENT_RUNTIME_DIR": str(runtime_dir)})
     assert job.stdout is not None and job.stdout.readline().strip() == "serving"
     agent, port = attach(processes, job.pid, "--no-inject")
