@@ -190,8 +190,8 @@ def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, ob
         raise TraceUnavailable(
             f"process {pid} has an agent attached"
             + (f" (pid {busy.agent_pid})" if busy.agent_pid else "")
-            + " whose probe is too old to trace beside it", "restart the job with this dlprof-agent version"
-        ) from None
+            + " whose probe is too old to trace beside it",
+            "restart the job with this dlprof-agent version") from None
     except _NoProbe as why:
         raise TraceUnavailable(f"no probe in process {pid}: {why}",
                                "kernel traces are taken by the in-process probe") from None
