@@ -281,6 +281,21 @@ def test_an_injected_probe_survives_a_hold_longer_than_the_agents_late_limit(
     assert "waiting for the probe" in stderr and f"probe back in pid {job.pid}" in stderr
 
 
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="injection needs gdb")
+def test_an_injection_that_finds_no_safe_point_is_tried_again_later(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """A hold longer than the injector's wait (10 s) at attach: the first
+    injection gives up, a later pass injects once the job runs Python again."""
+    job = start_job(processes, tmp_path, "--inject-me")
+    job.hold(16)
+    agent, port = attach(processes, job.pid)
+    assert job.held() > 11, "the hold was too short to test"
+    wait_for(lambda: probe_up(port) and steps(port) >= 10, "the probe, injected later", 90)
+    stderr = stderr_of(agent)
+    assert "trying again on later passes" in stderr, stderr
+    assert f"probe back in pid {job.pid}" in stderr
+
+
 def test_after_exec_the_agent_says_the_pid_runs_another_program_and_reaches_its_probe(
         processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     job = start_job(processes, tmp_path)
