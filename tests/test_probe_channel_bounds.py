@@ -272,3 +272,64 @@ def test_stale_sockets_of_dead_processes_are_removed_and_nothing_else(tmp_path: 
     assert sockets[f"probe-{os.getpid()}.sock"].exists()  # alive
     assert sockets[f"probe-{os.getppid()}.sock"].exists()
     assert not_a_socket.exists()  # not a socket: not ours to remove
+
+
+@st.composite
+def hostile_frames(draw: st.DrawFn) -> bytes:
+    """Random bytes, or a valid header over a random, deep or lying payload."""
+    kind = draw(st.sampled_from(["bytes", "payload", "deep", "lying"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=300))
+    if kind == "payload":
+        return frame(draw(st.binary(max_size=300)))
+    if kind == "deep":
+        return frame(nested(draw(st.integers(10, 30_000))))
+    return frame(b'{"command":"snapshot"}', length=draw(st.integers(0, 2**32 - 1)))
+
+
+def test_the_probe_serves_on_whatever_its_clients_send(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random frames to a real probe's listener, before and inside a session:
+    its thread lives on, nothing reaches it as an internal fault, and an agent
+    is served afterwards."""
+    from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
+    from dlprof_agent.probe.runtime import Probe
+
+    monkeypatch.setenv(SOCKET_DIR_ENV, str(tmp_path / "run"))
+    probe = Probe(persistent=True)
+    assert probe.listen()
+    start = encode({"command": "start", "args": {"kernels": False}})
+
+    def talk(data: bytes, *, in_session: bool) -> None:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(5)
+            client.connect(probe.path)
+            try:
+                if in_session:
+                    client.sendall(start)
+                    assert read_frame(client, max_bytes=MAX_REPLY_BYTES)["ok"]
+                client.sendall(data)
+                client.shutdown(socket.SHUT_WR)
+                while client.recv(65536):
+                    pass
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+
+    @QUICK
+    @given(hostile_frames(), st.booleans())
+    def feed(data: bytes, in_session: bool) -> None:
+        talk(data, in_session=in_session)
+
+    try:
+        feed()
+        assert probe._thread is not None and probe._thread.is_alive()
+        assert "internal" not in probe.dropped, probe.dropped
+        with socket.socket(socket.AF_UNIX) as agent:
+            agent.settimeout(5)
+            agent.connect(probe.path)
+            agent.sendall(start)
+            assert read_frame(agent, max_bytes=MAX_REPLY_BYTES)["ok"]
+            agent.sendall(encode({"command": "snapshot"}))
+            assert read_frame(agent, max_bytes=MAX_REPLY_BYTES)["ok"]
+    finally:
+        probe.close()
