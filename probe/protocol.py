@@ -14,7 +14,6 @@ import socket
 import stat
 import struct
 import time
-from itertools import accumulate
 from typing import Any
 
 MAGIC = b"DLPR"
@@ -34,7 +33,7 @@ MAX_REQUEST_VALUES = 1_000
 MAX_REPLY_VALUES = 200_000  # 512 layers, 16 devices of 201 kernels: a tenth of this
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_INNERMOST = re.compile(rb"\[[^][{}]*\]|\{[^][{}]*\}")  # a pair with no pair inside
 
 
 class ProtocolError(Exception):
@@ -89,10 +88,18 @@ def check_shape(payload: bytes, *, max_values: int, max_depth: int = MAX_DEPTH) 
     containers = skeleton.count(b"[") + skeleton.count(b"{")
     if containers + skeleton.count(b",") + skeleton.count(b":") > max_values:
         raise ProtocolError("oversized", f"more than {max_values} values")
-    if containers > max_depth:  # otherwise it cannot be deeper than that
-        brackets = skeleton.translate(None, _NOT_BRACKETS)
-        if max(accumulate(_DEPTH_STEP[b] for b in brackets)) > max_depth:
-            raise ProtocolError("malformed", f"nested deeper than {max_depth} levels")
+    # Each pass takes away the innermost level of every pair: what is left after
+    # max_depth passes is nested deeper than that, or does not pair up.
+    brackets = skeleton.translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return
+        brackets, removed = _INNERMOST.subn(b"", brackets)
+        if not removed:
+            break
+    if brackets:
+        raise ProtocolError("malformed", f"nested deeper than {max_depth} levels, "
+                                         "or brackets that do not pair up")
 
 
 def _decode(payload: bytes, max_values: int) -> dict[str, Any]:
