@@ -127,6 +127,15 @@ def read_frame(sock: socket.socket, *, max_bytes: int, seconds: float | None = N
     return _decode(_read_exact(sock, length, deadline), _max_values(max_bytes))
 
 
+def bytes_wanted(received: bytearray, *, max_bytes: int) -> int:
+    """How many more bytes the first frame in ``received`` needs: a reader that
+    takes no more than that leaves what follows it on the socket."""
+    if len(received) < HEADER.size:
+        return HEADER.size - len(received)
+    end = HEADER.size + _payload_length(bytes(received[:HEADER.size]), max_bytes)
+    return max(0, end - len(received))
+
+
 def take_frame(received: bytearray, *, max_bytes: int) -> dict[str, Any] | None:
     """The first whole frame in ``received``, removed from it; None until all of
     it has arrived. For readers that must not lose a frame to a timeout."""

@@ -29,6 +29,7 @@ from dlprof_agent.probe.protocol import (
     VERSION,
     ConnectionClosed,
     ProtocolError,
+    bytes_wanted,
     encode,
     private_dir,
     read_frame,
@@ -68,6 +69,17 @@ def _imported(names: tuple[str, ...]) -> bool:
         if module is None or getattr(spec, "_initializing", False):
             return False
     return True
+
+
+def _readable(sockets: list[socket.socket], timeout: float) -> list[socket.socket]:
+    """Those of ``sockets`` with something to read (or a hang-up to see). poll,
+    not select: a job with a thousand files open gives descriptors select cannot
+    watch."""
+    poller = select.poll()
+    for each in sockets:
+        poller.register(each, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(max(0, int(timeout * 1000)))}
+    return [each for each in sockets if each.fileno() in ready]
 
 
 class _Pending:
@@ -292,7 +304,7 @@ class Probe:
         watched.extend(p.connection for p in pending)
         self._wake_by = time.monotonic() + timeout
         try:
-            readable, _, _ = select.select(watched, [], [], timeout)
+            readable = _readable(watched, timeout)
         except (OSError, ValueError):
             if self._closing:
                 return
@@ -322,7 +334,7 @@ class Probe:
     @staticmethod
     def _readable_now(connection: socket.socket) -> bool:
         try:
-            return bool(select.select([connection], [], [], 0)[0])
+            return bool(_readable([connection], 0))
         except (OSError, ValueError):
             return False
 
@@ -366,7 +378,9 @@ class Probe:
         it is a handshake, or a request beside the attached agent."""
         message: dict[str, Any] | None = None
         try:
-            chunk = waiting.connection.recv(1 << 16)
+            # No further than this frame: what follows is the session's to read.
+            wanted = bytes_wanted(waiting.received, max_bytes=MAX_REQUEST_BYTES)
+            chunk = waiting.connection.recv(min(wanted, 1 << 16))
             if not chunk:
                 raise ConnectionClosed
             waiting.received += chunk

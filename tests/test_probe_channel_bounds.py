@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import socket
+import textwrap
 import threading
 import tracemalloc
 from pathlib import Path
@@ -333,3 +334,37 @@ def test_the_probe_serves_on_whatever_its_clients_send(
             assert read_frame(agent, max_bytes=MAX_REPLY_BYTES)["ok"]
     finally:
         probe.close()
+
+
+def test_a_job_with_more_than_a_thousand_files_open_is_served(tmp_path: Path) -> None:
+    """Its sockets get descriptors past 1023, which select() cannot watch."""
+    import subprocess
+    import sys
+
+    from tests.conftest import agent_env
+
+    script = textwrap.dedent("""
+        import os, resource, socket
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and hard < 2048:
+            print("skip: the hard limit on open files is", hard); raise SystemExit
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+        held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+        from dlprof_agent.probe.runtime import Probe
+        from dlprof_agent.probe.protocol import encode, read_frame
+        probe = Probe(persistent=True)
+        assert probe.listen()
+        agent = socket.socket(socket.AF_UNIX)
+        agent.settimeout(5)
+        agent.connect(probe.path)
+        assert agent.fileno() > 1024
+        agent.sendall(encode({"command": "start", "args": {"kernels": False}}))
+        agent.sendall(encode({"command": "snapshot"}))
+        print(*(read_frame(agent, max_bytes=1 << 22)["ok"] for _ in range(2)))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, check=False,
+                            env={**agent_env(), "DLPROF_AGENT_RUNTIME_DIR": str(tmp_path / "run")})
+    if result.stdout.startswith("skip:"):
+        pytest.skip(result.stdout.strip())
+    assert result.stdout.strip() == "True True", result.stderr
