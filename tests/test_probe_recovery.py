@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -26,17 +27,16 @@ pytestmark = pytest.mark.e2e
 
 # Steps every 10 ms, with the probe enabled (as `run` or the job's own code does),
 # unless --inject-me: then the agent injects it. Between steps it looks in its
-# control folder: "hold" holds the GIL in one C call for that many seconds
-# (sized on this machine), "exec" execs the Python code in it.
+# control folder: "hold" holds the GIL in one C call for that many seconds (libc's
+# sleep through ctypes.PyDLL, which keeps the GIL: wall time, whatever the load),
+# "exec" execs the Python code in it.
 JOB = textwrap.dedent("""
-    import os, sys, time
+    import ctypes, os, sys, time
     control = sys.argv[1]
     if "--inject-me" not in sys.argv:
         from dlprof_agent import probe
         probe.enable()
-    started = time.perf_counter()
-    sum(range(5_000_000))
-    TERMS_PER_SECOND = 5_000_000 / (time.perf_counter() - started)
+    libc = ctypes.PyDLL(None)
     print("ready", flush=True)
     while True:
         time.sleep(0.01)
@@ -49,7 +49,7 @@ JOB = textwrap.dedent("""
             os.unlink(hold)
             print("holding", flush=True)
             started = time.perf_counter()
-            sum(range(int(TERMS_PER_SECOND * seconds)))
+            libc.usleep(int(seconds * 1e6)) if seconds < 1 else libc.sleep(int(seconds))
             print(f"held {time.perf_counter() - started:.1f}", flush=True)
         program = os.path.join(control, "exec")
         if os.path.exists(program):
@@ -57,6 +57,9 @@ JOB = textwrap.dedent("""
             os.unlink(program)
             os.execv(sys.executable, [sys.executable, "-c", code])
 """)
+
+
+LOGS: dict[int, Path] = {}  # an agent's pid: the file its stderr goes to
 
 
 class Job:
@@ -86,6 +89,9 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
             with_cont(process.pid)
             process.kill()
         process.wait(10)
+        log = LOGS.pop(process.pid, None)
+        if log is not None:
+            log.unlink(missing_ok=True)
 
 
 def with_cont(pid: int) -> None:
@@ -107,10 +113,13 @@ def start_job(processes: list[subprocess.Popen[str]], tmp_path: Path, *args: str
 def attach(processes: list[subprocess.Popen[str]], pid: int, *args: str
            ) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "dlprof_agent", "attach", str(pid), "--port", str(port),
-         "--interval", "0.2", "--quiet", "--warmup-steps", "0", *args],
-        cwd=REPO, env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = Path(tempfile.mkstemp(prefix="dlprof-agent-", suffix=".log")[1])
+    with log.open("w") as stderr:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "dlprof_agent", "attach", str(pid), "--port", str(port),
+             "--interval", "0.2", "--quiet", "--warmup-steps", "0", *args],
+            cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    LOGS[agent.pid] = log
     processes.append(agent)
     wait_for(lambda: b"dlprof_target_up" in http_get(f"http://127.0.0.1:{port}/metrics"),
              "the agent's first sample", 60)
@@ -139,9 +148,18 @@ def dropped(port: int, reason: str) -> float:
                and f'reason="{reason}"' in line)
 
 
+def said(agent: subprocess.Popen[str]) -> str:
+    """What the agent has logged so far."""
+    return LOGS[agent.pid].read_text()
+
+
 def stderr_of(agent: subprocess.Popen[str]) -> str:
     agent.terminate()
-    return agent.communicate(timeout=30)[1]
+    agent.wait(30)
+    log = LOGS.pop(agent.pid)
+    text = log.read_text()
+    log.unlink()
+    return text
 
 
 def probe_path(pid: int) -> str:
@@ -247,9 +265,9 @@ def test_a_stopped_agent_reaches_the_probe_again(
         time.sleep(6)  # past the probe's lease (2 s)
     finally:
         os.kill(agent.pid, signal.SIGCONT)
-    wait_for(lambda: probe_up(port) and steps(port) >= 10, "the probe back", 40)
-    stderr = stderr_of(agent)
-    assert f"probe back in pid {job.pid}" in stderr, stderr
+    wait_for(lambda: f"probe back in pid {job.pid}" in said(agent), "the probe back", 40)
+    wait_for(lambda: probe_up(port) and steps(port) >= 10, "steps again", 30)
+    stderr_of(agent)
 
 
 def test_attaching_during_a_long_hold_of_the_gil_gets_the_probe_once_it_ends(
