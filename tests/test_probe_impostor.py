@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
@@ -258,6 +259,11 @@ def test_a_probe_in_a_child_of_the_job_is_the_jobs(
     job = start(processes, ["sh", "-c", shell, FAKE_PROBE],
                 {**agent_env(), "DLPROF_AGENT_RUNTIME_DIR": str(runtime_dir)})
     assert job.stdout is not None and job.stdout.readline().strip() == "serving"
-    agent, port = attach(processes, job.pid, "--no-inject")
-    wait_for(lambda: samples(scrape(port), "dlprof_probe_up") == [1.0], "the child's probe")
-    stop_and_read(agent)
+    child = psutil.Process(job.pid).children()[0]  # it prints "serving"
+    try:
+        agent, port = attach(processes, job.pid, "--no-inject")
+        wait_for(lambda: samples(scrape(port), "dlprof_probe_up") == [1.0],
+                 "the child's probe")
+        stop_and_read(agent)
+    finally:
+        child.kill()  # the shell's kill at the end would leave it running
