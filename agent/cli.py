@@ -36,7 +36,7 @@ from dlprof_agent.agent.errors import (
     UsageError,
 )
 from dlprof_agent.agent.findings import FindingsTracker
-from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, connect_probe
+from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
 from dlprof_agent.agent.sampler import Sampler, Snapshot
 from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
 from dlprof_agent.agent.target import open_target
@@ -479,11 +479,10 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     probe_source: ProbeSource | None = None
     try:
         if options.probe is not None:
-            client = connect_probe(pid, options.probe, interval=options.interval,
-                                   wait_seconds=options.probe_wait_seconds)
-            if client is not None:
-                probe_source = sampler.probe = ProbeSource(client,
-                                                           interval=options.interval)
+            probe_source = sampler.probe = open_probe(
+                pid, options.probe, interval=options.interval,
+                wait_seconds=options.probe_wait_seconds)
+            if (client := probe_source.client) is not None:
                 log.info("probe active in pid %d (%s)", pid,
                          ", ".join(client.hello.get("frameworks", [])) or
                          "no framework imported yet")

@@ -33,7 +33,7 @@ from dlprof_agent.agent.probe_control import (
     ProbeAlreadyAttached,
     ProbeOptions,
     ProbeSource,
-    connect_probe,
+    open_probe,
 )
 from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot, Snapshot
 from dlprof_agent.collectors.errors import ErrorLog
@@ -196,15 +196,14 @@ class Daemon:
         if target.reason == "probe":
             options = replace(options, inject=False)  # it has one: never inject another
         try:
-            client = connect_probe(target.pid, options, interval=self.options.interval)
+            source = open_probe(target.pid, options, interval=self.options.interval)
         except ProbeAlreadyAttached as error:
             log.warning("no in-process metrics for pid %d: %s", target.pid, error.one_line())
             return
         except Exception as error:  # the job's process metrics must go on regardless
             self._errors.record("probe", error)
             return
-        if client is not None:
-            target.attach_probe(ProbeSource(client, interval=self.options.interval))
+        target.attach_probe(source)  # connected, or waiting: later passes keep trying
 
     def _drop(self, target: Target, why: str) -> None:
         del self.targets[target.pid]

@@ -1,28 +1,34 @@
 """Gets the agent talking to the probe inside the target: an existing probe
 (started by `run` or by the job itself) is used as is; otherwise one is
 injected, unless the user said --no-inject. When none can be had, attach goes
-on out of process and says once why the in-process metrics are missing."""
+on out of process, says once why the in-process metrics are missing, and keeps
+trying on later passes; it says when the probe is back."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dlprof_agent.agent.errors import AgentError, TraceUnavailable
+from dlprof_agent.agent.target import ProgramIdentity, program_identity
 from dlprof_agent.collectors.probe import (
     REPLY_SECONDS,
     ProbeBusy,
     ProbeClient,
+    ProbeImpostor,
     ProbeSample,
+    ProbeStale,
     ProbeUnavailable,
     ReplyLate,
     find_probe_socket,
 )
 from dlprof_agent.collectors.process import read_state
+from dlprof_agent.probe.protocol import ProtocolError
 
 log = logging.getLogger("dlprof_agent")
 _T = TypeVar("_T")
@@ -72,13 +78,21 @@ def _connect(pid: int, path: str, options: ProbeOptions, interval: float) -> Pro
     try:
         return ProbeClient.connect(pid, path, _start_options(options, interval))
     except ProbeBusy as busy:
+        which = f" (pid {busy.agent_pid})" if busy.agent_pid else ""
         raise ProbeAlreadyAttached(
-            f"process {pid} already has an agent attached (pid {busy.agent_pid})",
-            f"scrape that agent, or stop it first (kill {busy.agent_pid})") from None
+            f"process {pid} already has an agent attached{which}",
+            "scrape that agent, or stop it first"
+            + (f" (kill {busy.agent_pid})" if busy.agent_pid else "")) from None
 
 
 class _NoProbe(Exception):
-    """Why the process has no probe to talk to, in plain words."""
+    """Why the process has no probe to talk to, in plain words. ``final``: trying
+    again cannot help while the process runs this program (not Python, ptrace
+    denied, a socket someone else serves)."""
+
+    def __init__(self, why: str, *, final: bool = False) -> None:
+        super().__init__(why)
+        self.final = final
 
 
 def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
@@ -91,10 +105,17 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
             return connect(path)
         except ProbeBusy:
             raise
-        except ProbeUnavailable as error:
+        except ProbeImpostor as error:
+            raise _NoProbe(f"{error}; someone may be impersonating the probe",
+                           final=True) from None
+        except ProbeStale as error:
             if not options.inject:
-                raise _NoProbe(f"the probe in it is unreachable: {error}") from None
-            # A stale socket of an earlier process with this pid: inject afresh.
+                raise _NoProbe(f"the probe in it is gone: {error}") from None
+            # A socket left by an earlier program in this process: inject afresh.
+        except ProbeUnavailable as error:
+            # A probe is there but did not answer in time (the job may hold the
+            # GIL, or another client may be slow): injecting another would not help.
+            raise _NoProbe(f"the probe in it did not answer: {error}") from None
     if not options.inject:
         raise _NoProbe("it has no probe and --no-inject was given; start the job with "
                        "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
@@ -104,7 +125,8 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
     try:
         inject.inject(pid, injection_code())
     except inject.InjectionError as error:
-        raise _NoProbe(error.one_line()) from None
+        raise _NoProbe(error.one_line(), final=isinstance(
+            error, (inject.NotPython, inject.InjectionRefused))) from None
     path = _wait_for_socket(pid, options.wait_seconds)
     if path is None:
         raise _NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
@@ -122,11 +144,35 @@ def connect_probe(pid: int, options: ProbeOptions, *, interval: float,
                   wait_seconds: float = 0.0) -> ProbeClient | None:
     """A started probe client, or None with the reason logged once."""
     try:
-        return _reach_probe(pid, options, wait_seconds,
-                            lambda path: _connect(pid, path, options, interval))
+        return _try_connect(pid, options, interval, wait_seconds)
     except _NoProbe as why:
         _missing(pid, str(why))
         return None
+
+
+def _try_connect(pid: int, options: ProbeOptions, interval: float, wait_seconds: float
+                 ) -> ProbeClient:
+    return _reach_probe(pid, options, wait_seconds,
+                        lambda path: _connect(pid, path, options, interval))
+
+
+def open_probe(pid: int, options: ProbeOptions, *, interval: float,
+               wait_seconds: float = 0.0) -> ProbeSource:
+    """The probe channel for ``pid``: connected now, or waiting for a probe that
+    later passes keep trying to reach. Raises ProbeAlreadyAttached."""
+    identity = program_identity(pid)
+    final = False
+    try:
+        client: ProbeClient | None = _try_connect(pid, options, interval, wait_seconds)
+        why = ""
+    except _NoProbe as error:
+        client, why, final = None, str(error), error.final
+        _missing(pid, why, trying_again=not final)
+    source = ProbeSource(client, interval=interval, pid=pid, options=options,
+                         identity=identity, waiting=why)
+    if final:
+        source.give_up_until_exec()
+    return source
 
 
 TRACE_INTERVAL_SECONDS = 1.0  # the trace client's own session: it polls well within the lease
@@ -148,17 +194,19 @@ def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, ob
         return _reach_probe(pid, options, 0.0, connect)
     except ProbeBusy as busy:
         raise TraceUnavailable(
-            f"process {pid} has an agent attached (pid {busy.agent_pid}) whose probe is "
-            "too old to trace beside it", "restart the job with this dlprof-agent version"
-        ) from None
+            f"process {pid} has an agent attached"
+            + (f" (pid {busy.agent_pid})" if busy.agent_pid else "")
+            + " whose probe is too old to trace beside it",
+            "restart the job with this dlprof-agent version") from None
     except _NoProbe as why:
         raise TraceUnavailable(f"no probe in process {pid}: {why}",
                                "kernel traces are taken by the in-process probe") from None
 
 
-def _missing(pid: int, why: str) -> None:
+def _missing(pid: int, why: str, *, trying_again: bool = False) -> None:
     log.warning("no in-process metrics (steps, layers, framework settings) for pid %d: %s; "
-                "the process, thread and GPU metrics are unaffected", pid, why)
+                "the process, thread and GPU metrics are unaffected%s", pid, why,
+                "; trying again on later passes" if trying_again else "")
 
 
 def _running(pid: int) -> bool:
@@ -170,51 +218,198 @@ def _running(pid: int) -> bool:
 EXIT_GRACE_SECONDS = 5.0
 # Imports and graph builds can hold the GIL, and so the probe's answer, for seconds.
 LATE_LIMIT_SECONDS = 10.0
+# Past this without an answer on an open connection, the probe is taken for lost
+# and reached afresh; until then a late reply is still taken when it comes.
+SILENT_LIMIT_SECONDS = 120.0
+# Between tries to reach a lost probe: a failed injection costs seconds of gdb.
+# Each try may attach gdb to the job: the pause grows to minutes.
+RETRY_SECONDS = (2.0, 4.0, 8.0, 16.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class ProbeSource:
-    """The sampler's view of the probe: a sample per pass, or None once it is gone.
+    """The sampler's view of the probe: a sample per pass, or None while there is
+    none to be had.
 
     It is on the sampling pass, so it never waits long: a reply gets half an interval
     (a stopped or stuck job must not hold up the process and GPU metrics). A reply
-    that comes later is taken on a later pass; meanwhile the last sample stands. The
-    probe is lost when its connection breaks or it has not answered for
-    LATE_LIMIT_SECONDS, and that is reported on a later pass, once the job has had
-    time to exit if it was exiting."""
+    that comes later is taken on a later pass; meanwhile the last sample stands, for
+    up to LATE_LIMIT_SECONDS, and after that the probe counts as down while its reply
+    is still awaited. A probe whose connection breaks is reached again (and, where
+    options allow, injected again) off the sampling pass, with a growing pause
+    between tries. Each change is said once: waiting, and back."""
 
-    def __init__(self, client: ProbeClient, *, interval: float) -> None:
-        self.client: ProbeClient | None = client
-        self.pid = client.pid
-        client.set_timeout(max(0.25, min(REPLY_SECONDS, interval / 2)))
+    def __init__(self, client: ProbeClient | None, *, interval: float, pid: int | None = None,
+                 options: ProbeOptions | None = None,
+                 identity: ProgramIdentity | None = None, waiting: str = "") -> None:
+        if pid is None:
+            assert client is not None, "a ProbeSource without a client needs its pid"
+            pid = client.pid
+        self.pid = pid
+        self.client: ProbeClient | None = None
+        self._interval = interval
+        self._options = options  # None: never reach the probe again once lost
+        self._identity = identity if identity is not None else program_identity(pid)
         self._lost: tuple[float, str] | None = None  # when, and why
         self._late_since: float | None = None
         self._last: ProbeSample | None = None
         self._kernel_state: tuple[str, str] | None = None
+        self._answering = False
+        self._waiting = waiting  # why there is no probe, once said
+        self._tries = 0
+        self._next_try = time.monotonic() + RETRY_SECONDS[0]
+        self._lock = threading.Lock()
+        self._connecting: threading.Thread | None = None
+        self._reached: ProbeClient | None = None  # from the connecting thread
+        self._reach_failure: str | None = None
+        self._stopped = False
+        if client is not None:
+            self._adopt(client)
 
     @property
     def up(self) -> bool:
-        return self.client is not None
+        """A probe answers: connected, and not silent past the late limit."""
+        return self.client is not None and self._answering
+
+    def _adopt(self, client: ProbeClient) -> None:
+        client.set_timeout(max(0.25, min(REPLY_SECONDS, self._interval / 2)))
+        self.client, self._answering, self._late_since = client, True, None
+        self._tries, self._lost = 0, None
 
     def sample(self) -> ProbeSample | None:
         client = self.client
         if client is None:
-            self._report_loss()
-            return None
+            self._check_program(probe_answers=False)
+            client = self._take_reached()
+            if client is None:
+                self._report_loss()
+                self._try_again()
+                return None
         now = time.monotonic()
         try:
             sample = client.snapshot()
         except ReplyLate:
+            self._check_program(probe_answers=False)
             self._late_since = self._late_since or now
-            if now - self._late_since < LATE_LIMIT_SECONDS:
+            silent = now - self._late_since
+            if silent < LATE_LIMIT_SECONDS:
                 return self._last
-            self._drop(client, f"no reply for {now - self._late_since:.0f} s")
+            if silent >= SILENT_LIMIT_SECONDS:
+                self._drop(client, f"no reply for {silent:.0f} s")
+                return None
+            if self._answering:
+                self._answering = False
+                self._say_waiting(f"it has not answered for {silent:.0f} s (the job may be "
+                                  "holding the GIL in a long native call, or be stopped); "
+                                  "its reply is still awaited")
             return None
-        except Exception as error:  # a closed socket, a bad frame
+        except ProtocolError as error:  # not what a probe sends: said now, not after a grace
+            self._drop(client, str(error))
+            self._lost = None
+            self._say_waiting(f"refused its reply ({error})")
+            return None
+        except Exception as error:  # a closed socket
             self._drop(client, str(error) or type(error).__name__)
+            self._check_program(probe_answers=False)
             return None
+        self._check_program(probe_answers=True)
+        if not self._answering or self._waiting:
+            self._answering = True
+            self._say_back(client)
         self._late_since, self._last = None, sample
         self._report_kernel_state(sample)
         return sample
+
+    def _say_waiting(self, why: str) -> None:
+        if not self._waiting:
+            log.warning("waiting for the probe in pid %d: %s; in-process metrics resume "
+                        "when it is back", self.pid, why)
+        self._waiting = why
+
+    def _say_back(self, client: ProbeClient) -> None:
+        if self._waiting:
+            log.info("probe back in pid %d (%s)", self.pid,
+                     ", ".join(map(str, client.hello.get("frameworks", [])))
+                     or "no framework imported yet")
+        self._waiting = ""
+
+    def _check_program(self, *, probe_answers: bool) -> None:
+        """After exec the pid runs a new program: say so, and reach its probe afresh.
+        A new command line under the same executable while the probe still answers
+        is a job renaming itself (setproctitle), not an exec: exec closes the probe."""
+        identity = program_identity(self.pid)
+        previous = self._identity
+        if identity is None or previous is None or identity == previous:
+            return
+        self._identity = identity
+        if probe_answers and identity.executable == previous.executable:
+            return
+        log.warning("process %d now runs another program (exec): %s, was %s; its metrics "
+                    "from here on are the new program's", self.pid, identity.describe(),
+                    previous.describe())
+        client = self.client
+        if client is not None:
+            self._drop(client, "the process exec'd a new program")
+        self._lost = None  # said just now
+        self._waiting = "the process exec'd a new program"
+        self._next_try = time.monotonic()  # reach the new program's probe at once
+        self._tries = 0
+
+    def _try_again(self) -> None:
+        options = self._options
+        if options is None or self._stopped or not _running(self.pid):
+            return
+        with self._lock:
+            if self._connecting is not None or time.monotonic() < self._next_try:
+                return
+            self._next_try = time.monotonic() + RETRY_SECONDS[
+                min(self._tries, len(RETRY_SECONDS) - 1)]
+            self._tries += 1
+            self._connecting = threading.Thread(
+                target=self._reach, args=(options,), name=f"dlprof-probe-{self.pid}",
+                daemon=True)
+            self._connecting.start()
+
+    def _reach(self, options: ProbeOptions) -> None:
+        """Off the sampling pass: a connection, and perhaps an injection."""
+        client: ProbeClient | None = None
+        failure: str | None = None
+        final = False
+        try:
+            client = _try_connect(self.pid, options, self._interval, 0.0)
+        except ProbeAlreadyAttached as error:
+            failure = error.one_line()
+        except _NoProbe as why:
+            failure, final = str(why), why.final
+        except Exception as error:  # the process metrics go on regardless
+            failure = str(error) or type(error).__name__
+        with self._lock:
+            self._connecting = None
+            if self._stopped:
+                pass
+            elif client is not None:
+                self._reached, client = client, None
+            else:
+                self._reach_failure = failure
+                if final:
+                    self._next_try = float("inf")
+        if client is not None:
+            client.stop()  # stopped meanwhile: the probe removes its hooks
+
+    def give_up_until_exec(self) -> None:
+        """Trying again cannot help while the process runs this program (not
+        Python, ptrace denied, a socket someone else serves)."""
+        with self._lock:
+            self._next_try = float("inf")
+
+    def _take_reached(self) -> ProbeClient | None:
+        with self._lock:
+            client, self._reached = self._reached, None
+            failure, self._reach_failure = self._reach_failure, None
+        if failure is not None:
+            self._say_waiting(failure)
+        if client is not None:
+            self._adopt(client)
+        return client
 
     def _report_kernel_state(self, sample: ProbeSample) -> None:
         """Say once per change what the kernel tracer does, and why not."""
@@ -226,9 +421,11 @@ class ProbeSource:
                  f" ({kernels.reason})" if kernels.reason else "")
 
     def _drop(self, client: ProbeClient, why: str) -> None:
-        self.client = None
+        self.client, self._answering, self._late_since = None, False, None
         client.close()
         self._lost = (time.monotonic(), why)
+        self._kernel_state = None
+        self._next_try = time.monotonic()  # the first try comes after the exit grace
 
     def _report_loss(self) -> None:
         if self._lost is None:
@@ -236,12 +433,21 @@ class ProbeSource:
         since, why = self._lost
         if not _running(self.pid):
             self._lost = None  # the job ended: nothing to report
+            self._next_try = float("inf")
         elif time.monotonic() - since >= EXIT_GRACE_SECONDS:
             self._lost = None
-            log.warning("lost the probe in pid %d (%s); in-process metrics stop here",
-                        self.pid, why)
+            again = "; trying to reach it again" if self._options is not None else (
+                "; in-process metrics stop here")
+            log.warning("lost the probe in pid %d (%s)%s", self.pid, why, again)
+            self._waiting = why
+        else:
+            self._next_try = max(self._next_try, since + EXIT_GRACE_SECONDS)
 
     def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            reached, self._reached = self._reached, None
         client, self.client = self.client, None
-        if client is not None:
-            client.stop()
+        for each in (client, reached):
+            if each is not None:
+                each.stop()

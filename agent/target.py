@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pwd
+from dataclasses import dataclass
 
 import psutil
 
@@ -49,3 +50,31 @@ def open_target(pid: int, *, procfs: str = "/proc") -> psutil.Process:
             f"no permission to read process {pid} (owned by {_owner(process)})",
             PRIVILEGE_HINT) from None
     return process
+
+
+@dataclass(frozen=True)
+class ProgramIdentity:
+    """What program a pid runs. exec keeps the pid and its start time, and
+    changes these: the target is then another program."""
+
+    start_ticks: int  # /proc/<pid>/stat field 22: a reused pid has another
+    executable: str
+    command: str
+
+    def describe(self) -> str:
+        command = self.command if len(self.command) <= 120 else self.command[:117] + "..."
+        return f"`{command}` ({self.executable})"
+
+
+def program_identity(pid: int, *, procfs: str = "/proc") -> ProgramIdentity | None:
+    """None when it cannot be read (gone, or not ours to read)."""
+    try:
+        with open(f"{procfs}/{pid}/stat", "rb") as file:
+            start_ticks = int(file.read().rpartition(b")")[2].split()[19])
+        executable = os.readlink(f"{procfs}/{pid}/exe")
+        with open(f"{procfs}/{pid}/cmdline", "rb") as file:
+            command = file.read(4096).rstrip(b"\0").replace(b"\0", b" ").decode(
+                errors="replace")
+    except (OSError, ValueError, IndexError):
+        return None
+    return ProgramIdentity(start_ticks, executable, command)

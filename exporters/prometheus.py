@@ -397,7 +397,7 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
     hook_errors.add_metric([pid], probe.hook_errors)
     dropped = _counter("dlprof_probe_dropped_messages_total",
                        "Messages and connections the probe refused: malformed, oversized, "
-                       "unknown, wrong version, or from another user.", ["pid", "reason"])
+                       "unknown, wrong version, from another user, or too slow.", ["pid", "reason"])
     for reason, count in probe.dropped_messages:
         dropped.add_metric([pid, reason], count)
     kernels = (kernel_families(pid, probe.kernels, gpu_labels(gpu))

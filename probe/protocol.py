@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import struct
+import time
 from typing import Any
 
 MAGIC = b"DLPR"
@@ -23,6 +25,15 @@ MAX_REPLY_BYTES = 4 * 1024 * 1024  # probe -> agent: 512 layers fit many times o
 # command", and the snapshot reply's "kernels" is absent; the frame is unchanged.
 COMMANDS = ("start", "stop", "configure", "snapshot", "trace", "trace_status")
 SOCKET_DIR_ENV = "DLPROF_AGENT_RUNTIME_DIR"
+# The shape a frame may have, checked before json.loads sees it: the parser
+# recurses once per level (a deep frame raises RecursionError, in the probe's
+# thread), and memory grows with the number of values, not only the bytes.
+MAX_DEPTH = 16  # the deepest real frame nests 4 levels
+MAX_REQUEST_VALUES = 1_000
+MAX_REPLY_VALUES = 200_000  # 512 layers, 16 devices of 201 kernels: a tenth of this
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_INNERMOST = re.compile(rb"\[[^][{}]*\]|\{[^][{}]*\}")  # a pair with no pair inside
 
 
 class ProtocolError(Exception):
@@ -42,9 +53,14 @@ def encode(message: dict[str, Any]) -> bytes:
     return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
 
 
-def _read_exact(sock: socket.socket, size: int) -> bytes:
+def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytes:
     chunks = []
     while size:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the frame did not arrive in time")
+            sock.settimeout(remaining)
         chunk = sock.recv(min(size, 1 << 16))
         if not chunk:
             raise ConnectionClosed
@@ -64,19 +80,60 @@ def _payload_length(header: bytes, max_bytes: int) -> int:
     return int(length)
 
 
-def _decode(payload: bytes) -> dict[str, Any]:
+def check_shape(payload: bytes, *, max_values: int, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse a payload nested deeper than ``max_depth`` or holding more than
+    ``max_values`` values, before any parser sees it. Strings are blanked first,
+    so brackets and commas inside them do not count."""
+    skeleton = _STRING.sub(b'""', payload)
+    containers = skeleton.count(b"[") + skeleton.count(b"{")
+    if containers + skeleton.count(b",") + skeleton.count(b":") > max_values:
+        raise ProtocolError("oversized", f"more than {max_values} values")
+    # Each pass takes away the innermost level of every pair: what is left after
+    # max_depth passes is nested deeper than that, or does not pair up.
+    brackets = skeleton.translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return
+        brackets, removed = _INNERMOST.subn(b"", brackets)
+        if not removed:
+            break
+    if brackets:
+        raise ProtocolError("malformed", f"nested deeper than {max_depth} levels, "
+                                         "or brackets that do not pair up")
+
+
+def _decode(payload: bytes, max_values: int) -> dict[str, Any]:
+    check_shape(payload, max_values=max_values)
     try:
         message = json.loads(payload)
-    except (UnicodeDecodeError, ValueError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ProtocolError("malformed", str(error)) from None
     if not isinstance(message, dict):
         raise ProtocolError("malformed", "a frame must hold a JSON object")
     return message
 
 
-def read_frame(sock: socket.socket, *, max_bytes: int) -> dict[str, Any]:
-    length = _payload_length(_read_exact(sock, HEADER.size), max_bytes)
-    return _decode(_read_exact(sock, length))
+def _max_values(max_bytes: int) -> int:
+    return MAX_REQUEST_VALUES if max_bytes <= MAX_REQUEST_BYTES else MAX_REPLY_VALUES
+
+
+def read_frame(sock: socket.socket, *, max_bytes: int, seconds: float | None = None
+               ) -> dict[str, Any]:
+    """One frame; the whole of it within ``seconds`` (TimeoutError otherwise),
+    however the peer spreads its bytes, or as the socket's timeout has it per
+    read when None."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    length = _payload_length(_read_exact(sock, HEADER.size, deadline), max_bytes)
+    return _decode(_read_exact(sock, length, deadline), _max_values(max_bytes))
+
+
+def bytes_wanted(received: bytearray, *, max_bytes: int) -> int:
+    """How many more bytes the first frame in ``received`` needs: a reader that
+    takes no more than that leaves what follows it on the socket."""
+    if len(received) < HEADER.size:
+        return HEADER.size - len(received)
+    end = HEADER.size + _payload_length(bytes(received[:HEADER.size]), max_bytes)
+    return max(0, end - len(received))
 
 
 def take_frame(received: bytearray, *, max_bytes: int) -> dict[str, Any] | None:
@@ -89,7 +146,7 @@ def take_frame(received: bytearray, *, max_bytes: int) -> dict[str, Any] | None:
         return None
     payload = bytes(received[HEADER.size:end])
     del received[:end]
-    return _decode(payload)
+    return _decode(payload, _max_values(max_bytes))
 
 
 def runtime_dir_candidates(uid: int, environ: dict[str, str]) -> list[str]:

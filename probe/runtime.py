@@ -15,6 +15,7 @@ import contextlib
 import os
 import select
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -28,11 +29,13 @@ from dlprof_agent.probe.protocol import (
     VERSION,
     ConnectionClosed,
     ProtocolError,
+    bytes_wanted,
     encode,
     private_dir,
     read_frame,
     runtime_dir_candidates,
     socket_name,
+    take_frame,
 )
 from dlprof_agent.probe.recorder import (
     DEFAULT_LAYER_BUDGET,
@@ -43,11 +46,14 @@ from dlprof_agent.probe.recorder import (
     Recorder,
 )
 
-HANDSHAKE_SECONDS = 5.0  # a connection must say start within this
-FRAME_SECONDS = 2.0  # a frame, once begun, must arrive within this
+HANDSHAKE_SECONDS = 5.0  # a new connection's first frame must arrive whole within this
+FRAME_SECONDS = 2.0  # a frame, once begun, must arrive whole within this
 MIN_LEASE_SECONDS = 2.0
 ORPHAN_SECONDS = 60.0  # an injected probe no agent connects to closes after this
-SIDE_READ_SECONDS = 0.5  # a second connection must say what it wants within this
+MAX_PENDING = 8  # connections not yet past their first frame; the oldest goes first
+# Past this, a wake-up of the probe's thread is late because the job kept it off
+# the GIL (or the process was stopped): that time does not count against a lease.
+STARVED_SECONDS = 0.25
 MAX_TRACE_STEPS = 100_000
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -72,13 +78,37 @@ def _imported(names: tuple[str, ...]) -> bool:
     return True
 
 
+def _readable(sockets: list[socket.socket], timeout: float) -> list[socket.socket]:
+    """Those of ``sockets`` with something to read (or a hang-up to see). poll,
+    not select: a job with a thousand files open gives descriptors select cannot
+    watch."""
+    poller = select.poll()
+    for each in sockets:
+        poller.register(each, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(max(0, int(timeout * 1000)))}
+    return [each for each in sockets if each.fileno() in ready]
+
+
+class _Pending:
+    """A connection whose first frame has not arrived whole. It is read as bytes
+    come, between the probe's other work: a slow client holds nothing up."""
+
+    def __init__(self, connection: socket.socket, peer_pid: int, peer_uid: int) -> None:
+        self.connection = connection
+        self.peer_pid = peer_pid
+        self.peer_uid = peer_uid
+        self.received = bytearray()
+        self.deadline = time.monotonic() + HANDSHAKE_SECONDS
+
+
 class _Session:
     """What an attached agent asked for, and the hooks installed for it."""
 
-    def __init__(self, connection: socket.socket, peer_pid: int, options: dict[str, Any]
-                 ) -> None:
+    def __init__(self, connection: socket.socket, peer_pid: int, peer_uid: int,
+                 options: dict[str, Any]) -> None:
         self.connection = connection
         self.peer_pid = peer_pid
+        self.peer_uid = peer_uid
         self.interval = float(options["interval_seconds"])
         self.layers = bool(options["layers"])
         self.recorder = Recorder(warmup_steps=int(options["warmup_steps"]),
@@ -202,11 +232,13 @@ class Probe:
         self.dropped: dict[str, int] = {}
         self.session: _Session | None = None
         self._side: socket.socket | None = None  # a trace client beside the agent
+        self._pending: list[_Pending] = []
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
         self._started = time.monotonic()
         self._had_session = False
+        self._wake_by: float | None = None  # when select should have returned at the latest
 
     # Start and stop, from whoever enables the probe.
 
@@ -214,6 +246,7 @@ class Probe:
         for directory in runtime_dir_candidates(os.geteuid(), dict(os.environ)):
             if not private_dir(directory):
                 continue
+            remove_stale_sockets(directory)
             path = os.path.join(directory, socket_name(self.pid))
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -235,6 +268,10 @@ class Probe:
     def close(self) -> None:
         self._closing = True
         self._end_session()
+        pending, self._pending = self._pending, []
+        for waiting in pending:
+            with contextlib.suppress(OSError):
+                waiting.connection.close()
         listener, self._listener = self._listener, None
         if listener is not None:
             with contextlib.suppress(OSError):
@@ -254,12 +291,17 @@ class Probe:
     # The probe thread.
 
     def _serve(self) -> None:
-        try:
-            while not self._closing and self._listener is not None:
+        # Whatever a client sends or a hook does, the listener lives on: a probe
+        # whose thread ended would leave a socket no agent can ever use again.
+        while not self._closing and self._listener is not None:
+            try:
                 self._serve_once()
-        except Exception:  # never let the probe thread's death reach the job
-            self._count("internal")
-        finally:
+            except Exception:  # never let the probe thread's death reach the job
+                self._count("internal")
+                with contextlib.suppress(Exception):
+                    self._end_session()
+                time.sleep(0.1)  # a fault that repeats must not spin this thread
+        with contextlib.suppress(Exception):
             self._end_session()
 
     def _serve_once(self) -> None:
@@ -277,15 +319,25 @@ class Probe:
         side = self._side
         if side is not None:
             watched.append(side)
+        pending = list(self._pending)
+        if pending:
+            timeout = max(0.0, min(timeout, min(p.deadline for p in pending) - time.monotonic()))
+        watched.extend(p.connection for p in pending)
+        self._wake_by = time.monotonic() + timeout
         try:
-            readable, _, _ = select.select(watched, [], [], timeout)
+            readable = _readable(watched, timeout)
         except (OSError, ValueError):
             if self._closing:
                 return
             raise
+        self._forgive_starvation(session)
         if listener in readable:
             self._accept(listener)
-        if session is not None and session is self.session:
+        for waiting in pending:
+            if waiting.connection in readable or time.monotonic() >= waiting.deadline:
+                self._read_pending(waiting)
+        session = self.session if session is self.session else None
+        if session is not None:
             if session.connection in readable or (
                     time.monotonic() - session.last_message > session.lease_seconds
                     and self._readable_now(session.connection)):
@@ -303,9 +355,20 @@ class Probe:
     @staticmethod
     def _readable_now(connection: socket.socket) -> bool:
         try:
-            return bool(select.select([connection], [], [], 0)[0])
+            return bool(_readable([connection], 0))
         except (OSError, ValueError):
             return False
+
+    def _forgive_starvation(self, session: _Session | None) -> None:
+        """Time the job kept this thread from running (a long native call holding
+        the GIL, a checkpoint save, SIGSTOP) is not the agent's silence: an agent
+        that is gone and a probe that could not run look alike from the lease."""
+        wake_by = self._wake_by
+        if session is None or wake_by is None:
+            return
+        late = time.monotonic() - wake_by
+        if late > STARVED_SECONDS:
+            session.last_message += late
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -319,23 +382,65 @@ class Probe:
                 self._count("refused_peer")
                 connection.close()
                 return
-            if self.session is not None:
-                self._second_connection(connection, self.session)
-                return
-            self._handshake(connection, peer_pid)
+            connection.setblocking(False)
+            if len(self._pending) >= MAX_PENDING:
+                oldest = self._pending.pop(0)
+                self._count("timeout")
+                with contextlib.suppress(OSError):
+                    oldest.connection.close()
+            self._pending.append(_Pending(connection, peer_pid, peer_uid))
         except Exception:
             self._count("malformed")
             with contextlib.suppress(OSError):
                 connection.close()
 
-    def _second_connection(self, connection: socket.socket, session: _Session) -> None:
-        """An agent is attached: a trace client may work beside it; anyone else
-        hears that the probe is busy, and with whom."""
-        connection.settimeout(SIDE_READ_SECONDS)
-        message: dict[str, Any] = {}
-        with contextlib.suppress(ProtocolError, ConnectionClosed, OSError):
-            message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES)
-        if message.get("command") == "trace" and self._side is None:
+    def _read_pending(self, waiting: _Pending) -> None:
+        """Take what has arrived of a new connection's first frame; once whole,
+        it is a handshake, or a request beside the attached agent."""
+        message: dict[str, Any] | None = None
+        try:
+            # No further than this frame: what follows is the session's to read.
+            wanted = bytes_wanted(waiting.received, max_bytes=MAX_REQUEST_BYTES)
+            chunk = waiting.connection.recv(min(wanted, 1 << 16))
+            if not chunk:
+                raise ConnectionClosed
+            waiting.received += chunk
+            message = take_frame(waiting.received, max_bytes=MAX_REQUEST_BYTES)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except ProtocolError as error:
+            self._drop_pending(waiting, error.reason)
+            return
+        except (ConnectionClosed, OSError):
+            self._drop_pending(waiting, "malformed" if waiting.received else None)
+            return
+        if message is None:
+            if time.monotonic() >= waiting.deadline:
+                self._drop_pending(waiting, "timeout")
+            return
+        self._pending.remove(waiting)
+        connection = waiting.connection
+        connection.settimeout(FRAME_SECONDS)  # replies must not wait on a reader for long
+        if self.session is not None:
+            self._second_connection(connection, waiting.peer_uid, message, self.session)
+        else:
+            self._handshake(connection, waiting.peer_pid, waiting.peer_uid, message)
+
+    def _drop_pending(self, waiting: _Pending, reason: str | None) -> None:
+        with contextlib.suppress(ValueError):
+            self._pending.remove(waiting)
+        if reason is not None:
+            self._count(reason)
+        with contextlib.suppress(OSError):
+            waiting.connection.close()
+
+    def _second_connection(self, connection: socket.socket, peer_uid: int,
+                           message: dict[str, Any], session: _Session) -> None:
+        """An agent is attached: a trace client may work beside it; another agent
+        hears that the probe is busy (and with whom only when it could see that
+        agent's processes anyway: root, or the attached agent's own user)."""
+        command = message.get("command")
+        if command == "trace" and self._side is None:
             try:
                 reply = session.start_trace(message.get("args", {}))
             except ValueError as error:
@@ -343,21 +448,26 @@ class Probe:
                 reply = {"ok": False, "error": str(error)}
             self._reply(connection, reply)
             if reply.get("ok"):
-                connection.settimeout(FRAME_SECONDS)
                 self._side = connection
                 return
-        elif message.get("command") == "trace":
+        elif command == "trace":
             self._reply(connection, {"ok": False, "error": "tracing busy: another trace "
                                                            "client is connected"})
+        elif command == "start":
+            busy: dict[str, Any] = {"ok": False, "error": "busy"}
+            if peer_uid in (0, session.peer_uid):
+                busy["agent_pid"] = session.peer_pid
+            self._reply(connection, busy)
         else:
-            self._reply(connection, {"ok": False, "error": "busy",
-                                     "agent_pid": session.peer_pid})
+            self._count("unknown" if command not in COMMANDS else "malformed")
+            self._reply(connection, {"ok": False, "error": "busy"})
         connection.close()
 
     def _receive_side(self, connection: socket.socket) -> None:
         session = self.session
         try:
-            message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES)
+            message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES,
+                                 seconds=FRAME_SECONDS)
         except (ProtocolError, ConnectionClosed, OSError) as error:
             if isinstance(error, ProtocolError):
                 self._count(error.reason)
@@ -385,17 +495,8 @@ class Probe:
         with contextlib.suppress(OSError):
             side.close()
 
-    def _handshake(self, connection: socket.socket, peer_pid: int) -> None:
-        connection.settimeout(HANDSHAKE_SECONDS)
-        try:
-            message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES)
-        except ProtocolError as error:
-            self._count(error.reason)
-            connection.close()
-            return
-        except (ConnectionClosed, OSError):
-            connection.close()
-            return
+    def _handshake(self, connection: socket.socket, peer_pid: int, peer_uid: int,
+                   message: dict[str, Any]) -> None:
         if message.get("command") != "start":
             self._count("unknown" if message.get("command") not in COMMANDS else "malformed")
             self._reply(connection, {"ok": False, "error": "say start first"})
@@ -409,7 +510,7 @@ class Probe:
             connection.close()
             return
         connection.settimeout(FRAME_SECONDS)
-        session = _Session(connection, peer_pid, options)
+        session = _Session(connection, peer_pid, peer_uid, options)
         self.session = session
         self._had_session = True
         session.install_new_hooks(self.dropped)
@@ -421,7 +522,8 @@ class Probe:
 
     def _receive(self, session: _Session) -> None:
         try:
-            message = read_frame(session.connection, max_bytes=MAX_REQUEST_BYTES)
+            message = read_frame(session.connection, max_bytes=MAX_REQUEST_BYTES,
+                                 seconds=FRAME_SECONDS)
         except ProtocolError as error:
             # The stream cannot be trusted past a bad frame: drop the connection.
             self._count(error.reason)
@@ -496,6 +598,31 @@ class Probe:
 
     def _count(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+def remove_stale_sockets(directory: str) -> None:
+    """Remove probe sockets of processes that no longer exist (a job ended by
+    SIGTERM or kill -9 never ran its atexit). Only in our own private directory,
+    and only sockets: a pid that is alive, or another user's, is left alone."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not (name.startswith("probe-") and name.endswith(".sock")):
+                continue
+            pid_text = name[len("probe-"):-len(".sock")]
+            if not pid_text.isdigit() or int(pid_text) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid_text), 0)
+                continue  # alive
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue  # alive, someone else's
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                info = os.lstat(path)
+                if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.geteuid():
+                    os.unlink(path)
 
 
 _probe: Probe | None = None

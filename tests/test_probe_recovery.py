@@ -1,0 +1,392 @@
+"""The probe is never lost for good: not to a frame built to crash its decoder,
+nor to a client that sends one byte at a time, nor to a job that holds the GIL
+or is stopped, nor to an agent that is stopped; after exec the agent says that
+the pid runs another program. Real jobs, real agents, real sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
+
+pytestmark = pytest.mark.e2e
+
+# Steps every 10 ms, with the probe enabled (as `run` or the job's own code does),
+# unless --inject-me: then the agent injects it. Between steps it looks in its
+# control folder: "hold" holds the GIL in one C call for that many seconds (libc's
+# sleep through ctypes.PyDLL, which keeps the GIL: wall time, whatever the load),
+# "exec" execs the Python code in it.
+JOB = textwrap.dedent("""
+    import ctypes, os, sys, time
+    control = sys.argv[1]
+    if "--inject-me" not in sys.argv:
+        from dlprof_agent import probe
+        probe.enable()
+    libc = ctypes.PyDLL(None)
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.01)
+        module = sys.modules.get("dlprof_agent.probe")  # injected: once it is loaded
+        if module is not None and not getattr(module.__spec__, "_initializing", False):
+            module.step(samples=1)
+        hold = os.path.join(control, "hold")
+        if os.path.exists(hold):
+            seconds = float(open(hold).read())
+            os.unlink(hold)
+            print("holding", flush=True)
+            started = time.perf_counter()
+            libc.usleep(int(seconds * 1e6)) if seconds < 1 else libc.sleep(int(seconds))
+            print(f"held {time.perf_counter() - started:.1f}", flush=True)
+        program = os.path.join(control, "exec")
+        if os.path.exists(program):
+            code = open(program).read()
+            os.unlink(program)
+            os.execv(sys.executable, [sys.executable, "-c", code])
+""")
+
+
+LOGS: dict[int, Path] = {}  # an agent's pid: the file its stderr goes to
+
+
+class Job:
+    def __init__(self, process: subprocess.Popen[str], control: Path) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.control = control
+
+    def hold(self, seconds: float) -> float:
+        """Hold the GIL for about ``seconds``; returns once it has begun."""
+        (self.control / "hold").write_text(str(seconds))
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline().strip() == "holding"
+        return time.monotonic()
+
+    def held(self) -> float:
+        assert self.process.stdout is not None
+        return float(self.process.stdout.readline().split()[1])
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            with_cont(process.pid)
+            process.kill()
+        process.wait(10)
+        log = LOGS.pop(process.pid, None)
+        if log is not None:
+            log.unlink(missing_ok=True)
+
+
+def with_cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def start_job(processes: list[subprocess.Popen[str]], tmp_path: Path, *args: str) -> Job:
+    control = tmp_path / f"control-{len(processes)}"
+    control.mkdir()
+    process = subprocess.Popen([sys.executable, "-c", JOB, str(control), *args], cwd=REPO,
+                               env=agent_env(), stdout=subprocess.PIPE, text=True)
+    processes.append(process)
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "ready"
+    return Job(process, control)
+
+
+def attach(processes: list[subprocess.Popen[str]], pid: int, *args: str
+           ) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="dlprof-agent-", suffix=".log")[1])
+    with log.open("w") as stderr:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "dlprof_agent", "attach", str(pid), "--port", str(port),
+             "--interval", "0.2", "--quiet", "--warmup-steps", "0", *args],
+            cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    LOGS[agent.pid] = log
+    processes.append(agent)
+    wait_for(lambda: b"dlprof_target_up" in http_get(f"http://127.0.0.1:{port}/metrics"),
+             "the agent's first sample", 60)
+    return agent, port
+
+
+def value(port: int, name: str) -> float | None:
+    for line in http_get(f"http://127.0.0.1:{port}/metrics").decode().splitlines():
+        if line.startswith((name + "{", name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def probe_up(port: int) -> bool:
+    return value(port, "dlprof_probe_up") == 1
+
+
+def steps(port: int) -> float:
+    return value(port, 'dlprof_steps_total') or 0.0
+
+
+def dropped(port: int, reason: str) -> float:
+    text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dlprof_probe_dropped_messages_total{")
+               and f'reason="{reason}"' in line)
+
+
+def said(agent: subprocess.Popen[str]) -> str:
+    """What the agent has logged so far."""
+    return LOGS[agent.pid].read_text()
+
+
+def stderr_of(agent: subprocess.Popen[str]) -> str:
+    agent.terminate()
+    agent.wait(30)
+    log = LOGS.pop(agent.pid)
+    text = log.read_text()
+    log.unlink()
+    return text
+
+
+def probe_path(pid: int) -> str:
+    return f"/tmp/dlprof-agent-{os.geteuid()}/probe-{pid}.sock"
+
+
+def frame(payload: bytes) -> bytes:
+    from dlprof_agent.probe.protocol import HEADER, MAGIC, VERSION
+    return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
+
+
+START = b'{"command":"start","args":{"interval_seconds":1.0}}'
+DEEP = b'{"command":' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # 60 kB: within the limit
+
+
+def test_a_deeply_nested_frame_leaves_the_probe_serving(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    job = start_job(processes, tmp_path)
+    for opening in ([], [START]):  # as the first frame, and inside a session
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(10)
+            client.connect(probe_path(job.pid))
+            for data in opening:
+                client.sendall(frame(data))
+                assert b'"ok":true' in client.recv(4096)
+            client.sendall(frame(DEEP))
+            with contextlib.suppress(ConnectionResetError):  # or recv ends: it hung up
+                while client.recv(4096):
+                    pass
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: steps(port) >= 20, "steps from the probe after the deep frames", 30)
+    assert dropped(port, "oversized") + dropped(port, "malformed") == 2
+    assert job.process.poll() is None
+    stderr_of(agent)
+
+
+def dribble(path: str, data: bytes, every: float, stop: threading.Event,
+            closed_after: list[float]) -> None:
+    """Send ``data`` a byte at a time; note when the probe closed the connection."""
+    started = time.monotonic()
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(path)
+        for byte in data:
+            if stop.wait(every):
+                return
+            try:
+                client.sendall(bytes([byte]))
+            except OSError:
+                closed_after.append(time.monotonic() - started)
+                return
+        closed_after.append(-1.0)
+
+
+def test_a_client_sending_one_byte_at_a_time_denies_no_agent(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    job = start_job(processes, tmp_path)
+    stop = threading.Event()
+    closed_after: list[float] = []
+    slow = threading.Thread(target=dribble, args=(probe_path(job.pid), frame(START), 0.5, stop,
+                                                  closed_after), daemon=True)
+    slow.start()
+    try:
+        time.sleep(1.0)  # it has begun its frame
+        agent, port = attach(processes, job.pid, "--no-inject")
+        wait_for(lambda: probe_up(port), "the agent to reach the probe beside the slow client",
+                 15)
+        assert slow.is_alive()  # still dribbling
+        slow.join(15)
+        assert closed_after and 0 < closed_after[0] < 10, closed_after  # its frame's deadline
+        wait_for(lambda: dropped(port, "timeout") == 1, "the slow client to be counted", 10)
+        assert "did not answer" not in stderr_of(agent)
+    finally:
+        stop.set()
+
+
+def test_the_agent_waits_through_a_stopped_job_and_says_when_the_probe_is_back(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    job = start_job(processes, tmp_path)
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: steps(port) >= 10, "steps before the stop", 30)
+    os.kill(job.pid, signal.SIGSTOP)
+    try:
+        time.sleep(13)  # past the agent's late limit (10 s) and the probe's lease
+        assert not probe_up(port)
+    finally:
+        os.kill(job.pid, signal.SIGCONT)
+    before = steps(port)
+    wait_for(lambda: probe_up(port) and steps(port) > before + 10, "the probe back", 30)
+    stderr = stderr_of(agent)
+    assert stderr.count("waiting for the probe in pid") == 1, stderr
+    assert f"probe back in pid {job.pid}" in stderr
+
+
+def test_a_stopped_agent_reaches_the_probe_again(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """The probe took the silent agent for gone (rightly): the agent, resumed,
+    connects again instead of giving up."""
+    job = start_job(processes, tmp_path)
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: steps(port) >= 10, "steps before the stop", 30)
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        time.sleep(6)  # past the probe's lease (2 s)
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    wait_for(lambda: f"probe back in pid {job.pid}" in said(agent), "the probe back", 40)
+    wait_for(lambda: probe_up(port) and steps(port) >= 10, "steps again", 30)
+    stderr_of(agent)
+
+
+def test_attaching_during_a_long_hold_of_the_gil_gets_the_probe_once_it_ends(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    job = start_job(processes, tmp_path)
+    job.hold(8)
+    agent, port = attach(processes, job.pid, "--no-inject")
+    assert job.held() > 5, "the hold was too short to test"
+    wait_for(lambda: probe_up(port) and steps(port) >= 10, "the probe after the hold", 60)
+    stderr = stderr_of(agent)
+    assert "the probe in it did not answer" in stderr, stderr
+    assert "injected" not in stderr  # nothing was
+    assert f"probe back in pid {job.pid}" in stderr
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="injection needs gdb")
+def test_an_injected_probe_survives_a_hold_longer_than_the_agents_late_limit(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    job = start_job(processes, tmp_path, "--inject-me")
+    agent, port = attach(processes, job.pid)
+    wait_for(lambda: steps(port) >= 10, "steps from the injected probe", 60)
+    job.hold(13)
+    wait_for(lambda: not probe_up(port), "the probe to count as down during the hold", 20)
+    assert job.held() > 10, "the hold was too short to test"
+    before = steps(port)
+    wait_for(lambda: probe_up(port) and steps(port) > before + 10, "the probe back", 30)
+    assert os.path.exists(probe_path(job.pid))  # it did not take the hold for a departure
+    stderr = stderr_of(agent)
+    assert "waiting for the probe" in stderr and f"probe back in pid {job.pid}" in stderr
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="injection needs gdb")
+def test_an_injection_that_finds_no_safe_point_is_tried_again_later(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """A hold longer than the injector's wait (10 s) at attach: the first
+    injection gives up, a later pass injects once the job runs Python again."""
+    job = start_job(processes, tmp_path, "--inject-me")
+    job.hold(16)
+    agent, port = attach(processes, job.pid)
+    assert job.held() > 11, "the hold was too short to test"
+    wait_for(lambda: probe_up(port) and steps(port) >= 10, "the probe, injected later", 90)
+    stderr = stderr_of(agent)
+    assert "trying again on later passes" in stderr, stderr
+    assert f"probe back in pid {job.pid}" in stderr
+
+
+def test_after_exec_the_agent_says_the_pid_runs_another_program_and_reaches_its_probe(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    job = start_job(processes, tmp_path)
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: steps(port) >= 10, "steps before exec", 30)
+    (job.control / "exec").write_text(
+        "import time\nfrom dlprof_agent import probe\nprobe.enable()\n"
+        "while True:\n    time.sleep(0.01)\n    probe.step(samples=1)\n")
+    wait_for(lambda: not probe_up(port), "the old program's probe to be gone", 20)
+    wait_for(lambda: probe_up(port), "the new program's probe", 40)
+    stderr = stderr_of(agent)
+    assert f"process {job.pid} now runs another program (exec)" in stderr, stderr
+    assert "import time" in stderr  # the new command line is named
+    assert f"probe back in pid {job.pid}" in stderr
+
+
+def test_a_job_ended_by_sigterm_leaves_no_socket_behind_the_next_probe(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    first = start_job(processes, tmp_path)
+    stale = probe_path(first.pid)
+    assert os.path.exists(stale)
+    first.process.terminate()  # SIGTERM: no atexit, the socket stays
+    first.process.wait(10)
+    assert os.path.exists(stale)
+    start_job(processes, tmp_path)  # its probe clears what dead processes left
+    assert not os.path.exists(stale)
+
+
+def test_garbage_beside_an_attached_agent_is_counted_and_learns_nothing(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    job = start_job(processes, tmp_path)
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: probe_up(port), "the agent", 30)
+    replies = []
+    for garbage in [os.urandom(64) for _ in range(5)] + [
+            frame(b'{"command":"exec"}'), frame(b"[1]"), frame(b"{"),
+            frame(b'{"command":' + b"[" * 100 + b"]" * 100 + b"}"),
+            frame(b'{"command":"snapshot"}')]:
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(10)
+            client.connect(probe_path(job.pid))
+            reply = b""
+            try:
+                client.sendall(garbage)
+                client.shutdown(socket.SHUT_WR)
+                while chunk := client.recv(4096):
+                    reply += chunk
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+            replies.append(reply)
+    wait_for(lambda: sum(dropped(port, reason) for reason in
+                         ("malformed", "oversized", "version", "unknown", "timeout")) == 10,
+             "all ten to be counted", 15)
+    assert not any(str(agent.pid).encode() in reply for reply in replies), replies
+    assert not any(b"agent_pid" in reply for reply in replies), replies
+    stderr_of(agent)
+
+
+def test_a_probe_kept_from_running_does_not_take_it_for_the_agents_departure(
+        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    """Job and agent stopped together (a frozen cgroup, a suspended VM), the job
+    resumed first: the probe finds the agent's lease long expired, and nothing
+    sent. It could not run either; the session goes on, nothing is reconnected."""
+    job = start_job(processes, tmp_path)
+    agent, port = attach(processes, job.pid, "--no-inject")
+    wait_for(lambda: steps(port) >= 10, "steps before the freeze", 30)
+    os.kill(agent.pid, signal.SIGSTOP)
+    os.kill(job.pid, signal.SIGSTOP)
+    time.sleep(5)  # past the probe's lease (2 s)
+    os.kill(job.pid, signal.SIGCONT)
+    time.sleep(0.3)  # the probe's thread wakes first
+    os.kill(agent.pid, signal.SIGCONT)
+    before = steps(port)
+    wait_for(lambda: steps(port) > before + 10, "steps after the freeze", 30)
+    stderr = stderr_of(agent)
+    assert "lost the probe" not in stderr and "probe back" not in stderr, stderr
