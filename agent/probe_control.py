@@ -123,12 +123,15 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
     from dlprof_agent.probe.bootstrap import injection_code
 
     try:
-        inject.inject(pid, injection_code())
+        queued = inject.inject(pid, injection_code())
     except inject.InjectionError as error:
         raise _NoProbe(error.one_line(), final=isinstance(
             error, (inject.NotPython, inject.InjectionRefused))) from None
     path = _wait_for_socket(pid, options.wait_seconds)
     if path is None:
+        if queued is not None and queued.state() == "queued":
+            raise _NoProbe("the probe is queued in the job and starts when its main thread "
+                           "next runs Python code (it is in a long native call)")
         raise _NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
                        "(the main thread may be stuck in native code, or the job's Python "
                        "is older than 3.10)")
