@@ -438,8 +438,9 @@ def _configure_logging(status: LiveStatus | None) -> None:
     log.propagate = False
 
 
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """SIGTERM. A BaseException, as KeyboardInterrupt is: a collector read guarded
+    by ``except Exception`` that it lands in must not swallow it."""
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:

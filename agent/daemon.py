@@ -306,8 +306,9 @@ def make_daemon(options: DaemonOptions) -> Daemon:
                   gpu=GpuCollector(errors=errors) if options.gpu else None, errors=errors)
 
 
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """SIGTERM. A BaseException, as KeyboardInterrupt is: a collector read guarded
+    by ``except Exception`` that it lands in must not swallow it."""
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:

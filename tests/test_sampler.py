@@ -88,3 +88,22 @@ def test_the_agent_reports_its_own_footprint(sleeper: subprocess.Popen[bytes]) -
     assert snapshot.agent is not None
     assert snapshot.agent.cpu_seconds > 0
     assert 0 < snapshot.agent.rss_bytes <= snapshot.agent.rss_peak_bytes
+
+
+@pytest.mark.parametrize("module", ["cli", "daemon"])
+def test_a_stop_signal_landing_in_a_guarded_read_ends_the_loop(
+        module: str, sleeper: subprocess.Popen[bytes]) -> None:
+    # The SIGTERM handler raises its stop exception wherever the main thread is,
+    # often inside a collector read whose failures are counted and swallowed.
+    import importlib
+
+    stop = importlib.import_module(f"dlprof_agent.agent.{module}")._Stop
+    errors = ErrorLog()
+    sampler = make_sampler(sleeper.pid, errors)
+
+    def read() -> None:
+        raise stop
+
+    with pytest.raises(stop):
+        sampler._guarded("host", read)
+    assert errors.counts() == {}
