@@ -590,7 +590,9 @@ class LayerIds:
     @staticmethod
     def weights(ids: U64) -> F64:
         """How many steps each id's kernel time stands for."""
-        return np.maximum(ids >> np.uint64(WEIGHT_SHIFT), np.uint64(1)).astype(np.float64)
+        weights: F64 = np.maximum(ids >> np.uint64(WEIGHT_SHIFT), np.uint64(1)).astype(
+            np.float64)
+        return weights
 
 
 class KernelAggregator:
