@@ -54,6 +54,7 @@ TRACE_CHUNK_CHARS = 1 << 20  # per trace_status reply: well under the protocol's
 KINDS = (10, 1, 2, 17)  # CONCURRENT_KERNEL, MEMCPY, MEMSET, OVERHEAD
 API_KINDS = (5, 4)  # RUNTIME, DRIVER: external correlation records come with these
 ATTRIBUTION_KINDS = (39, *API_KINDS)  # EXTERNAL_CORRELATION
+MAX_ATTRIBUTION_WEIGHT = (1 << 31) - 1  # steps a timed one stands for, in an external id
 
 
 def cuda_in_use() -> bool:
@@ -345,7 +346,7 @@ class KernelTracer:
         what it asked for as it lets go of the lock), and does nothing while we
         stand aside, where ``open`` applies it when we come back."""
         try:
-            wanted = (bool(on), max(1, int(weight)))
+            wanted = (bool(on), min(max(1, int(weight)), MAX_ATTRIBUTION_WEIGHT))
             if wanted == self._attribution_wanted:
                 return
             self._attribution_wanted = wanted
