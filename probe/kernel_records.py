@@ -101,6 +101,7 @@ MAX_NAME_CHARS = 160
 MAX_FULL_NAMES = 20_000  # distinct kernel symbols remembered; more is a pathological job
 MAX_DEVICES = 64
 MAX_CORRELATIONS = 1 << 20  # external correlation entries kept for a late kernel record
+WEIGHT_SHIFT = 32  # external ids: the weight of a timed step sits above this bit
 MAX_KIND = 128  # CUpti_ActivityKind values are below this (60 kinds in CUPTI 13)
 
 U8 = npt.NDArray[np.uint8]
@@ -569,8 +570,10 @@ class Attribution:
 @dataclass
 class LayerIds:
     """How the layer hooks encode (layer, phase) into an external id:
-    ``base | index << 1 | phase``, phase 0 forward and 1 backward. ``base`` is
-    new for each tracer start, so ids pushed for an earlier one are ignored."""
+    ``weight << 32 | base | index << 1 | phase``, phase 0 forward and 1 backward.
+    ``base`` (bits 24-31) is new for each tracer start, so ids pushed for an
+    earlier one are ignored; ``weight`` is the number of steps the timed step
+    that pushed it stands for (0 read as 1), as the recorder weighs its CPU time."""
 
     base: int
     labels: Sequence[str]  # the hooks' list, growing as layers are hooked
@@ -578,11 +581,18 @@ class LayerIds:
 
     def decode(self, ids: U64) -> tuple[I64, I64]:
         """(label index or -1, phase) per id."""
-        ours = (ids >> np.uint64(24)) == np.uint64(self.base >> 24)
+        ours = ((ids >> np.uint64(24)) & np.uint64(0xFF)) == np.uint64((self.base >> 24) & 0xFF)
         local = (ids & np.uint64((1 << 24) - 1)).astype(np.int64)
         index = np.where(ours, local >> 1, -1)
         index = np.where(index < len(self.labels), index, -1)
         return index, local & 1
+
+    @staticmethod
+    def weights(ids: U64) -> F64:
+        """How many steps each id's kernel time stands for."""
+        weights: F64 = np.maximum(ids >> np.uint64(WEIGHT_SHIFT), np.uint64(1)).astype(
+            np.float64)
+        return weights
 
 
 class KernelAggregator:
@@ -672,7 +682,8 @@ class KernelAggregator:
         if not np.any(mine):
             return
         key = index[mine] * 2 + phase[mine]
-        totals = np.bincount(key, weights=seconds[mine])
+        # A timed step's kernel time counts once for each step it stands for.
+        totals = np.bincount(key, weights=seconds[mine] * self.layer_ids.weights(external[mine]))
         labels = self.layer_ids.labels
         for slot in np.flatnonzero(totals).tolist():
             label_index = slot // 2

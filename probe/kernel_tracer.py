@@ -54,6 +54,7 @@ TRACE_CHUNK_CHARS = 1 << 20  # per trace_status reply: well under the protocol's
 KINDS = (10, 1, 2, 17)  # CONCURRENT_KERNEL, MEMCPY, MEMSET, OVERHEAD
 API_KINDS = (5, 4)  # RUNTIME, DRIVER: external correlation records come with these
 ATTRIBUTION_KINDS = (39, *API_KINDS)  # EXTERNAL_CORRELATION
+MAX_ATTRIBUTION_WEIGHT = (1 << 31) - 1  # steps a timed one stands for, in an external id
 
 
 def cuda_in_use() -> bool:
@@ -198,6 +199,11 @@ class KernelTracer:
         self._last_drain = 0.0
         self._last_flush = 0.0
         self._extra_kinds: list[int] = []
+        # Attribution's kinds are on only in timed steps (the recorder's layer listener):
+        # what the job's thread last asked for, (on, weight), and what was applied.
+        self._attribution_wanted = (True, 1)
+        self._attribution_applied: tuple[bool, int] | None = None
+        self._id_base = 0
         self._temporary = False  # started for a trace only: stop after it
         self._dropped_before = 0
         self._dropped_base = 0
@@ -209,8 +215,10 @@ class KernelTracer:
         with self._lock:
             try:
                 self._tick(self._clock())
+                self._apply_attribution()
             except Exception as error:
                 self._fail(error)
+        self._settle_attribution()
 
     def _tick(self, now: float) -> None:
         if self._binding is None:
@@ -269,8 +277,6 @@ class KernelTracer:
         try:
             binding.open(*cupti_binding.framework_cuda())
             binding.enable(list(KINDS))
-            if self.layer_labels is not None:
-                binding.enable(list(ATTRIBUTION_KINDS))
         except CuptiBusy as busy:
             self._set(BUSY, busy.reason)
             self._next_attempt = now + BUSY_RETRY_SECONDS
@@ -290,7 +296,7 @@ class KernelTracer:
         self._aggregator.names.forget_pointers()  # a restarted CUPTI has new strings
         self._splitter = kernel_records.RecordSplitter()  # sizes learned from this CUPTI
         self._generation = self._generation % 127 + 1
-        base = self._generation << 24
+        base = self._id_base = self._generation << 24
         self.correlator = binding.correlator(base)
         # The hooks' own list, not a copy: it grows as they hook layers.
         labels = self.layer_labels if self.layer_labels is not None else []
@@ -300,26 +306,91 @@ class KernelTracer:
         self._binding = binding
         self._last_drain = self._last_flush = now
         self._set(ACTIVE, "")
+        self._attribution_applied = None
+        self._apply_attribution()  # attribution's kinds, if the open step is timed
         profiler_yield.register(self)  # stand aside before the job's profiler starts
 
     def set_layers(self, labels: list[str] | None) -> None:
-        """Attribute kernel time to these layers (the hooks' own list), or stop."""
+        """Attribute kernel time to these layers (the hooks' own list), or stop.
+        Attribution follows the recorder's timed steps (``set_attribution``)."""
         try:
-            self.layer_labels = labels
-            if self._aggregator is not None and self._records is not None:
-                base = self._aggregator.layer_ids.base if self._aggregator.layer_ids else 0
-                self._aggregator.layer_ids = self._records.LayerIds(
-                    base, labels if labels is not None else [], self.max_layers)
-            if labels is not None and self._binding is not None:
-                self._binding.enable(list(ATTRIBUTION_KINDS))
+            with self._lock:
+                self.layer_labels = labels
+                if self._aggregator is not None and self._records is not None:
+                    base = self._aggregator.layer_ids.base if self._aggregator.layer_ids else 0
+                    self._aggregator.layer_ids = self._records.LayerIds(
+                        base, labels if labels is not None else [], self.max_layers)
+                recorder = self.recorder
+                if recorder is not None:
+                    listeners = recorder.layer_listeners
+                    if labels is not None and self._layer_boundary not in listeners:
+                        listeners.append(self._layer_boundary)
+                    elif labels is None and self._layer_boundary in listeners:
+                        listeners.remove(self._layer_boundary)
+                    self._attribution_wanted = (bool(recorder.layer_step),
+                                                recorder.layer_weight)
+                self._apply_attribution()
         except Exception as error:
             self._fail(error)
+
+    def _layer_boundary(self, timed: bool) -> None:
+        """The recorder's layer listener, at each step boundary on the job's thread."""
+        recorder = self.recorder
+        self.set_attribution(timed, recorder.layer_weight if recorder is not None else 1)
+
+    def set_attribution(self, on: bool, weight: int = 1) -> None:
+        """Attribute the kernels of the step that begins now (``on``: a timed step
+        standing for ``weight`` steps), or not: attribution's API kinds cost on
+        every launch, so they are on only in timed steps. Called on the job's
+        thread at every step boundary: it never waits for a tick (the tick applies
+        what it asked for as it lets go of the lock), and does nothing while we
+        stand aside, where ``open`` applies it when we come back."""
+        try:
+            wanted = (bool(on), min(max(1, int(weight)), MAX_ATTRIBUTION_WEIGHT))
+            if wanted == self._attribution_wanted:
+                return
+            self._attribution_wanted = wanted
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._apply_attribution()
+                finally:
+                    self._lock.release()
+        except Exception as error:
+            self._fail(error)
+
+    def _settle_attribution(self) -> None:
+        """After letting go of the lock: what the job's thread asked for while we
+        held it is applied now, not a tick later."""
+        if self._attribution_wanted != self._attribution_applied:
+            with self._lock:
+                try:
+                    self._apply_attribution()
+                except Exception as error:
+                    self._fail(error)
+
+    def _apply_attribution(self) -> None:
+        """Under the lock: attribution's kinds and the hooks' id weight as wanted."""
+        wanted = self._attribution_wanted
+        if wanted == self._attribution_applied:
+            return
+        self._attribution_applied = wanted
+        binding = self._binding
+        if binding is None:  # standing aside, or not tracing: open() applies it
+            return
+        on, weight = wanted
+        if on and self.layer_labels is not None:
+            if self.correlator is not None:
+                self.correlator.base = self._id_base | weight << self._records.WEIGHT_SHIFT
+            binding.enable([kind for kind in ATTRIBUTION_KINDS if kind not in binding.enabled])
+        elif not self.capture_open:  # a trace window keeps its launch times to its end
+            binding.disable([kind for kind in ATTRIBUTION_KINDS if kind in binding.enabled])
 
     def set_continuous(self, continuous: bool) -> None:
         """Switch continuous tracing on or off (``configure``); a trace window
         being taken finishes first."""
         with self._lock:
             self._set_continuous(continuous)
+        self._settle_attribution()
 
     def _set_continuous(self, continuous: bool) -> None:
         try:
@@ -461,10 +532,12 @@ class KernelTracer:
         """Begin a trace of the next ``steps`` steps; "" or why it cannot be had."""
         with self._lock:
             try:
-                return self._start_capture(steps, max_seconds)
+                reply = self._start_capture(steps, max_seconds)
             except Exception as error:
                 self._fail(error)
-                return f"kernel tracing failed: {self.reason}"
+                reply = f"kernel tracing failed: {self.reason}"
+        self._settle_attribution()
+        return reply
 
     def _start_capture(self, steps: int, max_seconds: float) -> str:
         if self.capture_open:
@@ -565,6 +638,8 @@ class KernelTracer:
             return
         binding.disable(self._extra_kinds)
         self._extra_kinds = []
+        self._attribution_applied = None
+        self._apply_attribution()  # the window may have ended in a timed step
         if self._temporary:
             self._temporary = False
             self._binding = None
@@ -651,7 +726,9 @@ class KernelTracer:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return self._snapshot()
+            snapshot = self._snapshot()
+        self._settle_attribution()
+        return snapshot
 
     def _snapshot(self) -> dict[str, Any]:
         try:

@@ -110,6 +110,7 @@ class Recorder:
         self.layers: dict[str, list[float]] = {}
         self._pending_layers: dict[str, list[float]] = {}  # the step being timed
         self.layer_step = False  # the open step is timed: layer hooks are in
+        self.layer_weight = 1  # the steps the open timed step stands for (kernel attribution)
         # None: no duty cycle, every steady step is timed.
         self._layer_sampling = layer_sampling
         self.layer_sampled_steps = 0
@@ -166,6 +167,10 @@ class Recorder:
             else:
                 self._close_step(now - previous)
             layer_step = self.layer_step
+            # As _close_step will weigh this step's layer time when it closes.
+            sampling = self._layer_sampling
+            self.layer_weight = (sampling.since_sample + 1
+                                 if layer_step and sampling is not None else 1)
         for listener in self.layer_listeners:
             listener(layer_step)
 

@@ -351,6 +351,25 @@ def test_kernel_time_goes_to_the_layer_and_phase_that_launched_it() -> None:
                       ("features.0", "backward"): pytest.approx(3e-6)}
 
 
+def test_a_timed_steps_kernel_time_counts_for_the_steps_it_stands_for() -> None:
+    base = 5 << 24
+    builder = BufferBuilder()
+    builder.external(1, 7 << kr.WEIGHT_SHIFT | base | 0 << 1).kernel("conv", 0, 1_000,
+                                                                     correlation=1)
+    builder.external(2, 1 << kr.WEIGHT_SHIFT | base | 1 << 1 | 1).kernel("relu_bwd", 0, 200,
+                                                                         correlation=2)
+    builder.external(3, 7 << kr.WEIGHT_SHIFT | (6 << 24) | 0).kernel("stale", 0, 70,
+                                                                     correlation=3)
+    aggregator = kr.KernelAggregator()
+    aggregator.layer_ids = layer_ids(["features.0", "features.1"])
+    aggregator.add(decode(builder), 1.0)
+    layers = {(label, phase): s for label, phase, s in aggregator.snapshot()["layers"]}
+    assert layers == {("features.0", "forward"): pytest.approx(7e-6),
+                      ("features.1", "backward"): pytest.approx(0.2e-6)}
+    kernels = {name: seconds for name, _, _, seconds in aggregator.snapshot()["kernels"]}
+    assert kernels["conv"] == pytest.approx(1e-6)  # kernel totals are what ran, unweighted
+
+
 def test_a_kernel_whose_launch_record_comes_a_buffer_later_is_still_attributed() -> None:
     base = 5 << 24
     aggregator = kr.KernelAggregator()

@@ -15,7 +15,7 @@ import pytest
 from dlprof_agent.probe import cupti_binding as cb
 from dlprof_agent.probe import kernel_tracer as kt
 from dlprof_agent.probe import profiler_yield, trace_writer
-from dlprof_agent.probe.recorder import Recorder
+from dlprof_agent.probe.recorder import LayerSampling, Recorder
 from tests.cupti_records import HTOD, BufferBuilder
 from tests.fake_cupti import (
     FakeBinding,
@@ -596,3 +596,173 @@ def test_a_profiler_already_running_when_tracing_starts_is_waited_for(cupti: Fak
         assert cupti.callbacks is None  # CUPTI untouched while it runs
     world.tick(tracer, kt.YIELD_RETRY_SECONDS)
     assert tracer.state == "active"
+
+
+# --- attribution in timed steps only (duty-cycled layer timing) -------------------------
+
+LAYER_KERNEL_NS = (40_000, 10_000, 25_000)  # per layer and launch: forward, twice backward
+
+
+class SampledJob:
+    """A job whose layer hooks are in only for the recorder's timed steps, as
+    ``torch_hooks`` does it: each layer pushes its id around its launches while
+    timed; every step launches the same kernels whether timed or not."""
+
+    def __init__(self, world: World, cupti: FakeCupti, *, every: int) -> None:
+        self.world, self.cupti = world, cupti
+        self.tracer = real_tracer(world, cupti)
+        self.recorder = Recorder(warmup_steps=0, layer_sampling=LayerSampling(every=every))
+        self.tracer.recorder = self.recorder
+        self.labels = [f"{index} Conv2d" for index in range(len(LAYER_KERNEL_NS))]
+        self.tracer.set_layers(self.labels)
+        self.now = 0.0
+        self.kinds_seen: list[tuple[bool, set[int]]] = []  # (timed, enabled) per step
+
+    def boundary(self) -> None:
+        self.now += 0.01
+        self.recorder.step_boundary("manual", self.now)
+
+    def step(self, scale: float = 1.0) -> None:
+        """One step's launches, then its closing boundary."""
+        timed = self.recorder.layer_step
+        self.kinds_seen.append((timed, set(self.cupti.enabled)))
+        correlator = self.tracer.correlator
+        for index, nanoseconds in enumerate(LAYER_KERNEL_NS):
+            for phase, launches in ((0, 1), (1, 2)):
+                if timed and correlator is not None:
+                    correlator.push(correlator.base | index << 1 | phase)
+                for _ in range(launches):
+                    self.cupti.kernel(f"layer_{index}", round(nanoseconds * scale))
+                if timed and correlator is not None:
+                    correlator.pop()
+        self.boundary()
+        self.world.tick(self.tracer, 0.3)
+
+    def layer_gpu_seconds(self) -> dict[tuple[str, str], float]:
+        return {(label, phase): seconds
+                for label, phase, seconds in self.tracer.snapshot()["layers"]}
+
+
+def expected_gpu_seconds(labels: list[str], scales: list[float]
+                         ) -> dict[tuple[str, str], float]:
+    """What timing every step attributes: each launch's duration, all steps."""
+    expected = {}
+    for label, nanoseconds in zip(labels, LAYER_KERNEL_NS, strict=True):
+        every_step = [round(nanoseconds * scale) / 1e9 for scale in scales]
+        expected[(label, "forward")] = sum(every_step)
+        expected[(label, "backward")] = 2 * sum(every_step)
+    return expected
+
+
+@pytest.mark.parametrize("every", [2, 5, 8])
+def test_sampled_steps_gpu_time_per_layer_stands_for_every_step(
+        cupti: FakeCupti, every: int) -> None:
+    """Steps all alike, a run ending on a timed step: one in N timed, weighted by N,
+    is exactly what timing every step gives (floating point aside)."""
+    job = SampledJob(World(), cupti, every=every)
+    job.world.tick(job.tracer)
+    assert job.tracer.state == "active"
+    job.boundary()
+    steps = 40 * every  # the last step closed is a timed one
+    for _ in range(steps):
+        job.step()
+    assert job.recorder.layer_sampled_steps == steps // every
+    assert job.layer_gpu_seconds() == pytest.approx(
+        expected_gpu_seconds(job.labels, [1.0] * steps), rel=1e-9)
+    # Continuous aggregation counts every step's kernels, timed or not.
+    launched = kernels(job.tracer.snapshot())
+    assert {name: count for name, (count, _) in launched.items()} == {
+        f"layer_{index}": 3 * steps for index in range(len(LAYER_KERNEL_NS))}
+
+
+def test_sampled_gpu_time_per_layer_is_within_sampling_error_of_every_step(
+        cupti: FakeCupti) -> None:
+    """Kernel times that vary step to step (uniform within +-30%, a seeded draw):
+    one step in five estimates the 1000 steps' total from 200 of them. Each step's
+    factor has a standard deviation of 0.3/sqrt(3) = 0.17, so the estimate's
+    relative error has one of 0.17 * sqrt(1/200 - 1/1000) = 1.1%: 5% is over 4 of
+    them, and the old estimate (timed steps only, unweighted) is 80% short."""
+    import random
+
+    draw = random.Random(12)
+    scales = [draw.uniform(0.7, 1.3) for _ in range(1000)]
+    job = SampledJob(World(), cupti, every=5)
+    job.world.tick(job.tracer)
+    job.boundary()
+    for scale in scales:
+        job.step(scale)
+    expected = expected_gpu_seconds(job.labels, scales)
+    measured = job.layer_gpu_seconds()
+    assert set(measured) == set(expected)
+    for key, seconds in expected.items():
+        assert measured[key] == pytest.approx(seconds, rel=0.05), key
+
+
+def test_attribution_kinds_are_on_in_timed_steps_only_and_never_while_standing_aside(
+        cupti: FakeCupti) -> None:
+    job = SampledJob(World(), cupti, every=4)
+    job.world.tick(job.tracer)
+    job.boundary()
+    for _ in range(20):
+        job.step()
+    attribution = set(kt.ATTRIBUTION_KINDS)
+    assert {timed for timed, _ in job.kinds_seen} == {True, False}
+    for timed, enabled in job.kinds_seen:
+        assert set(kt.KINDS) <= enabled  # continuous tracing stays on throughout
+        assert (enabled & attribution) == (attribution if timed else set())
+
+    # torch.profiler is about to start: we stand aside, and timed steps must not
+    # turn our kinds back on under it.
+    job.tracer.stand_aside(profiler_yield.TORCH_PROFILER)
+    job.kinds_seen.clear()
+    for _ in range(8):
+        job.recorder.step_boundary("manual", job.now + 0.01)
+        job.now += 0.01
+        job.kinds_seen.append((job.recorder.layer_step, set(cupti.enabled)))
+        job.world.tick(job.tracer)  # the profiler's flag is down: the hook is the signal
+    assert any(timed for timed, _ in job.kinds_seen)
+    assert all(not enabled for _, enabled in job.kinds_seen)
+
+    job.tracer.come_back(profiler_yield.TORCH_PROFILER)
+    job.world.tick(job.tracer)
+    assert job.tracer.state == "active"
+    job.kinds_seen.clear()
+    for _ in range(8):
+        job.step()
+    for timed, enabled in job.kinds_seen:
+        assert (enabled & attribution) == (attribution if timed else set())
+
+
+def test_a_timed_step_never_waits_for_a_tick_and_gets_its_kinds_as_the_tick_ends(
+        cupti: FakeCupti) -> None:
+    every = 4
+    job = SampledJob(World(), cupti, every=every)
+    job.world.tick(job.tracer)
+    job.boundary()
+    sampling = job.recorder.layer_sampling
+    assert sampling is not None
+    while job.recorder.layer_step or sampling.since_sample != every - 2:
+        job.step()  # up to the last untimed step before a timed one
+    assert not set(kt.ATTRIBUTION_KINDS) & cupti.enabled
+    # A tick holds the tracer's lock (here: stuck in its check for a profiler)
+    # just as the timed step begins on the job's thread.
+    release, checking = threading.Event(), threading.Event()
+
+    def slow_check() -> str:
+        checking.set()
+        release.wait(10)
+        return ""
+
+    job.tracer._profiler_check = slow_check
+    job.world.clock.now += 1.0
+    tick = threading.Thread(target=job.tracer.tick)
+    tick.start()
+    assert checking.wait(10)
+    started = time.perf_counter()
+    job.boundary()
+    assert job.recorder.layer_step
+    assert time.perf_counter() - started < 1.0  # it did not wait for the lock
+    assert not set(kt.ATTRIBUTION_KINDS) & cupti.enabled
+    release.set()
+    tick.join(10)
+    assert set(kt.ATTRIBUTION_KINDS) <= cupti.enabled  # applied as the tick let go
