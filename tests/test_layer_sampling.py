@@ -144,7 +144,7 @@ def layer_shares(name: str, sampling: LayerSampling | None, *, steps: int = 0,
 
 
 @pytest.mark.parametrize(("name", "steps", "timed_steps"), [
-    ("small-cnn", 40, 40), ("resnet-56", 15, 25), ("lstm", 40, 40)])
+    ("small-cnn", 80, 80), ("resnet-56", 15, 25), ("lstm", 80, 80)])
 def test_the_split_from_timed_steps_matches_timing_every_step(
         name: str, steps: int, timed_steps: int) -> None:
     """Full-rate hooks, then the default budget, then full-rate hooks again,
