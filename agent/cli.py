@@ -45,7 +45,7 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.exporters.http import MetricsServer, nice_this_thread
+from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.web_config import MissingLibrary, WebConfig, WebConfigError
 from dlprof_agent.exporters.web_config import load as read_web_config
@@ -502,7 +502,9 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         failures: list[BaseException] = []
 
         def sample_until_stopped() -> None:
-            nice_this_thread()  # the job comes first
+            # Not niced, unlike the render and serving threads: a niced reader of the
+            # job's thread states runs mostly while the job's threads sleep, which
+            # biases every instantaneous reading (runnable threads) low.
             try:
                 sampler.run(stop, on_sample)
             except BaseException as error:  # a bug: re-raised below, with its traceback

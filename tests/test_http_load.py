@@ -162,8 +162,9 @@ def scheduling(pid: int) -> dict[int, tuple[int, int]]:
 
 
 def test_the_agents_threads_yield_to_the_job() -> None:
-    """Serving threads under SCHED_IDLE, sampling and rendering at nice 10, and the
-    main thread (which injects, and whose gdb stops the job) left as it was."""
+    """Serving threads under SCHED_IDLE, rendering at nice 10, and the main thread
+    (which injects) and the sampler (whose readings of the job's thread states a
+    lower priority would bias) left as they were."""
     job = subprocess.Popen(["sleep", "600"])
     port = free_port()
     agent = subprocess.Popen([sys.executable, "-m", "dlprof_agent", "attach", str(job.pid),
@@ -176,7 +177,7 @@ def test_the_agents_threads_yield_to_the_job() -> None:
         policies = [policy for _, policy in threads.values()]
         assert policies.count(SCHED_IDLE) == 1 + WORKERS
         assert sum(nice == AGENT_NICE for nice, policy in threads.values()
-                   if policy != SCHED_IDLE) >= 2  # the sampler and the render thread
+                   if policy != SCHED_IDLE) >= 1  # the render thread
         assert threads[agent.pid] == (0, 0)  # SCHED_OTHER at the nice it was started with
         assert scheduling(job.pid)[job.pid] == (0, 0)  # the job is untouched
     finally:
