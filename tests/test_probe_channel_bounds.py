@@ -168,9 +168,9 @@ def test_a_frame_must_arrive_whole_within_its_deadline_however_it_is_sent() -> N
 def real_reply(layers: int = 3) -> dict[str, Any]:
     recorder = Recorder(warmup_steps=0, max_layers=512)
     recorder.step_boundary("manual")
-    recorder.step_boundary("manual")
-    for index in range(layers):
+    for index in range(layers):  # a step's layer times count once the step ends
         recorder.add_layer_time(f"features.{index}", "forward", 0.001)
+    recorder.step_boundary("manual")
     return {"ok": True, "probe": recorder.snapshot(), "settings": {"torch": {"version": "2"}},
             "dropped": {"malformed": 1}}
 
