@@ -57,11 +57,13 @@ def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytes
     chunks = []
     while size:
         if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("the frame did not arrive in time")
-            sock.settimeout(remaining)
-        chunk = sock.recv(min(size, 1 << 16))
+            # Past the deadline, still take what has already arrived: the time may
+            # have gone to the job holding the GIL, not to a slow peer.
+            sock.settimeout(max(0.0, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(min(size, 1 << 16))
+        except BlockingIOError:  # past the deadline, and nothing more is there
+            raise TimeoutError("the frame did not arrive in time") from None
         if not chunk:
             raise ConnectionClosed
         chunks.append(chunk)
@@ -122,9 +124,16 @@ def read_frame(sock: socket.socket, *, max_bytes: int, seconds: float | None = N
     """One frame; the whole of it within ``seconds`` (TimeoutError otherwise),
     however the peer spreads its bytes, or as the socket's timeout has it per
     read when None."""
-    deadline = None if seconds is None else time.monotonic() + seconds
-    length = _payload_length(_read_exact(sock, HEADER.size, deadline), max_bytes)
-    return _decode(_read_exact(sock, length, deadline), _max_values(max_bytes))
+    if seconds is None:
+        length = _payload_length(_read_exact(sock, HEADER.size, None), max_bytes)
+        return _decode(_read_exact(sock, length, None), _max_values(max_bytes))
+    deadline, timeout = time.monotonic() + seconds, sock.gettimeout()
+    try:
+        length = _payload_length(_read_exact(sock, HEADER.size, deadline), max_bytes)
+        payload = _read_exact(sock, length, deadline)
+    finally:
+        sock.settimeout(timeout)  # the reply is written under the socket's own timeout
+    return _decode(payload, _max_values(max_bytes))
 
 
 def bytes_wanted(received: bytearray, *, max_bytes: int) -> int:

@@ -368,3 +368,28 @@ def test_a_job_with_more_than_a_thousand_files_open_is_served(tmp_path: Path) ->
     if result.stdout.startswith("skip:"):
         pytest.skip(result.stdout.strip())
     assert result.stdout.strip() == "True True", result.stderr
+
+
+def test_a_frame_already_there_is_read_though_the_job_starved_the_reader_past_its_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job holding the GIL keeps the probe's thread between two reads of one frame
+    (seen: a 2.5 s hold dropped an agent whose request had arrived whole)."""
+    import time
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(encode({"command": "snapshot"}))
+        ours.settimeout(7.0)
+        clock = iter([100.0, *(110.0 + step for step in range(100))])
+        monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+        assert read_frame(ours, max_bytes=MAX_REQUEST_BYTES, seconds=5.0) == {
+            "command": "snapshot"}
+        assert ours.gettimeout() == 7.0  # the reply goes out under the socket's own
+
+
+def test_a_frame_that_stops_arriving_still_times_out() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(encode({"command": "snapshot"})[:HEADER.size + 3])
+        with pytest.raises(TimeoutError):
+            read_frame(ours, max_bytes=MAX_REQUEST_BYTES, seconds=0.2)

@@ -66,7 +66,11 @@ def test_a_job_holding_the_gil_answers_late_and_keeps_its_probe(
         started = time.monotonic()
         sample = source.sample()
         slowest_pass = max(slowest_pass, time.monotonic() - started)
-        assert sample is not None and source.up, "the probe was dropped"
+        assert source.up, "the probe was dropped"
+        if sample is None:  # its first reply is still on its way: nothing to keep yet
+            assert not steps_seen, "a late reply lost the last sample"
+            time.sleep(0.1)
+            continue
         if steps_seen and sample.steady_steps == steps_seen[-1]:
             repeated += 1
         steps_seen.append(sample.steady_steps)
