@@ -87,7 +87,10 @@ def test_the_daemon_watches_jobs_started_after_it_and_drops_each_when_it_exits(
     def both_training() -> str | None:
         text = scrape()
         steps = [value(text, "dlprof_steps_total", job.pid) for job in (job_a, job_b)]
-        return text if all(s and s > 5 for s in steps) else None
+        # Findings are judged once a job has a window of samples (a few seconds).
+        judged = [value(text, "dlprof_finding", job.pid, 'finding="memory_near_limit"')
+                  is not None for job in (job_a, job_b)]
+        return text if all(s and s > 5 for s in steps) and all(judged) else None
 
     text = wait_for(both_training, "steps of both jobs on the daemon's endpoint", 90)
     for job in (job_a, job_b):
