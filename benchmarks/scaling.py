@@ -96,7 +96,7 @@ def _series(registry: CollectorRegistry) -> int:
 def agent_costs(pid: int, passes: int) -> tuple[float, float, int]:
     """CPU per sampling pass and per render of ``pid``'s tree, and its series."""
     from dlprof_agent.agent.sampler import Sampler
-    from dlprof_agent.collectors.errors import ErrorLog
+    from dlprof_agent.collectors.error_log import ErrorLog
     from dlprof_agent.collectors.host import HostCollector
     from dlprof_agent.collectors.process import ProcessCollector
     from dlprof_agent.exporters.prometheus import SnapshotCollector

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from dlprof_agent.probe.cupti_binding import ActivityBuffer, CuptiBusy, CuptiUnavailable
+from dlprof_agent.errors import CuptiBusy, CuptiUnavailable
+from dlprof_agent.probe.cupti_binding import ActivityBuffer
 from tests.cupti_records import LAYOUTS, BufferBuilder
 
 CUPTI_MINUS_PERF_NS = 10**12  # the fake CUPTI clock runs this far ahead of perf_counter

@@ -29,7 +29,7 @@ from tests.conftest import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED = REPO / "grafana" / "dashboards"
+COMMITTED = REPO / "dlprof_agent" / "grafana" / "dashboards"
 DEPLOY = REPO / "deploy" / "prometheus"
 JOB = REPO / "tests" / "jobs" / "torch_cnn.py"
 REGENERATE = "regenerate with `python -m dlprof_agent.grafana.build` and commit the result"

@@ -353,10 +353,10 @@ def test_compose_prometheus_uses_the_deploy_prometheus_config(compose: dict[str,
 
 def test_compose_grafana_mounts_the_provisioning(compose: dict[str, Any]) -> None:
     mounts = bind_mounts(compose["services"]["grafana"])
-    assert mounts["/etc/grafana/provisioning"] == REPO / "grafana" / "provisioning"
+    assert mounts["/etc/grafana/provisioning"] == REPO / "dlprof_agent" / "grafana" / "provisioning"
     (dashboards_at,) = [target for target, source in mounts.items()
-                        if source == REPO / "grafana" / "dashboards"]
-    provider = REPO / "grafana" / "provisioning" / "dashboards" / "dlprof.yaml"
+                        if source == REPO / "dlprof_agent" / "grafana" / "dashboards"]
+    provider = REPO / "dlprof_agent" / "grafana" / "provisioning" / "dashboards" / "dlprof.yaml"
     # The provider loads the dashboards from where compose puts them.
     paths = {p["options"]["path"] for p in load(provider)["providers"]}
     assert dashboards_at in paths

@@ -31,7 +31,7 @@ from dlprof_agent.agent.findings import (
 )
 from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
 from dlprof_agent.agent.status import LiveStatus, Summary
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample

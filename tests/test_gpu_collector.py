@@ -9,10 +9,11 @@ from dataclasses import fields
 
 import pytest
 
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuSample
-from dlprof_agent.collectors.nvml import Nvml, NvmlUnavailable
+from dlprof_agent.collectors.nvml import Nvml
+from dlprof_agent.errors import NvmlUnavailable
 from tests.fake_nvml import (
     FakeDevice,
     FakeNvml,

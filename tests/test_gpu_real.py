@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.gpu_samples import GpuProcessSample, GpuSample
 

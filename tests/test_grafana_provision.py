@@ -33,8 +33,8 @@ from dlprof_agent.agent.grafana_cli import (
 from tests.conftest import agent_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = REPO / "grafana" / "dashboards"
-PROVISIONING = REPO / "grafana" / "provisioning"
+SHIPPED = REPO / "dlprof_agent" / "grafana" / "dashboards"
+PROVISIONING = REPO / "dlprof_agent" / "grafana" / "provisioning"
 ERROR_PREFIX = "dlprof-agent: error:"
 TOKEN = "glsa_test-admin-token"
 VIEWER_TOKEN = "glsa_test-viewer-token"

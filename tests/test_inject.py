@@ -23,12 +23,8 @@ from typing import Protocol
 import pytest
 
 import dlprof_agent
-from dlprof_agent.agent.errors import TargetNotFound
 from dlprof_agent.agent.inject import (
     REQUIRED_SYMBOLS,
-    InjectionFailed,
-    InjectionRefused,
-    NotPython,
     PythonRuntime,
     _inject_remote_exec,
     _refused,
@@ -38,6 +34,7 @@ from dlprof_agent.agent.inject import (
     find_python_runtime,
     inject,
 )
+from dlprof_agent.errors import InjectionFailed, InjectionRefused, NotPython, TargetNotFound
 
 HAS_GDB = shutil.which("gdb") is not None
 # Tests of what only the gdb path meets; 3.14+ uses sys.remote_exec.
@@ -227,11 +224,11 @@ def test_a_refusal_says_what_is_needed(spawn: Spawn, tmp_path: Path, how: list[s
                    sys.executable, "-I", "-c", LOOP, str(tmp_path / "stop")])
     attempt = (
         "import sys\n"
-        "from dlprof_agent.agent.errors import AgentError\n"
+        "from dlprof_agent.agent.errors import DlprofError\n"
         "from dlprof_agent.agent.inject import inject\n"
         "try:\n"
         "    inject(int(sys.argv[1]), 'open(\"/dev/null\")')\n"
-        "except AgentError as error:\n"
+        "except DlprofError as error:\n"
         "    print(type(error).__name__, error.one_line())\n"
         "    sys.exit(error.exit_code)\n")
     result = subprocess.run([setpriv, *how, sys.executable, "-c", attempt, str(child.pid)],

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from dlprof_agent.agent import inject as inject_module
-from dlprof_agent.agent.errors import TargetNotFound
-from dlprof_agent.agent.inject import InjectionFailed, inject
+from dlprof_agent.agent.inject import inject
+from dlprof_agent.errors import InjectionFailed, TargetNotFound
 from dlprof_agent.probe.bootstrap import injection_code
 from tests.conftest import agent_env
 

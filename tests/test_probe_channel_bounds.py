@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlprof_agent.collectors.probe import MAX_LAYER_ROWS, ProbeSample
+from dlprof_agent.errors import ProtocolError
 from dlprof_agent.probe.protocol import (
     HEADER,
     MAGIC,
@@ -27,7 +28,6 @@ from dlprof_agent.probe.protocol import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
     VERSION,
-    ProtocolError,
     encode,
     read_frame,
     take_frame,

@@ -7,14 +7,8 @@ import struct
 
 import pytest
 
-from dlprof_agent.probe.protocol import (
-    HEADER,
-    MAGIC,
-    ConnectionClosed,
-    ProtocolError,
-    encode,
-    read_frame,
-)
+from dlprof_agent.errors import ConnectionClosed, ProtocolError
+from dlprof_agent.probe.protocol import HEADER, MAGIC, encode, read_frame
 from dlprof_agent.probe.recorder import OTHER_LAYER, STEP_BUCKETS, LayerSampling, Recorder
 from dlprof_agent.probe.runtime import DEFAULT_OPTIONS, _options
 

@@ -17,13 +17,9 @@ import psutil
 import pytest
 
 import dlprof_agent
-from dlprof_agent.collectors.errors import ErrorLog
-from dlprof_agent.collectors.process import (
-    ProcessCollector,
-    ProcessSample,
-    TargetGone,
-    _PeakTracker,
-)
+from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, _PeakTracker
+from dlprof_agent.errors import TargetGone
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from dlprof_agent.agent.sampler import Sampler, Snapshot
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.process import ProcessCollector
 

@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dlprof_agent.errors import CuptiBusy, CuptiUnavailable
 from dlprof_agent.probe import cupti_binding, profiler_yield
-from dlprof_agent.probe.cupti_binding import CuptiBusy, CuptiUnavailable
 
 ACTIVE, BUSY, UNAVAILABLE = "active", "busy", "unavailable"
 STATES = (ACTIVE, BUSY, UNAVAILABLE)

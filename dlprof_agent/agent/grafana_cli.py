@@ -23,7 +23,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from dlprof_agent.agent.arguments import paragraph, seconds
-from dlprof_agent.agent.errors import AgentError, GrafanaError, UsageError
+from dlprof_agent.errors import DlprofError, ExitCode, GrafanaError, UsageError, exit_codes_help
 
 # The uid the dashboards' datasource variable is pointed at; the file provisioning in
 # grafana/provisioning/datasources/dlprof.yaml uses the same one.
@@ -43,10 +43,11 @@ ADMIN = "data sources need the Admin role in the organization: use an admin's lo
 EDITOR = "folders and dashboards need the Editor role: use a service account token with " \
          "the Editor (or Admin) role"
 
-EXIT_CODES = """exit codes:
-  0  done
-  2  bad arguments, or grafana-client is not installed
-  7  cannot reach Grafana, or it refused the credentials or a change"""
+EXIT_CODES = exit_codes_help(
+    (ExitCode.FINISHED, ExitCode.USAGE, ExitCode.GRAFANA),
+    {ExitCode.FINISHED: "done",
+     ExitCode.USAGE: "bad arguments, or grafana-client is not installed",
+     ExitCode.GRAFANA: "cannot reach Grafana, or it refused the credentials or a change"})
 
 
 def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> None:
@@ -204,15 +205,15 @@ def shipped_dashboards() -> list[Dashboard]:
         try:
             model = json.loads(entry.read_text(encoding="utf-8"))
         except ValueError as error:
-            raise AgentError(f"the shipped dashboard {entry.name} is not JSON ({error})",
+            raise DlprofError(f"the shipped dashboard {entry.name} is not JSON ({error})",
                              "a packaging bug: please report it") from None
         # Without a uid Grafana would make up a new one each run: a duplicate each time.
         if not isinstance(model, dict) or not isinstance(model.get("uid"), str):
-            raise AgentError(f"the shipped dashboard {entry.name} has no uid",
+            raise DlprofError(f"the shipped dashboard {entry.name} has no uid",
                              "a packaging bug: please report it")
         dashboards.append(Dashboard(entry.name, model))
     if not dashboards:
-        raise AgentError("no dashboards are shipped with this installation",
+        raise DlprofError("no dashboards are shipped with this installation",
                          "reinstall dlprof-agent")
     return dashboards
 
@@ -321,7 +322,7 @@ class GrafanaSession:
                                f"{str(error)[:200]}", "check that --url is Grafana's") from None
 
     def _call(self, doing: str, role: str, call: Callable[[], Any], *,
-              missing_ok: bool = False, conflict: AgentError | None = None
+              missing_ok: bool = False, conflict: DlprofError | None = None
               ) -> dict[str, Any] | None:
         """One request. ``missing_ok``: a 404 is None; ``conflict``: raised on a 409."""
         from grafana_client.client import GrafanaClientError

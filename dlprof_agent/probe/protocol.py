@@ -16,6 +16,8 @@ import struct
 import time
 from typing import Any
 
+from dlprof_agent.errors import ConnectionClosed, ProtocolError
+
 MAGIC = b"DLPR"
 VERSION = 1
 HEADER = struct.Struct("!4sB3xI")  # magic, version, padding, payload length
@@ -34,18 +36,6 @@ MAX_REPLY_VALUES = 200_000  # 512 layers, 16 devices of 201 kernels: a tenth of 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _INNERMOST = re.compile(rb"\[[^][{}]*\]|\{[^][{}]*\}")  # a pair with no pair inside
-
-
-class ProtocolError(Exception):
-    """A frame that cannot be read: bad magic, version, size or JSON."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason  # a short word, used as a metric label
-
-
-class ConnectionClosed(Exception):
-    pass
 
 
 def encode(message: dict[str, Any]) -> bytes:

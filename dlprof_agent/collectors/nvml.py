@@ -18,6 +18,8 @@ import importlib
 import threading
 from typing import Any, NamedTuple
 
+from dlprof_agent.errors import GpuLost, NvmlError, NvmlUnavailable
+
 # NVML's device handle (a ctypes pointer in pynvml); only ever passed back to it.
 DeviceHandle = object
 
@@ -44,27 +46,6 @@ _THROTTLE_FUNCTIONS = (
     ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlClocksEventReason"),
     ("nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlClocksThrottleReason"),
 )
-
-
-class NvmlUnavailable(Exception):
-    """NVML cannot be used on this machine; ``reason`` says why and what to do."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class NvmlError(Exception):
-    """An NVML call failed for a reason other than "not supported"."""
-
-    def __init__(self, function: str, message: str, code: int | None = None) -> None:
-        super().__init__(f"{function}: {message}")
-        self.function = function
-        self.code = code
-
-
-class GpuLost(NvmlError):
-    """NVML reports the GPU lost (fallen off the bus, Xid 79); it stays so until reset."""
 
 
 class Utilization(NamedTuple):

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from dlprof_agent.agent.findings import Finding, FindingsTracker, point_of
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.probe import ProbeSample
-from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
+from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.errors import TargetGone
 
 log = logging.getLogger("dlprof_agent")
 

@@ -22,13 +22,12 @@ import threading
 import time
 from typing import Any
 
+from dlprof_agent.errors import ConnectionClosed, ProtocolError
 from dlprof_agent.probe.kernel_tracer import KernelTracer
 from dlprof_agent.probe.protocol import (
     COMMANDS,
     MAX_REQUEST_BYTES,
     VERSION,
-    ConnectionClosed,
-    ProtocolError,
     bytes_wanted,
     encode,
     private_dir,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from dlprof_agent.agent.arguments import seconds, whole_number
-from dlprof_agent.agent.errors import UsageError
+from dlprof_agent.errors import UsageError
 from dlprof_agent.workloads.models import MODELS
 from dlprof_agent.workloads.sweep import PARAMETERS as SWEEP_PARAMETERS
 

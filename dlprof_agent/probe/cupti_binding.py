@@ -66,6 +66,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dlprof_agent.errors import CuptiUnavailable
+
 BUFFER_BYTES = 4 << 20
 MAX_BUFFERS = 16  # 64 MiB at most; with none free CUPTI drops records, and counts them
 FLUSH_PERIOD_MS = 500
@@ -73,18 +75,6 @@ EXTERNAL_KIND_CUSTOM2 = 5  # CUpti_ExternalCorrelationKind; Kineto uses CUSTOM0 
 RESULT_MAX_LIMIT_REACHED = 12  # CUPTI_ERROR_MAX_LIMIT_REACHED: no record after this one
 FLUSH_NOT_FORCED = 0  # cuptiActivityFlushAll's flag: only buffers of completed records
 FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: every buffer, running work included
-
-
-class CuptiUnavailable(Exception):
-    """CUPTI cannot be used in this process; ``reason`` says why in a few words."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class CuptiBusy(CuptiUnavailable):
-    """Another CUPTI client holds the process; ``reason`` names it where known."""
 
 
 @dataclass(frozen=True)

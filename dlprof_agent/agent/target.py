@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from dlprof_agent.agent.errors import TargetAccessDenied, TargetNotFound, UsageError
 from dlprof_agent.collectors.process import check_access
+from dlprof_agent.errors import TargetAccessDenied, TargetNotFound, UsageError
 
 PRIVILEGE_HINT = ("run the agent as the same user as the job, or as root, or grant it "
                   "CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE)")
@@ -45,10 +45,10 @@ def open_target(pid: int, *, procfs: str = "/proc") -> psutil.Process:
     except psutil.NoSuchProcess:
         raise TargetNotFound(f"no process with pid {pid}",
                              "check the pid with `ps -eo pid,user,args | grep python`") from None
-    except psutil.AccessDenied:
+    except (psutil.AccessDenied, TargetAccessDenied):
         raise TargetAccessDenied(
             f"no permission to read process {pid} (owned by {_owner(process)})",
-            PRIVILEGE_HINT) from None
+            PRIVILEGE_HINT, pid=pid) from None
     return process
 
 

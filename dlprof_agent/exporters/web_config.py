@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlprof_agent.errors import MissingLibrary, WebConfigError
+
 INSTALL_HINT = "pip install 'dlprof-agent[web]'"
 TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
                 "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
@@ -47,14 +49,6 @@ UNSUPPORTED = {"cipher_suites": "Go cipher suite names",
 # A bcrypt check costs tens of milliseconds by design; Prometheus sends the same
 # credentials every scrape, so each answer is kept (keyed by a digest, never the password).
 CHECKS_KEPT = 256
-
-
-class WebConfigError(Exception):
-    """The file cannot be used; the message is one line and names the file."""
-
-
-class MissingLibrary(WebConfigError):
-    pass
 
 
 @dataclass(frozen=True)

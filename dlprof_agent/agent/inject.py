@@ -88,8 +88,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from dlprof_agent.agent.errors import AgentError, TargetAccessDenied, TargetNotFound
 from dlprof_agent.collectors.process import read_state
+from dlprof_agent.errors import (
+    InjectionFailed,
+    InjectionNotNow,
+    InjectionRefused,
+    NotPython,
+    TargetNotFound,
+)
 
 # What gdb calls in the job (besides libc's mmap); both must be defined in the target
 # (readelf --dyn-syms).
@@ -101,26 +107,6 @@ CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
 _LIBPYTHON = re.compile(r"libpython3(?:\.(\d+))?[a-z]*\.so(?:\.|$)")
 _PYTHON_EXE = re.compile(r"python(\d)\.(\d+)[a-z]*")
 _MAX_TABLE_BYTES = 64 << 20  # a real .dynsym/.dynstr is far smaller; refuse garbage sizes
-
-
-class InjectionError(AgentError):
-    """The probe could not be started in the target."""
-
-
-class NotPython(InjectionError):
-    """The target is not a CPython the probe can run in; nothing was done to it."""
-
-    exit_code = 2
-
-
-class InjectionRefused(InjectionError):
-    """The kernel would not let the agent attach to the target."""
-
-    exit_code = TargetAccessDenied.exit_code
-
-
-class InjectionFailed(InjectionError):
-    """Injection was attempted and did not work."""
 
 
 @dataclass(frozen=True)
@@ -778,11 +764,6 @@ except Exception as error:
     _say("error", (str(error).splitlines() or [type(error).__name__])[0])
 gdb.execute("detach", to_string=True)
 """
-
-
-class InjectionNotNow(InjectionFailed):
-    """Nothing was queued in the process, and trying again later may work: none of its
-    threads was seen waiting in the kernel, or its queue of pending calls was full."""
 
 
 @dataclass(frozen=True)

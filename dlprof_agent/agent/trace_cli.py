@@ -20,12 +20,17 @@ from typing import Any, TextIO
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.arguments import seconds, whole_number
-from dlprof_agent.agent.errors import EXIT_CODES_HELP, TraceUnavailable, UsageError
 from dlprof_agent.agent.probe_control import ProbeOptions, open_trace_channel
 from dlprof_agent.agent.target import open_target
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
+from dlprof_agent.errors import (
+    EXIT_CODES_HELP,
+    ConnectionClosed,
+    ProtocolError,
+    TraceUnavailable,
+    UsageError,
+)
 from dlprof_agent.probe import trace_writer
-from dlprof_agent.probe.protocol import ConnectionClosed, ProtocolError
 
 POLL_SECONDS = 0.5
 DEFAULT_STEPS = 10

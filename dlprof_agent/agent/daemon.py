@@ -29,19 +29,15 @@ import psutil
 from prometheus_client import CollectorRegistry
 
 from dlprof_agent.agent.findings import FindingsTracker, point_of
-from dlprof_agent.agent.probe_control import (
-    ProbeAlreadyAttached,
-    ProbeOptions,
-    ProbeSource,
-    open_probe,
-)
+from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
 from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot, Snapshot
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
-from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, TargetGone
+from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.errors import ProbeAlreadyAttached, TargetGone
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV

@@ -28,26 +28,28 @@ from dlprof_agent import __version__
 from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
 from dlprof_agent.agent.arguments import budget_fraction, seconds, whole_number
 from dlprof_agent.agent.arguments import paragraph as _para
-from dlprof_agent.agent.errors import (
-    EXIT_CODES_HELP,
-    AgentError,
-    PortUnavailable,
-    TargetNotFound,
-    UsageError,
-)
 from dlprof_agent.agent.findings import FindingsTracker
 from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
 from dlprof_agent.agent.sampler import Sampler, Snapshot
 from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
 from dlprof_agent.agent.target import open_target
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.errors import (
+    EXIT_CODES_HELP,
+    DlprofError,
+    MissingLibrary,
+    PortUnavailable,
+    TargetNotFound,
+    UsageError,
+    WebConfigError,
+)
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
-from dlprof_agent.exporters.web_config import MissingLibrary, WebConfig, WebConfigError
+from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.exporters.web_config import load as read_web_config
 
 DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-exporter 9400
@@ -773,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             return demo_command(args, options, sys.stdout)
         return serve(args.pid, options)
-    except AgentError as error:
+    except DlprofError as error:
         print(f"dlprof-agent: error: {error.one_line()}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:

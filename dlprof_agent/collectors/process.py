@@ -16,19 +16,12 @@ from typing import TypeVar
 
 import psutil
 
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.threads import ThreadGrouper, ThreadGroupSample, read_thread_stats
+from dlprof_agent.errors import TargetAccessDenied, TargetGone
 
 COLLECTOR = "process"
 _T = TypeVar("_T")
-
-
-class TargetGone(Exception):
-    """The attached process has exited."""
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(f"process {pid} has exited")
-        self.pid = pid
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +177,9 @@ class ProcessCollector:
                 continue  # a worker exited mid-read: normal churn, not an error
             except (psutil.AccessDenied, OSError) as error:
                 if process.pid == self.pid:
+                    if isinstance(error, (psutil.AccessDenied, PermissionError)):
+                        raise TargetAccessDenied(f"no permission to read process {self.pid}",
+                                                 pid=self.pid) from None
                     raise
                 self._errors.record(COLLECTOR, f"pid {process.pid}: {error}")
                 continue
@@ -243,7 +239,7 @@ def _optional(read: Callable[[], _T]) -> _T | None:
 
 
 def check_access(pid: int, *, procfs: str = "/proc") -> None:
-    """Raise ``psutil.AccessDenied`` unless this process may read the target fully.
+    """Raise ``TargetAccessDenied`` unless this process may read the target fully.
 
     /proc/<pid>/io needs the same check as ptrace read access: same user, or
     CAP_SYS_PTRACE.
@@ -254,4 +250,4 @@ def check_access(pid: int, *, procfs: str = "/proc") -> None:
         with open(f"{procfs}/{pid}/io") as io_file:
             io_file.read()  # the kernel checks access on read, not on open
     except PermissionError:
-        raise psutil.AccessDenied(pid) from None
+        raise TargetAccessDenied(f"no permission to read process {pid}", pid=pid) from None

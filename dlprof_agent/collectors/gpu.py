@@ -15,16 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from dlprof_agent.collectors.errors import ErrorLog
+from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
-from dlprof_agent.collectors.nvml import (
-    DeviceHandle,
-    GpuLost,
-    Nvml,
-    NvmlError,
-    NvmlUnavailable,
-    ProcessUtilization,
-)
+from dlprof_agent.collectors.nvml import DeviceHandle, Nvml, ProcessUtilization
+from dlprof_agent.errors import GpuLost, NvmlError, NvmlUnavailable
 
 log = logging.getLogger("dlprof_agent")
 

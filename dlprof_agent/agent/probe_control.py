@@ -14,30 +14,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dlprof_agent.agent.errors import AgentError, TraceUnavailable
 from dlprof_agent.agent.target import ProgramIdentity, program_identity
 from dlprof_agent.collectors.probe import (
     REPLY_SECONDS,
-    ProbeBusy,
     ProbeClient,
-    ProbeImpostor,
     ProbeSample,
-    ProbeStale,
-    ProbeUnavailable,
     ReplyLate,
     find_probe_socket,
 )
 from dlprof_agent.collectors.process import read_state
-from dlprof_agent.probe.protocol import ProtocolError
+from dlprof_agent.errors import (
+    InjectionError,
+    InjectionRefused,
+    NotPython,
+    ProbeAlreadyAttached,
+    ProbeBusy,
+    ProbeImpostor,
+    ProbeStale,
+    ProbeUnavailable,
+    ProtocolError,
+    TraceUnavailable,
+)
 
 log = logging.getLogger("dlprof_agent")
 _T = TypeVar("_T")
 
 SOCKET_WAIT_SECONDS = 10.0  # an injected bootstrap runs at the target's next safe point
-
-
-class ProbeAlreadyAttached(AgentError):
-    exit_code = 6
 
 
 @dataclass(frozen=True)
@@ -124,9 +126,9 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
 
     try:
         queued = inject.inject(pid, injection_code())
-    except inject.InjectionError as error:
+    except InjectionError as error:
         raise _NoProbe(error.one_line(), final=isinstance(
-            error, (inject.NotPython, inject.InjectionRefused))) from None
+            error, (NotPython, InjectionRefused))) from None
     path = _wait_for_socket(pid, options.wait_seconds)
     if path is None:
         if queued is not None and queued.state() == "queued":

@@ -15,11 +15,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from dlprof_agent.errors import (
+    ConnectionClosed,
+    ProbeBusy,
+    ProbeImpostor,
+    ProbeStale,
+    ProbeUnavailable,
+    ProtocolError,
+)
 from dlprof_agent.probe.protocol import (
     MAX_REPLY_BYTES,
     VERSION,
-    ConnectionClosed,
-    ProtocolError,
     encode,
     read_frame,
     runtime_dir_candidates,
@@ -40,25 +46,6 @@ MAX_BUCKETS = 64
 MAX_ENTRIES = 64  # the keys of a small map: phases, dropped reasons, settings
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _T = TypeVar("_T")
-
-
-class ProbeUnavailable(Exception):
-    """No probe answers for this process; the message says why, in plain words."""
-
-
-class ProbeBusy(ProbeUnavailable):
-    def __init__(self, agent_pid: int | None) -> None:
-        super().__init__("another agent" + (f" (pid {agent_pid})" if agent_pid else "")
-                         + " is attached")
-        self.agent_pid = agent_pid
-
-
-class ProbeImpostor(ProbeUnavailable):
-    """The socket is not the job's probe: another user's, or another process's."""
-
-
-class ProbeStale(ProbeUnavailable):
-    """The socket is there but nothing listens: its process ended or exec'd."""
 
 
 def _malformed(what: str) -> ProtocolError:
