@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dlprof_agent.probe import kernel_records as kr
+from dlprof_agent.probe import kernel_totals as ktot
 
 BUFFER_BYTES = 4 << 20
 SIZES = kr.RECORD_SIZES["13.4"]
@@ -122,8 +123,8 @@ def measure(mix: str, records: int) -> tuple[float, float]:
                                          for data in buffers])
 
     def aggregate() -> None:
-        aggregator = kr.KernelAggregator()
-        aggregator.layer_ids = kr.LayerIds(1 << 24, [f"layer{i}" for i in range(50)], 512)
+        aggregator = ktot.KernelAggregator()
+        aggregator.layer_ids = ktot.LayerIds(1 << 24, [f"layer{i}" for i in range(50)], 512)
         for batch in batches:
             aggregator.add(batch, 0.25)
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from dlprof_agent.probe import cupti_binding as cb
+from dlprof_agent.probe import cupti_versions as cv
 from dlprof_agent.probe import kernel_records as kr
 from dlprof_agent.probe import kernel_tracer as kt
 from tests.conftest import agent_env
@@ -109,7 +110,7 @@ def test_idle_buffers_are_freed_when_tracing_stops(pool: cb._BufferPool) -> None
     ("13.4.0", "torch", None, True)])
 def test_cupti_python_must_match_the_frameworks_cuda_major(
         ours: str, framework: str, theirs: str | None, ok: bool) -> None:
-    why = cb.cuda_mismatch(ours, framework, theirs)
+    why = cv.cuda_mismatch(ours, framework, theirs)
     assert (why is None) == ok
     if why is not None:
         assert theirs is not None
@@ -121,11 +122,11 @@ def test_cupti_python_must_match_the_frameworks_cuda_major(
 def test_the_install_command_keeps_the_frameworks_cupti() -> None:
     # torch 2.11+cu130 ships CUPTI 13.0.85; 'cupti-python==13.*' resolves to 13.4,
     # which requires nvidia-cuda-cupti~=13.4 and so replaces it (GPU evidence 2026-11-23).
-    assert cb.install_command("13.0.85") == "pip install 'cupti-python==13.0.*'"
-    assert cb.install_command("12.8") == "pip install 'cupti-python==12.8.*'"
-    assert cb.install_command("") == (
+    assert cv.install_command("13.0.85") == "pip install 'cupti-python==13.0.*'"
+    assert cv.install_command("12.8") == "pip install 'cupti-python==12.8.*'"
+    assert cv.install_command("") == (
         "pip install 'cupti-python==X.Y.*' for the framework's CUDA X.Y")
-    assert cb.cuda_mismatch("13.4.0", "torch", "12.8", "12.8.90") == (
+    assert cv.cuda_mismatch("13.4.0", "torch", "12.8", "12.8.90") == (
         "cupti-python 13.4.0 is for CUDA 13 but torch uses CUDA 12.8: pip install "
         "'cupti-python==12.8.*' in the job's environment")
 
@@ -140,22 +141,22 @@ def test_the_jobs_cupti_version_comes_from_its_wheel_or_the_loaded_library(
         return installed[name]
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    assert cb.framework_cupti_version("13.0", maps=[]) == "13.0.85"
+    assert cv.framework_cupti_version("13.0", maps=[]) == "13.0.85"
     installed.clear()
     installed["nvidia-cuda-cupti-cu12"] = "12.8.90"
-    assert cb.framework_cupti_version("12.8", maps=[]) == "12.8.90"
+    assert cv.framework_cupti_version("12.8", maps=[]) == "12.8.90"
     installed.clear()
-    assert cb.framework_cupti_version(
+    assert cv.framework_cupti_version(
         "12.4", maps=["/opt/conda/lib/libcupti.so.12.4.127"]) == "12.4.127"
-    assert cb.framework_cupti_version("13.0", maps=[]) == "13.0"
+    assert cv.framework_cupti_version("13.0", maps=[]) == "13.0"
 
 
 def test_the_holder_is_named_from_the_environment_when_cupti_does_not() -> None:
-    assert cb.holder_hint({"CUDA_INJECTION64_PATH": "/opt/nsys/libToolsInjection64.so"}) == \
+    assert cv.holder_hint({"CUDA_INJECTION64_PATH": "/opt/nsys/libToolsInjection64.so"}) == \
         "Nsight Systems"
-    assert cb.holder_hint({"CUDA_INJECTION64_PATH": "/x/libmyinjector.so"}) == \
+    assert cv.holder_hint({"CUDA_INJECTION64_PATH": "/x/libmyinjector.so"}) == \
         "the injection library libmyinjector.so"
-    assert cb.holder_hint({}).startswith("another CUPTI client")
+    assert cv.holder_hint({}).startswith("another CUPTI client")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupti") is not None,

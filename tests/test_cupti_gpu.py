@@ -54,10 +54,10 @@ def _needs_gpu_and_cupti() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU here")
     if importlib.util.find_spec("cupti") is None:
-        from dlprof_agent.probe import cupti_binding
+        from dlprof_agent.probe import cupti_versions
 
-        version = cupti_binding.framework_cupti_version(torch.version.cuda)
-        pytest.fail(f"cupti-python is not installed: {cupti_binding.install_command(version)}")
+        version = cupti_versions.framework_cupti_version(torch.version.cuda)
+        pytest.fail(f"cupti-python is not installed: {cupti_versions.install_command(version)}")
 
 
 class GpuJob:

@@ -49,7 +49,7 @@ def traced_snapshot() -> dict[str, Any]:
                     .overhead(0, 2_000))
     binding.dropped = 7
     tracer.tick()
-    snapshot = tracer.snapshot()
+    snapshot: dict[str, Any] = dict(tracer.snapshot())
     tracer.stop()
     snapshot["devices"] = {"0": "GPU-aaaa", "1": "GPU-bbbb"}
     snapshot["since"] = 1_795_000_000.5

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlprof_agent.probe import kernel_names as kn
 from dlprof_agent.probe import kernel_records as kr
+from dlprof_agent.probe import kernel_totals as ktot
 from tests.cupti_records import (
     CUSTOM0,
     DRIVER,
@@ -178,13 +180,13 @@ def test_an_empty_buffer_is_no_records() -> None:
     ("void foo<(bar)3>(int", "void foo<(bar)3>(int"),  # unbalanced: kept as it came
 ])
 def test_kernel_names_lose_return_type_templates_and_parameters(raw: str, short: str) -> None:
-    assert kr.normalize_kernel_name(kr.demangle(raw)) == short
+    assert kn.normalize_kernel_name(kn.demangle(raw)) == short
 
 
 def test_demangling_falls_back_to_the_raw_name() -> None:
-    assert kr.demangle("_Znot_a_real_symbol") == "_Znot_a_real_symbol"
-    assert kr.demangle("plain_c_kernel") == "plain_c_kernel"
-    assert kr.demangle(GEMM).startswith("void gemm_kernel_tiled<128, 64>(")
+    assert kn.demangle("_Znot_a_real_symbol") == "_Znot_a_real_symbol"
+    assert kn.demangle("plain_c_kernel") == "plain_c_kernel"
+    assert kn.demangle(GEMM).startswith("void gemm_kernel_tiled<128, 64>(")
 
 
 def test_each_name_pointer_is_read_once() -> None:
@@ -195,13 +197,13 @@ def test_each_name_pointer_is_read_once() -> None:
         reads.append(pointer)
         return strings[pointer]
 
-    names = kr.KernelNames(reader)
+    names = kn.KernelNames(reader)
     ids = names.full_ids(np.array([100, 200, 100, 0, 300, 100], dtype=np.uint64))
     again = names.full_ids(np.array([200, 100], dtype=np.uint64))
 
     assert sorted(reads) == [100, 200, 300]
     assert ids.tolist()[0] == ids.tolist()[2] == ids.tolist()[4]  # same symbol, one id
-    assert names.full[int(ids[3])] == kr.MEMSET_NAME
+    assert names.full[int(ids[3])] == kn.MEMSET_NAME
     assert again.tolist() == [ids[1], ids[0]]
     assert names.names[names.full_to_name[int(ids[0])]] == \
         "at::native::vectorized_elementwise_kernel"
@@ -210,7 +212,7 @@ def test_each_name_pointer_is_read_once() -> None:
 # --- aggregation --------------------------------------------------------------------
 
 
-def rows(aggregator: kr.KernelAggregator) -> dict[tuple[str, int], tuple[int, Any]]:
+def rows(aggregator: ktot.KernelAggregator) -> dict[tuple[str, int], tuple[int, Any]]:
     return {(name, device): (launches, seconds)
             for name, device, launches, seconds in aggregator.snapshot()["kernels"]}
 
@@ -219,7 +221,7 @@ def test_kernels_are_summed_per_short_name_and_device() -> None:
     builder = BufferBuilder()
     builder.kernel(FILL, 0, 2_000).kernel(FILL, 5_000, 6_000).kernel(FILL, 0, 4_000, device=1)
     builder.kernel("ampere_sgemm_128x64_nn", 0, 30_000).memset(64, 0, 500)
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.add(decode(builder), 1.0)
 
     assert rows(aggregator) == {
@@ -232,7 +234,7 @@ def test_kernels_are_summed_per_short_name_and_device() -> None:
 
 def test_kernels_still_running_at_a_flush_are_never_counted() -> None:
     builder = BufferBuilder().kernel("k", 1_000, 0).kernel("k", 2_000, 2_500)
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.add(decode(builder), 1.0)
     assert rows(aggregator) == {("k", 0): (1, pytest.approx(0.5e-6))}
     assert aggregator.snapshot()["incomplete_records"] == 1
@@ -243,12 +245,12 @@ def test_durations_fall_in_le_buckets_per_device() -> None:
     for duration in (500, 1_000, 1_001, 10_000, 2_000_000_000):  # ns
         builder.kernel("k", 1, 1 + duration)
     builder.kernel("k", 1, 1 + 50_000, device=2)
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.add(decode(builder), 1.0)
     durations = {device: (counts, total) for device, counts, total in
                  aggregator.snapshot()["durations"]}
 
-    bounds = kr.DURATION_BUCKETS
+    bounds = ktot.DURATION_BUCKETS
     counts, total = durations[0]
     assert len(counts) == len(bounds) + 1
     assert counts[bounds.index(1e-6)] == 2  # 0.5 us and exactly 1 us
@@ -264,7 +266,7 @@ def test_copies_are_summed_per_direction() -> None:
     builder.memcpy(HTOD, 1000, 0, 1_000).memcpy(HTOD, 3000, 0, 2_000)
     builder.memcpy(DTOH, 10, 0, 10).memcpy(DTOD, 20, 0, 20).memcpy(PTOP, 30, 0, 30, device=1)
     builder.memcpy(HTOH, 40, 0, 40).memcpy(0, 50, 0, 50).memcpy(HTOD, 5, 100, 0)
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.add(decode(builder), 1.0)
     copies = {(device, kind): (copied, seconds) for device, kind, copied, seconds in
               aggregator.snapshot()["memcpy"]}
@@ -277,7 +279,7 @@ def test_copies_are_summed_per_direction() -> None:
 
 
 def test_cupti_overhead_is_summed() -> None:
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.add(decode(BufferBuilder().overhead(0, 1_000).overhead(10, 510)), 1.0)
     aggregator.add(decode(BufferBuilder().overhead(0, 500)), 1.0)
     assert aggregator.snapshot()["overhead_seconds"] == pytest.approx(2e-6)
@@ -287,7 +289,7 @@ def test_the_top_kernels_keep_their_names_and_the_rest_is_other() -> None:
     builder = BufferBuilder()
     for index in range(250):
         builder.kernel(f"kernel_{index:03}", 0, 1_000 + index)
-    aggregator = kr.KernelAggregator(max_kernels=200)
+    aggregator = ktot.KernelAggregator(max_kernels=200)
     aggregator.add(decode(builder), 1.0)
     table = rows(aggregator)
 
@@ -299,7 +301,7 @@ def test_the_top_kernels_keep_their_names_and_the_rest_is_other() -> None:
 
 def test_capped_counters_stay_monotonic_as_the_top_kernels_change() -> None:
     """Autotuning kernels of the warm-up give way to the steady state's."""
-    aggregator = kr.KernelAggregator(max_kernels=4)
+    aggregator = ktot.KernelAggregator(max_kernels=4)
     warmup = BufferBuilder()
     for index in range(4):
         warmup.kernel(f"autotune_{index}", 0, 1_000)
@@ -328,8 +330,8 @@ def test_capped_counters_stay_monotonic_as_the_top_kernels_change() -> None:
     assert after[("other", 0)][1] > 0
 
 
-def layer_ids(labels: list[str], max_layers: int = 512) -> kr.LayerIds:
-    return kr.LayerIds(5 << 24, labels, max_layers)
+def layer_ids(labels: list[str], max_layers: int = 512) -> ktot.LayerIds:
+    return ktot.LayerIds(5 << 24, labels, max_layers)
 
 
 def test_kernel_time_goes_to_the_layer_and_phase_that_launched_it() -> None:
@@ -341,7 +343,7 @@ def test_kernel_time_goes_to_the_layer_and_phase_that_launched_it() -> None:
     builder.external(4, 999, external_kind=CUSTOM0).kernel("kineto", 0, 50, correlation=4)
     builder.external(5, (6 << 24) | 2).kernel("stale_generation", 0, 70, correlation=5)
     builder.kernel("optimizer", 0, 400, correlation=6)
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.layer_ids = layer_ids(["features.0", "features.1"])
     aggregator.add(decode(builder), 1.0)
 
@@ -354,13 +356,13 @@ def test_kernel_time_goes_to_the_layer_and_phase_that_launched_it() -> None:
 def test_a_timed_steps_kernel_time_counts_for_the_steps_it_stands_for() -> None:
     base = 5 << 24
     builder = BufferBuilder()
-    builder.external(1, 7 << kr.WEIGHT_SHIFT | base | 0 << 1).kernel("conv", 0, 1_000,
+    builder.external(1, 7 << ktot.WEIGHT_SHIFT | base | 0 << 1).kernel("conv", 0, 1_000,
                                                                      correlation=1)
-    builder.external(2, 1 << kr.WEIGHT_SHIFT | base | 1 << 1 | 1).kernel("relu_bwd", 0, 200,
+    builder.external(2, 1 << ktot.WEIGHT_SHIFT | base | 1 << 1 | 1).kernel("relu_bwd", 0, 200,
                                                                          correlation=2)
-    builder.external(3, 7 << kr.WEIGHT_SHIFT | (6 << 24) | 0).kernel("stale", 0, 70,
+    builder.external(3, 7 << ktot.WEIGHT_SHIFT | (6 << 24) | 0).kernel("stale", 0, 70,
                                                                      correlation=3)
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.layer_ids = layer_ids(["features.0", "features.1"])
     aggregator.add(decode(builder), 1.0)
     layers = {(label, phase): s for label, phase, s in aggregator.snapshot()["layers"]}
@@ -372,7 +374,7 @@ def test_a_timed_steps_kernel_time_counts_for_the_steps_it_stands_for() -> None:
 
 def test_a_kernel_whose_launch_record_comes_a_buffer_later_is_still_attributed() -> None:
     base = 5 << 24
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.layer_ids = layer_ids(["fc"])
     aggregator.add(decode(BufferBuilder().kernel("gemm", 0, 2_000, correlation=10)), 1.0)
     assert aggregator.snapshot()["layers"] == []
@@ -383,14 +385,14 @@ def test_a_kernel_whose_launch_record_comes_a_buffer_later_is_still_attributed()
 def test_layers_past_the_cap_are_other() -> None:
     base = 5 << 24
     builder = BufferBuilder().external(1, base | 3 << 1).kernel("k", 0, 1_000, correlation=1)
-    aggregator = kr.KernelAggregator()
+    aggregator = ktot.KernelAggregator()
     aggregator.layer_ids = layer_ids(["a", "b", "c", "d"], max_layers=2)
     aggregator.add(decode(builder), 1.0)
     assert aggregator.snapshot()["layers"] == [["other", "forward", pytest.approx(1e-6)]]
 
 
 def test_a_name_pointer_outside_readable_memory_is_never_dereferenced() -> None:
-    names = kr.KernelNames()  # the real reader, as in the probe
+    names = kn.KernelNames()  # the real reader, as in the probe
     builder = BufferBuilder()
     good = builder.name_pointer(GEMM)
     ids = names.full_ids(np.array([good, 8, 0xFFFF_FFFF_FFF0], dtype=np.uint64))

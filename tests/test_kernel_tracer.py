@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -75,7 +75,7 @@ class World:
         tracer.tick()
 
 
-def kernels(snapshot: dict[str, Any]) -> dict[str, tuple[int, Any]]:
+def kernels(snapshot: Mapping[str, Any]) -> dict[str, tuple[int, Any]]:
     return {name: (launches, seconds) for name, _, launches, seconds in snapshot["kernels"]}
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from dlprof_agent.agent.cli import build_parser
 from dlprof_agent.agent.probe_control import ProbeOptions, _start_options
-from dlprof_agent.probe.runtime import DEFAULT_OPTIONS, _options
+from dlprof_agent.probe.session import DEFAULT_OPTIONS
+from dlprof_agent.probe.session import checked_options as _options
 
 
 @pytest.mark.parametrize(("text", "fraction"), [("1%", 0.01), ("0.5%", 0.005), ("0.02", 0.02),

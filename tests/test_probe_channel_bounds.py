@@ -254,7 +254,7 @@ def test_a_kernel_reply_with_any_one_field_replaced_is_a_sample_or_a_protocol_er
 
 
 def test_stale_sockets_of_dead_processes_are_removed_and_nothing_else(tmp_path: Path) -> None:
-    from dlprof_agent.probe.runtime import remove_stale_sockets
+    from dlprof_agent.probe.server import remove_stale_sockets
 
     dead = os.fork()
     if dead == 0:
@@ -294,7 +294,7 @@ def test_the_probe_serves_on_whatever_its_clients_send(
     its thread lives on, nothing reaches it as an internal fault, and an agent
     is served afterwards."""
     from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
-    from dlprof_agent.probe.runtime import Probe
+    from dlprof_agent.probe.server import Probe
 
     monkeypatch.setenv(SOCKET_DIR_ENV, str(tmp_path / "run"))
     probe = Probe(persistent=True)
@@ -350,7 +350,7 @@ def test_a_job_with_more_than_a_thousand_files_open_is_served(tmp_path: Path) ->
             print("skip: the hard limit on open files is", hard); raise SystemExit
         resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
         held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
-        from dlprof_agent.probe.runtime import Probe
+        from dlprof_agent.probe.server import Probe
         from dlprof_agent.probe.protocol import encode, read_frame
         probe = Probe(persistent=True)
         assert probe.listen()

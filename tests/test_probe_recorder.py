@@ -10,7 +10,8 @@ import pytest
 from dlprof_agent.errors import ConnectionClosed, ProtocolError
 from dlprof_agent.probe.protocol import HEADER, MAGIC, encode, read_frame
 from dlprof_agent.probe.recorder import OTHER_LAYER, STEP_BUCKETS, LayerSampling, Recorder
-from dlprof_agent.probe.runtime import DEFAULT_OPTIONS, _options
+from dlprof_agent.probe.session import DEFAULT_OPTIONS
+from dlprof_agent.probe.session import checked_options as _options
 
 
 class Clock:

@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dlprof_agent.probe.kernel_tracer import Capture  # noqa: E402
 from dlprof_agent.probe.recorder import Recorder  # noqa: E402
 from dlprof_agent.probe.torch_hooks import TorchHooks  # noqa: E402
+from dlprof_agent.probe.trace_window import Capture  # noqa: E402
 from tests.fake_cupti import RecordingCorrelator  # noqa: E402
 from tests.test_probe_torch_hooks import Job, hooks_left  # noqa: E402
 

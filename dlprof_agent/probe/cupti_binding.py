@@ -59,14 +59,18 @@ import ctypes
 import importlib.metadata
 import importlib.util
 import os
-import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from dlprof_agent.errors import CuptiUnavailable
+from dlprof_agent.probe.cupti_versions import (
+    cuda_mismatch,
+    framework_cupti_version,
+    install_command,
+    loaded_libcupti,
+)
 
 BUFFER_BYTES = 4 << 20
 MAX_BUFFERS = 16  # 64 MiB at most; with none free CUPTI drops records, and counts them
@@ -77,6 +81,50 @@ FLUSH_NOT_FORCED = 0  # cuptiActivityFlushAll's flag: only buffers of completed 
 FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: every buffer, running work included
 
 
+class LayerCorrelator(Protocol):
+    """What the layer hooks push and pop around a layer (``Correlator``)."""
+
+    base: int  # the tracer's run and the timed step's weight, in every id's high bits
+
+    def push(self, external_id: int) -> None: ...
+
+    def pop(self) -> None: ...
+
+
+class ActivityBinding(Protocol):
+    """CUPTI's Activity API as the kernel tracer uses it: ``CuptiBinding``, or a
+    test's fake (the seam is ``kernel_tracer.BINDING_FACTORY``)."""
+
+    @property
+    def enabled(self) -> tuple[int, ...]: ...
+
+    def open(self, framework: str = "", framework_cuda: str | None = None) -> None: ...
+
+    def enable(self, kinds: list[int]) -> None: ...
+
+    def disable(self, kinds: list[int]) -> None: ...
+
+    def flush(self, *, forced: bool = False) -> None: ...
+
+    def take_buffers(self) -> list[ActivityBuffer]: ...
+
+    def release(self, buffer: ActivityBuffer) -> None: ...
+
+    def record_size(self, buffer: ActivityBuffer, offset: int) -> int | None: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def timestamp_ns(self) -> int: ...
+
+    def correlator(self, base: int) -> LayerCorrelator: ...
+
+    def close(self, *, forced: bool = False) -> None: ...
+
+    def abandon(self) -> None: ...
+
+    def trim(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class ActivityBuffer:
     """A completed activity buffer: ``data`` supports the buffer protocol and
@@ -85,62 +133,6 @@ class ActivityBuffer:
     data: Any
     valid_bytes: int
     address: int = 0
-
-
-def framework_cupti_version(framework_cuda: str | None,
-                            maps: list[str] | None = None) -> str:
-    """The version of the CUPTI the framework ships or loaded, as exactly as known:
-    the nvidia-cuda-cupti wheel's (13.0.85), else the loaded libcupti's file name,
-    else the framework's CUDA version (13.0)."""
-    major = (framework_cuda or "").split(".")[0]
-    for name in ("nvidia-cuda-cupti", f"nvidia-cuda-cupti-cu{major}"):
-        with contextlib.suppress(Exception):
-            version = importlib.metadata.version(name)
-            if not major or version.split(".")[0] == major:
-                return version
-    for path in _loaded_libcupti() if maps is None else maps:
-        found = re.search(r"libcupti\.so\.(\d+\.\d+(?:\.\d+)?)$", path)
-        if found and (not major or found.group(1).split(".")[0] == major):
-            return found.group(1)
-    return framework_cuda or ""
-
-
-def install_command(cupti_version: str) -> str:
-    """The pip command for the cupti-python that leaves the job's CUPTI as it is.
-    cupti-python X.Y requires nvidia-cuda-cupti~=X.Y, so a newer minor replaces the
-    CUPTI the framework was built with (cupti-python 13.4 beside torch's 13.0.85
-    pulls CUPTI 13.4); the job's own major.minor keeps it."""
-    parts = cupti_version.split(".")
-    if len(parts) < 2 or not all(part.isdigit() for part in parts[:2]):
-        return "pip install 'cupti-python==X.Y.*' for the framework's CUDA X.Y"
-    return f"pip install 'cupti-python=={parts[0]}.{parts[1]}.*'"
-
-
-def cuda_mismatch(cupti_python_version: str, framework: str, framework_cuda: str | None,
-                  cupti_version: str | None = None) -> str | None:
-    """Why cupti-python of this version must not be loaded beside a framework built
-    for ``framework_cuda`` (one CUPTI per process, of the framework's CUDA major)."""
-    if not framework_cuda:
-        return None
-    ours = cupti_python_version.split(".", maxsplit=1)[0]
-    theirs = framework_cuda.split(".")[0]
-    if ours == theirs:
-        return None
-    return (f"cupti-python {cupti_python_version} is for CUDA {ours} but {framework} uses "
-            f"CUDA {framework_cuda}: {install_command(cupti_version or framework_cuda)} in "
-            "the job's environment")
-
-
-def holder_hint(environ: dict[str, str]) -> str:
-    """Who else may hold CUPTI, for CUPTI versions that do not say."""
-    injection = environ.get("CUDA_INJECTION64_PATH", "")
-    if "ToolsInjection" in injection or environ.get("NSYS_PROFILING_SESSION_ID"):
-        return "Nsight Systems"
-    if "ncu" in injection.lower() or "nsight-compute" in injection.lower():
-        return "Nsight Compute"
-    if injection:
-        return f"the injection library {os.path.basename(injection)}"
-    return "another CUPTI client (torch.profiler, Nsight, TensorFlow's profiler, DCGM)"
 
 
 class _BufferPool:
@@ -223,16 +215,6 @@ _pool: _BufferPool | None = None
 _callbacks: tuple[Any, Any] | None = None
 
 
-def _loaded_libcupti() -> list[str]:
-    paths = set()
-    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.rstrip("\n").split(maxsplit=5)[-1]
-            if "/libcupti.so" in path:
-                paths.add(os.path.realpath(path))
-    return sorted(paths)
-
-
 class Correlator:
     """Pushes and pops the layer hooks' external correlation ids (CUSTOM2) on the
     calling thread. Errors are counted, never raised: the hooks run in the job."""
@@ -311,7 +293,7 @@ def load_libcupti(framework: str, framework_cuda: str | None) -> tuple[dict[str,
         version = "0"
     mismatch = cuda_mismatch(version, framework or "the job", framework_cuda,
                              framework_cupti_version(framework_cuda))
-    loaded = _loaded_libcupti()
+    loaded = loaded_libcupti()
     major = version.split(".")[0]
     if not mismatch and loaded and not any(f".so.{major}" in path for path in loaded):
         # The framework's profiler loaded a CUPTI of another major: two would clash.
@@ -327,7 +309,7 @@ def load_libcupti(framework: str, framework_cuda: str | None) -> tuple[dict[str,
     except Exception as error:
         raise CuptiUnavailable(f"cupti-python {version} does not load: "
                                f"{type(error).__name__}: {error}"[:200]) from None
-    libraries = _loaded_libcupti()
+    libraries = loaded_libcupti()
     if len(libraries) != 1:
         raise CuptiUnavailable(
             "no libcupti loaded" if not libraries else
@@ -502,18 +484,3 @@ class CuptiBinding:
     def trim() -> None:
         if _pool is not None:
             _pool.trim()
-
-
-def framework_cuda() -> tuple[str, str | None]:
-    """The framework in use and the CUDA version it was built for."""
-    torch = sys.modules.get("torch")
-    version = getattr(getattr(torch, "version", None), "cuda", None)
-    if version:
-        return "torch", str(version)
-    tensorflow = sys.modules.get("tensorflow")
-    if tensorflow is not None:
-        with contextlib.suppress(Exception):
-            info = tensorflow.sysconfig.get_build_info()
-            if info.get("cuda_version"):
-                return "tensorflow", str(info["cuda_version"])
-    return "", None

@@ -23,16 +23,28 @@ are the standard library's until tracing starts (``cupti_binding`` and
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.errors import CuptiBusy, CuptiUnavailable
-from dlprof_agent.probe import cupti_binding, profiler_yield
+from dlprof_agent.probe import cupti_binding, cupti_versions, profiler_yield
+from dlprof_agent.probe.cuda_state import (
+    cuda_in_use,
+    device_uuids,
+    foreign_profiler,
+    injection_library,
+)
+from dlprof_agent.probe.messages import KernelSnapshot, TraceStatus
+from dlprof_agent.probe.trace_window import Capture
+
+if TYPE_CHECKING:
+    from dlprof_agent.probe.cupti_binding import ActivityBinding
+    from dlprof_agent.probe.kernel_records import RecordSplitter
+    from dlprof_agent.probe.kernel_totals import KernelAggregator
 
 ACTIVE, BUSY, UNAVAILABLE = "active", "busy", "unavailable"
 STATES = (ACTIVE, BUSY, UNAVAILABLE)
@@ -45,9 +57,6 @@ BUSY_RETRY_SECONDS = 10.0
 YIELD_RETRY_SECONDS = 2.0
 COLLECT_SECONDS = 1.5  # after a window: CUPTI's flush period and a drain, with margin
 MAX_COLLECT_SECONDS = 10.0
-MAX_TRACE_RECORDS = 500_000  # GPU records kept for one trace
-MAX_TRACE_RANGES = 500_000  # layer ranges kept for one trace
-TRACE_CHUNK_CHARS = 1 << 20  # per trace_status reply: well under the protocol's 4 MiB
 
 # CUpti_ActivityKind: what continuous tracing enables, and what attribution and
 # the trace window's launch times add.
@@ -57,109 +66,9 @@ ATTRIBUTION_KINDS = (39, *API_KINDS)  # EXTERNAL_CORRELATION
 MAX_ATTRIBUTION_WEIGHT = (1 << 31) - 1  # steps a timed one stands for, in an external id
 
 
-def cuda_in_use() -> bool:
-    """Whether the job has started CUDA; never starts it itself."""
-    from dlprof_agent.probe.runtime import REQUIRED_MODULES, _imported
-
-    if "torch" in sys.modules and _imported(REQUIRED_MODULES["torch"]):
-        with contextlib.suppress(Exception):
-            if sys.modules["torch"].cuda.is_initialized():
-                return True
-    if "torch" not in sys.modules or "tensorflow" in sys.modules:
-        return _libcuda_loaded()
-    return False
-
-
-def _libcuda_loaded() -> bool:
-    """Whether the driver library is in the process. Asked of the dynamic loader
-    without loading anything (RTLD_NOLOAD): this runs every second in the job,
-    where reading /proc/self/maps would scan thousands of lines each time."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return False
-    return True
-
-
-def foreign_profiler() -> str:
-    """The name of a profiler of the job's own that needs CUPTI now, or ""."""
-    # torch._C._autograd._profiler_enabled() answers for the calling thread only, and
-    # this runs on the probe's: torch.autograd.profiler's module flag is process-wide.
-    torch_profiler = sys.modules.get("torch.autograd.profiler")
-    if getattr(torch_profiler, "_is_profiler_enabled", False) is True:
-        return profiler_yield.TORCH_PROFILER
-    tf_profiler = sys.modules.get("tensorflow.python.profiler.profiler_v2")
-    if getattr(tf_profiler, "_profiler", None) is not None:
-        return profiler_yield.TENSORFLOW_PROFILER
-    return ""
-
-
-def injection_library(environ: Mapping[str, str]) -> str:
-    """The tool that injected itself into CUDA (Nsight Systems or Compute, or any
-    CUDA_INJECTION64_PATH library), or "". It uses CUPTI for the job's whole life."""
-    if environ.get("CUDA_INJECTION64_PATH") or environ.get("NSYS_PROFILING_SESSION_ID"):
-        return cupti_binding.holder_hint(dict(environ))
-    return ""
-
-
-def device_uuids() -> dict[str, str]:
-    """CUDA device ordinal -> its UUID, so the agent can label it as NVML does."""
-    torch = sys.modules.get("torch")
-    found: dict[str, str] = {}
-    with contextlib.suppress(Exception):
-        if torch is not None and torch.cuda.is_initialized():
-            for ordinal in range(torch.cuda.device_count()):
-                uuid = str(torch.cuda.get_device_properties(ordinal).uuid)
-                found[str(ordinal)] = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-    return found
-
-
-class Capture:
-    """One windowed trace: N steps of kernels, copies, layer ranges and step
-    boundaries. ``step`` and ``layer`` run on the job's threads: appends only."""
-
-    def __init__(self, steps: int, deadline: float, offset_ns: int) -> None:
-        self.wanted = steps
-        self.deadline = deadline  # monotonic
-        self.offset_ns = offset_ns  # CUPTI's clock minus perf_counter's, ns
-        self.phase = "waiting"  # waiting, recording, collecting, done, failed
-        self.error = ""
-        self.boundaries: list[float] = []  # perf_counter seconds
-        self.layers: list[tuple[str, int, float, float, int]] = []
-        self.gpu: list[Any] = []  # decoded batches, with their full-name and layer columns
-        self.records = 0
-        self.truncated = False
-        self.collect_since = 0.0
-        self.latest_gpu_ns = 0  # the latest start of GPU work kept, CUPTI's clock
-        self.payload = ""
-
-    @property
-    def steps_done(self) -> int:
-        return max(0, len(self.boundaries) - 1)
-
-    def step(self, now: float) -> None:
-        if self.phase == "waiting":
-            self.boundaries.append(now)
-            self.phase = "recording"
-        elif self.phase == "recording":
-            self.boundaries.append(now)
-            if len(self.boundaries) > self.wanted:
-                self.phase = "collecting"
-
-    def layer(self, label: str, phase: str, start: float, end: float) -> None:
-        if self.phase == "recording":
-            if len(self.layers) < MAX_TRACE_RANGES:
-                self.layers.append((label, phase == "backward", start, end,
-                                    threading.get_ident()))
-            else:
-                self.truncated = True
-
-
 # The seam for tests: what a tracer gets when its caller names none. A test job
 # sets these before enabling the probe, to run on a simulated GPU.
-BINDING_FACTORY: Callable[[], Any] = cupti_binding.CuptiBinding
+BINDING_FACTORY: Callable[[], ActivityBinding] = cupti_binding.CuptiBinding
 CUDA_CHECK: Callable[[], bool] = cuda_in_use
 
 
@@ -167,7 +76,7 @@ class KernelTracer:
     """CUPTI for one probe session. Every public method catches everything."""
 
     def __init__(self, *, continuous: bool, max_layers: int,
-                 binding_factory: Callable[[], Any] | None = None,
+                 binding_factory: Callable[[], ActivityBinding] | None = None,
                  cuda_check: Callable[[], bool] | None = None,
                  profiler_check: Callable[[], str] = foreign_profiler,
                  clock: Callable[[], float] = time.monotonic,
@@ -186,14 +95,16 @@ class KernelTracer:
         self.since = time.time()  # when the state last changed, Unix time
         self.holder = ""  # the other CUPTI client we stood aside for, while it runs
         self.errors = 0
-        self.correlator: Any = None  # for the layer hooks: push/pop external ids
+        # The layer hooks push/pop its ids (a LayerCorrelator, or None). It and
+        # ``recorder`` are Any, not Optional: the hooks and tests reach into them
+        # where they know them set, and Optional would need narrowing at each use.
+        self.correlator: Any = None
         self.layer_labels: list[str] | None = None  # the hooks' labels; None: no attribution
         self.capture: Capture | None = None
-        self.recorder: Any = None  # gets ``capture`` set while a trace window is open
-        self._binding: Any = None
-        self._aggregator: Any = None
-        self._splitter: Any = None
-        self._records: Any = None  # the kernel_records module, once loaded
+        self.recorder: Any = None  # a Recorder; gets ``capture`` while a window is open
+        self._binding: ActivityBinding | None = None
+        self._aggregator: KernelAggregator | None = None
+        self._splitter: RecordSplitter | None = None
         self._generation = 0
         self._next_attempt = 0.0
         self._last_drain = 0.0
@@ -239,7 +150,13 @@ class KernelTracer:
 
     def _flush(self, now: float) -> None:
         self._last_flush = now
-        self._binding.flush()
+        self._tracing().flush()
+
+    def _tracing(self) -> ActivityBinding:
+        """The binding, where the caller knows that CUPTI is ours."""
+        binding = self._binding
+        assert binding is not None  # a slip is caught, and counted, like any failure
+        return binding
 
     @property
     def capture_open(self) -> bool:
@@ -275,7 +192,7 @@ class KernelTracer:
             return
         binding = self._factory()
         try:
-            binding.open(*cupti_binding.framework_cuda())
+            binding.open(*cupti_versions.framework_cuda())
             binding.enable(list(KINDS))
         except CuptiBusy as busy:
             self._set(BUSY, busy.reason)
@@ -287,12 +204,11 @@ class KernelTracer:
             return
         self._activate(binding, now)
 
-    def _activate(self, binding: Any, now: float) -> None:
-        from dlprof_agent.probe import kernel_records
+    def _activate(self, binding: ActivityBinding, now: float) -> None:
+        from dlprof_agent.probe import kernel_records, kernel_totals
 
-        self._records = kernel_records
         if self._aggregator is None:  # kept across restarts: the counters stay monotonic
-            self._aggregator = kernel_records.KernelAggregator()
+            self._aggregator = kernel_totals.KernelAggregator()
         self._aggregator.names.forget_pointers()  # a restarted CUPTI has new strings
         self._splitter = kernel_records.RecordSplitter()  # sizes learned from this CUPTI
         self._generation = self._generation % 127 + 1
@@ -300,7 +216,7 @@ class KernelTracer:
         self.correlator = binding.correlator(base)
         # The hooks' own list, not a copy: it grows as they hook layers.
         labels = self.layer_labels if self.layer_labels is not None else []
-        self._aggregator.layer_ids = kernel_records.LayerIds(base, labels, self.max_layers)
+        self._aggregator.layer_ids = kernel_totals.LayerIds(base, labels, self.max_layers)
         self._dropped_base = binding.counters().get("dropped_records", 0)
         self._devices = device_uuids()
         self._binding = binding
@@ -316,9 +232,11 @@ class KernelTracer:
         try:
             with self._lock:
                 self.layer_labels = labels
-                if self._aggregator is not None and self._records is not None:
+                if self._aggregator is not None:  # the record modules are loaded
+                    from dlprof_agent.probe.kernel_totals import LayerIds
+
                     base = self._aggregator.layer_ids.base if self._aggregator.layer_ids else 0
-                    self._aggregator.layer_ids = self._records.LayerIds(
+                    self._aggregator.layer_ids = LayerIds(
                         base, labels if labels is not None else [], self.max_layers)
                 recorder = self.recorder
                 if recorder is not None:
@@ -380,7 +298,9 @@ class KernelTracer:
         on, weight = wanted
         if on and self.layer_labels is not None:
             if self.correlator is not None:
-                self.correlator.base = self._id_base | weight << self._records.WEIGHT_SHIFT
+                from dlprof_agent.probe.kernel_totals import WEIGHT_SHIFT
+
+                self.correlator.base = self._id_base | weight << WEIGHT_SHIFT
             binding.enable([kind for kind in ATTRIBUTION_KINDS if kind not in binding.enabled])
         elif not self.capture_open:  # a trace window keeps its launch times to its end
             binding.disable([kind for kind in ATTRIBUTION_KINDS if kind in binding.enabled])
@@ -451,7 +371,7 @@ class KernelTracer:
         """The job's own profiler took CUPTI over without our hooks seeing it start:
         its kinds are ours too now (CUPTI's are process-wide), so leave them on and
         come back after."""
-        binding, self._binding = self._binding, None
+        binding, self._binding = self._tracing(), None
         self.correlator = None
         with contextlib.suppress(Exception):
             self._drain_from(binding, now)
@@ -505,26 +425,29 @@ class KernelTracer:
     # Buffers into totals.
 
     def _drain(self, now: float) -> None:
-        self._drain_from(self._binding, now)
+        self._drain_from(self._tracing(), now)
 
-    def _drain_from(self, binding: Any, now: float) -> None:
-        records = self._records
+    def _drain_from(self, binding: ActivityBinding, now: float) -> None:
+        from dlprof_agent.probe import kernel_records as records
+
+        splitter, aggregator = self._splitter, self._aggregator
+        assert splitter is not None and aggregator is not None  # made as tracing started
         batches = []
         for buffer in binding.take_buffers():
             try:
                 batches.append(records.decode(
-                    buffer.data, buffer.valid_bytes, self._splitter,
-                    lambda offset, buffer=buffer: binding.record_size(buffer, offset)))
+                    buffer.data, buffer.valid_bytes, splitter,
+                    functools.partial(binding.record_size, buffer)))
             finally:
                 binding.release(buffer)
         elapsed, self._last_drain = now - self._last_drain, now
         if not batches:
             return
         batch = records.Batch.concat(batches)
-        full_ids = self._aggregator.add(batch, elapsed)
+        full_ids = aggregator.add(batch, elapsed)
         capture = self.capture
         if capture is not None and capture.phase in ("recording", "collecting"):
-            self._keep_for_trace(capture, batch, full_ids)
+            capture.keep(batch, full_ids, aggregator)
 
     # Windowed traces.
 
@@ -568,7 +491,7 @@ class KernelTracer:
         return ""
 
     @staticmethod
-    def _clock_offset(binding: Any) -> int:
+    def _clock_offset(binding: ActivityBinding) -> int:
         """CUPTI's clock minus perf_counter's, in ns, from the tightest of a few reads."""
         best: tuple[int, int] | None = None
         for _ in range(5):
@@ -580,27 +503,9 @@ class KernelTracer:
         assert best is not None
         return best[1]
 
-    def _keep_for_trace(self, capture: Capture, batch: Any, full_ids: Any) -> None:
-        if capture.records >= MAX_TRACE_RECORDS:
-            capture.truncated = True
-            return
-        aggregator = self._aggregator
-        found, external = aggregator.attribution.lookup(batch.kernel_correlation)
-        layer, phase = aggregator.layer_ids.decode(external)
-        layer[~found] = -1
-        capture.gpu.append((batch, full_ids, layer, phase))
-        capture.records += len(batch.kernel_start) + len(batch.copy_start)
-        if len(batch.kernel_start):
-            capture.latest_gpu_ns = max(capture.latest_gpu_ns, int(batch.kernel_start.max()))
-
     def _expire_capture(self, now: float) -> None:
         capture = self.capture
-        if capture is not None and capture.phase in ("waiting", "recording") \
-                and now > capture.deadline:
-            capture.phase = "failed"
-            capture.error = (f"only {capture.steps_done} of {capture.wanted} steps before the "
-                             "time limit" if capture.boundaries else
-                             "no training step was seen before the time limit")
+        if capture is not None and capture.expire(now):
             self._end_capture()
 
     def _advance_capture(self, now: float) -> None:
@@ -612,7 +517,7 @@ class KernelTracer:
             return
         if not capture.collect_since:
             capture.collect_since = now
-            self._binding.flush()  # not forced: only finished work is handed over
+            self._tracing().flush()  # not forced: only finished work is handed over
             return
         waited = now - capture.collect_since
         window_end_ns = round(capture.boundaries[-1] * 1e9) + capture.offset_ns
@@ -620,14 +525,13 @@ class KernelTracer:
         # the window's launches), or after a longer wait for a GPU gone idle.
         if waited < COLLECT_SECONDS or (capture.latest_gpu_ns < window_end_ns
                                         and waited < MAX_COLLECT_SECONDS):
-            self._binding.flush()
+            self._tracing().flush()
             self._drain(now)
             return
-        self._binding.flush()
+        self._tracing().flush()
         self._drain(now)
-        capture.payload = json.dumps(self._payload(capture), separators=(",", ":"))
-        capture.gpu, capture.layers = [], []
-        capture.phase = "done"
+        assert self._aggregator is not None  # made as tracing started
+        capture.finish(self._aggregator.names, list(self.layer_labels or []), self._devices)
         self._end_capture()
 
     def _end_capture(self) -> None:
@@ -649,71 +553,13 @@ class KernelTracer:
             self._set(UNAVAILABLE, "switched off (--no-kernels)")
             self._next_attempt = float("inf") if not self.continuous else 0.0
 
-    def _payload(self, capture: Capture) -> dict[str, Any]:
-        """The window's records, columnar, on CUPTI's clock (ns), for the agent's
-        trace writer (``probe.trace_writer``)."""
-        import numpy as np
-
-        offset = capture.offset_ns
-        bounds = [round(t * 1e9) + offset for t in capture.boundaries]
-        first, last = bounds[0], bounds[-1]
-        batch = self._records.Batch.concat([part[0] for part in capture.gpu])
-        full_ids = np.concatenate([part[1] for part in capture.gpu] or [np.zeros(0, int)])
-        layer = np.concatenate([part[2] for part in capture.gpu] or [np.zeros(0, int)])
-        phase = np.concatenate([part[3] for part in capture.gpu] or [np.zeros(0, int)])
-        # Kernels launched inside the window (by their API call's time), whenever they ran.
-        launched = batch.api_correlation[(batch.api_start >= first) & (batch.api_start <= last)]
-
-        def in_window(correlation: Any, start: Any) -> Any:
-            if len(batch.api_start):
-                return np.isin(correlation, launched)
-            return (start >= first) & (start <= last)
-
-        kernels = in_window(batch.kernel_correlation, batch.kernel_start) & (
-            batch.kernel_end > batch.kernel_start)
-        copies = in_window(batch.copy_correlation, batch.copy_start) & (
-            batch.copy_end > batch.copy_start)
-        names = self._aggregator.names
-        labels = list(self.layer_labels or [])
-        return {
-            "steps": bounds,
-            "kernels": {"start": batch.kernel_start[kernels].tolist(),
-                        "end": batch.kernel_end[kernels].tolist(),
-                        "device": batch.kernel_device[kernels].tolist(),
-                        "stream": batch.kernel_stream[kernels].tolist(),
-                        "correlation": batch.kernel_correlation[kernels].tolist(),
-                        "name": full_ids[kernels].tolist(),
-                        "layer": layer[kernels].tolist(), "phase": phase[kernels].tolist()},
-            "names": list(names.names), "full_names": list(names.full),
-            "full_to_name": list(names.full_to_name),
-            "memcpy": {"start": batch.copy_start[copies].tolist(),
-                       "end": batch.copy_end[copies].tolist(),
-                       "device": batch.copy_device[copies].tolist(),
-                       "stream": batch.copy_stream[copies].tolist(),
-                       "kind": [self._records.MEMCPY_KINDS[min(k, 10)]
-                                for k in batch.copy_kind[copies].tolist()],
-                       "bytes": batch.copy_bytes[copies].tolist()},
-            "labels": labels,
-            "layers": [[label, int(backward), round(start * 1e9) + offset,
-                        round(end * 1e9) + offset, thread]
-                       for label, backward, start, end, thread in capture.layers],
-            "devices": dict(self._devices),
-            "truncated": capture.truncated,
-        }
-
-    def capture_status(self, offset: int) -> dict[str, Any]:
+    def capture_status(self, offset: int) -> TraceStatus:
         capture = self.capture
         if capture is None:
             return {"ok": False, "error": "no trace was asked for"}
-        reply: dict[str, Any] = {"ok": capture.phase != "failed", "phase": capture.phase,
-                                 "steps": capture.steps_done, "wanted": capture.wanted}
-        if capture.phase == "failed":
-            reply["error"] = capture.error
-        elif capture.phase == "done":
-            reply["size"] = len(capture.payload)
-            reply["data"] = capture.payload[offset:offset + TRACE_CHUNK_CHARS]
-            if offset + TRACE_CHUNK_CHARS >= len(capture.payload):
-                self.capture = None  # delivered: free it
+        reply, delivered = capture.status(offset)
+        if delivered:
+            self.capture = None  # free it
         return reply
 
     def cancel_capture(self) -> None:
@@ -724,13 +570,13 @@ class KernelTracer:
 
     # The snapshot reply.
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> KernelSnapshot:
         with self._lock:
             snapshot = self._snapshot()
         self._settle_attribution()
         return snapshot
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> KernelSnapshot:
         try:
             if self._binding is not None:
                 now = self._clock()
@@ -738,11 +584,11 @@ class KernelTracer:
                 self._drain(now)
         except Exception as error:
             self._fail(error)
-        result: dict[str, Any] = {"state": self.state, "reason": self.reason,
+        result: KernelSnapshot = {"state": self.state, "reason": self.reason,
                                   "errors": self.errors, "since": self.since}
         try:
             if self._aggregator is not None:
-                result.update(self._aggregator.snapshot())
+                result = {**result, **self._aggregator.snapshot()}
                 dropped = self._dropped_before
                 if self._binding is not None:
                     dropped += (self._binding.counters().get("dropped_records", 0)

@@ -14,9 +14,10 @@ import socket
 import stat
 import struct
 import time
-from typing import Any
+from collections.abc import Mapping
 
 from dlprof_agent.errors import ConnectionClosed, ProtocolError
+from dlprof_agent.probe.messages import Frame
 
 MAGIC = b"DLPR"
 VERSION = 1
@@ -38,7 +39,8 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _INNERMOST = re.compile(rb"\[[^][{}]*\]|\{[^][{}]*\}")  # a pair with no pair inside
 
 
-def encode(message: dict[str, Any]) -> bytes:
+def encode(message: Mapping[str, object]) -> bytes:
+    """A frame holding ``message`` (one of messages.py's requests or replies)."""
     payload = json.dumps(message, separators=(",", ":")).encode()
     return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
 
@@ -94,7 +96,7 @@ def check_shape(payload: bytes, *, max_values: int, max_depth: int = MAX_DEPTH) 
                                          "or brackets that do not pair up")
 
 
-def _decode(payload: bytes, max_values: int) -> dict[str, Any]:
+def _decode(payload: bytes, max_values: int) -> Frame:
     check_shape(payload, max_values=max_values)
     try:
         message = json.loads(payload)
@@ -110,7 +112,7 @@ def _max_values(max_bytes: int) -> int:
 
 
 def read_frame(sock: socket.socket, *, max_bytes: int, seconds: float | None = None
-               ) -> dict[str, Any]:
+               ) -> Frame:
     """One frame; the whole of it within ``seconds`` (TimeoutError otherwise),
     however the peer spreads its bytes, or as the socket's timeout has it per
     read when None."""
@@ -135,7 +137,7 @@ def bytes_wanted(received: bytearray, *, max_bytes: int) -> int:
     return max(0, end - len(received))
 
 
-def take_frame(received: bytearray, *, max_bytes: int) -> dict[str, Any] | None:
+def take_frame(received: bytearray, *, max_bytes: int) -> Frame | None:
     """The first whole frame in ``received``, removed from it; None until all of
     it has arrived. For readers that must not lose a frame to a timeout."""
     if len(received) < HEADER.size:

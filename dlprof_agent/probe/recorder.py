@@ -20,7 +20,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+from dlprof_agent.probe.messages import RecorderSnapshot
+
+if TYPE_CHECKING:
+    from dlprof_agent.probe.trace_window import Capture
 
 # Upper bounds in seconds; a CPU step of a small CNN sits near the middle.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -90,7 +95,8 @@ class Recorder:
     """Step, phase and layer totals since the agent said start."""
 
     def __init__(self, *, warmup_steps: int = DEFAULT_WARMUP_STEPS,
-                 max_layers: int = DEFAULT_MAX_LAYERS, clock: Any = time.perf_counter,
+                 max_layers: int = DEFAULT_MAX_LAYERS,
+                 clock: Callable[[], float] = time.perf_counter,
                  layer_sampling: LayerSampling | None = None) -> None:
         self.max_layers = max_layers
         self.clock = clock
@@ -123,7 +129,7 @@ class Recorder:
         self.hook_error_kinds: dict[str, str] = {}
         self.steady = False  # past warm-up: layer time counts from here
         # A windowed trace being taken (kernel_tracer.Capture): sees each step boundary.
-        self.capture: Any = None
+        self.capture: Capture | None = None
         self.set_warmup_steps(warmup_steps)
 
     def set_warmup_steps(self, steps: int) -> None:
@@ -281,9 +287,9 @@ class Recorder:
 
     # Read side: the probe thread, once per interval.
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RecorderSnapshot:
         with self._lock:
-            snapshot = {
+            snapshot: RecorderSnapshot = {
                 "step_source": self.step_source,
                 "steps": dict(self.steps),
                 "samples": dict(self.samples),
