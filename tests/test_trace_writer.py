@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dlprof_agent.probe import trace_writer
+from dlprof_agent.exporters import chrome_trace as trace_writer
 
 BASE = 5_000_000_000_000  # ns, CUPTI's clock
 

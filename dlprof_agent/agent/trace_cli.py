@@ -30,7 +30,7 @@ from dlprof_agent.errors import (
     TraceUnavailable,
     UsageError,
 )
-from dlprof_agent.probe import trace_writer
+from dlprof_agent.exporters import chrome_trace as trace_writer
 
 POLL_SECONDS = 0.5
 DEFAULT_STEPS = 10

@@ -1,12 +1,13 @@
 """A probe's trace window as Chrome trace event JSON, for Perfetto (ui.perfetto.dev)
 and chrome://tracing.
 
-The probe sends the window's records columnar, all on CUPTI's clock in ns (it
-has shifted its own perf_counter times by the offset it measured between the
-two clocks, sampling cuptiGetTimestamp; the binding puts CUPTI's own clock back
-whenever tracing starts, as another client's timestamp callback, Kineto's TSC,
-would make the records' units differ from that sample's); this module, run by
-the agent, turns them into events:
+The probe sends the window's records columnar (``TracePayload`` in
+``probe/messages.py``), all on CUPTI's clock in ns (it has shifted its own
+perf_counter times by the offset it measured between the two clocks, sampling
+cuptiGetTimestamp; the binding puts CUPTI's own clock back whenever tracing
+starts, as another client's timestamp callback, Kineto's TSC, would make the
+records' units differ from that sample's); this module, run by the agent,
+turns them into events:
 
 - the job's process: a ``steps`` track with one ``X`` event per step and an
   ``i`` instant at each boundary, and one track per host thread with the
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 GPU_PID_BASE = 1 << 30  # above any Linux pid (at most 2^22)
@@ -49,9 +50,11 @@ def _columns(table: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:
         yield dict(zip(keys, values, strict=True))
 
 
-def chrome_trace(payload: dict[str, Any], *, pid: int, process_name: str = "",
+def chrome_trace(payload: Mapping[str, Any], *, pid: int, process_name: str = "",
                  version: str = "") -> dict[str, Any]:
-    """The trace event document for one window (see the module doc)."""
+    """The trace event document for one window (see the module doc): ``payload``
+    is a TracePayload as parsed from the probe's JSON, the document the trace
+    event format's JSON (both are plain JSON values, hence Any)."""
     steps: list[int] = payload["steps"]
     base = steps[0] if steps else 0
     events: list[dict[str, Any]] = _metadata(pid, process_name or f"pid {pid}", 0)
