@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from dlprof_agent.agent.sampler import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
-from dlprof_agent.collectors.probe import LayerSample, ProbeSample
+from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer

@@ -136,7 +136,7 @@ def poll_costs(polls: int) -> dict[str, float]:
     agent's work to decode it."""
     import json
 
-    from dlprof_agent.collectors.probe import ProbeSample
+    from dlprof_agent.collectors.probe_samples import ProbeSample
     from dlprof_agent.probe.protocol import HEADER, encode
     from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, Recorder
 

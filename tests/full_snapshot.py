@@ -9,7 +9,7 @@ from dlprof_agent.agent.findings import KINDS_BY_ID, Finding
 from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
-from dlprof_agent.collectors.probe import (
+from dlprof_agent.collectors.probe_samples import (
     KernelDurations,
     KernelRow,
     KernelSample,

@@ -18,7 +18,7 @@ from dlprof_agent import __version__
 from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
-from dlprof_agent.collectors.probe import LayerSample, ProbeSample
+from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer

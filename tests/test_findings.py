@@ -35,7 +35,7 @@ from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
-from dlprof_agent.collectors.probe import KernelRow, KernelSample, ProbeSample
+from dlprof_agent.collectors.probe_samples import KernelRow, KernelSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from tests.conftest import agent_env

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuSample
-from dlprof_agent.collectors.probe import KernelSample, ProbeSample
+from dlprof_agent.collectors.probe_samples import KernelSample, ProbeSample
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.probe import kernel_tracer as kt
 from tests.cupti_records import DTOH, HTOD, BufferBuilder

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from dlprof_agent.exporters import chrome_trace as trace_writer
 from dlprof_agent.probe import cupti_binding as cb
 from dlprof_agent.probe import kernel_tracer as kt
-from dlprof_agent.exporters import chrome_trace as trace_writer
 from dlprof_agent.probe import profiler_yield
 from dlprof_agent.probe.recorder import LayerSampling, Recorder
 from tests.cupti_records import HTOD, BufferBuilder

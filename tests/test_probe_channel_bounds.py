@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlprof_agent.collectors.probe import MAX_LAYER_ROWS, ProbeSample
+from dlprof_agent.collectors.probe_samples import MAX_LAYER_ROWS, ProbeSample
 from dlprof_agent.errors import ProtocolError
 from dlprof_agent.probe.protocol import (
     HEADER,

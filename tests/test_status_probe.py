@@ -7,7 +7,7 @@ import io
 
 from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.agent.status import LiveStatus, Summary
-from dlprof_agent.collectors.probe import LayerSample, ProbeSample
+from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from tests.full_snapshot import full_snapshot
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
-from dlprof_agent.collectors.probe import ProbeSample
+from dlprof_agent.collectors.probe_samples import ProbeSample
 
 if TYPE_CHECKING:
     from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot

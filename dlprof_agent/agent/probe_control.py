@@ -18,10 +18,10 @@ from dlprof_agent.agent.target import ProgramIdentity, program_identity
 from dlprof_agent.collectors.probe import (
     REPLY_SECONDS,
     ProbeClient,
-    ProbeSample,
     ReplyLate,
     find_probe_socket,
 )
+from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import read_state
 from dlprof_agent.errors import (
     InjectionError,

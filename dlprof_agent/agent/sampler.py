@@ -17,7 +17,7 @@ from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
-from dlprof_agent.collectors.probe import ProbeSample
+from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import TargetGone
 

@@ -8,7 +8,7 @@ from typing import Any, TextIO
 
 from dlprof_agent.agent.findings import SEVERITIES, Finding, active
 from dlprof_agent.agent.sampler import Snapshot
-from dlprof_agent.collectors.probe import LayerSample, ProbeSample
+from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 
 
 @dataclass(frozen=True, slots=True)

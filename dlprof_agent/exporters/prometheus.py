@@ -23,7 +23,7 @@ from dlprof_agent.agent.findings import Finding
 from dlprof_agent.agent.sampler import NodeSnapshot, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
-from dlprof_agent.collectors.probe import KernelSample, ProbeSample
+from dlprof_agent.collectors.probe_samples import KernelSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 
 CPU_MODES = ("user", "system", "iowait")

@@ -1,0 +1,284 @@
+"""Typed samples of what a probe measured, decoded from its snapshot reply
+(``probe/messages.py``) by a bounded, validating decoder: the reply comes from
+whatever answers on the socket, so every value is checked and anything a probe
+of ours would not send is refused whole (ProtocolError)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+from dlprof_agent.errors import ProtocolError
+from dlprof_agent.probe.messages import KernelSnapshot, RecorderSnapshot, SnapshotReply
+
+# What a reply may carry. A real probe stays far inside these (at most max_layers
+# names and "other", 200 kernels and "other" per device); anything past them is
+# not a probe of ours, and is refused whole rather than exported in part.
+MAX_NAME_CHARS = 512  # a layer's dotted path, a kernel's short name, a setting
+MAX_LAYER_ROWS = 4096 + 1  # the probe's largest max_layers, and "other"
+MAX_KERNEL_ROWS = 64 * 201  # per device: 200 kernels and "other"
+MAX_DEVICES = 64
+MAX_BUCKETS = 64
+MAX_ENTRIES = 64  # the keys of a small map: phases, dropped reasons, settings
+_T = TypeVar("_T")
+
+
+def _malformed(what: str) -> ProtocolError:
+    return ProtocolError("malformed", f"the reply's {what} is not what a probe sends")
+
+
+def _text(value: object, what: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _malformed(what)
+    text = str(value)
+    if len(text) > MAX_NAME_CHARS:
+        raise ProtocolError("oversized", f"a {what} of {len(text)} characters")
+    return text
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise _malformed(what)
+    return value
+
+
+def _seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _malformed(what)
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise _malformed(what)
+    return seconds
+
+
+def _list(value: object, limit: int, what: str) -> list[object]:
+    if not isinstance(value, list):
+        raise _malformed(what)
+    if len(value) > limit:
+        raise ProtocolError("oversized", f"{len(value)} {what}, at most {limit}")
+    return value
+
+
+def _rows(value: object, limit: int, width: int, what: str) -> list[list[object]]:
+    rows = _list(value, limit, what)
+    if not all(isinstance(row, list) and len(row) == width for row in rows):
+        raise _malformed(what)
+    return cast(list[list[object]], rows)
+
+
+def _map(value: object, what: str, limit: int = MAX_ENTRIES) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise _malformed(what)
+    if len(value) > limit:
+        raise ProtocolError("oversized", f"{len(value)} {what}, at most {limit}")
+    return value
+
+
+def _counts(value: object, what: str) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((_text(k, what), _count(v, what)) for k, v in _map(value, what).items()))
+
+
+def _buckets(bounds: object, counts: object, what: str
+             ) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    upper = tuple(_seconds(b, what) for b in _list(bounds, MAX_BUCKETS, what))
+    per_bucket = tuple(_count(c, what) for c in _list(counts, MAX_BUCKETS + 1, what))
+    if len(per_bucket) != len(upper) + 1 or list(upper) != sorted(upper):
+        raise _malformed(what)
+    return upper, per_bucket
+
+
+def _kernel_snapshot(value: object) -> KernelSnapshot:
+    """A map, typed for its keys only: each value is checked as it is read."""
+    return cast(KernelSnapshot, _map(value, "kernels", 32))
+
+
+def parse_reply(parse: Callable[[], _T]) -> _T:
+    """``parse()``, with any way a reply can be wrong turned into a ProtocolError:
+    the agent's boundary with whatever answers on the socket."""
+    try:
+        return parse()
+    except ProtocolError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError
+            ) as error:
+        raise ProtocolError("malformed", f"unexpected reply ({type(error).__name__})"
+                            ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSample:
+    name: str
+    forward_seconds: float
+    forward_calls: int
+    backward_seconds: float
+    backward_calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRow:
+    """One kernel (short name, or ``other``) on one CUDA device."""
+
+    kernel: str
+    device: int  # CUDA device ordinal, as the job sees it
+    launches: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class KernelDurations:
+    device: int
+    bucket_counts: tuple[int, ...]  # per bucket, not cumulative; one more than the bounds
+    seconds_sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemcpyRow:
+    device: int
+    kind: str  # h2d, d2h, d2d, p2p, h2h, other
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGpuRow:
+    layer: str
+    phase: str  # forward or backward
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSample:
+    """The probe's CUPTI tracer: its state, and totals since the agent attached."""
+
+    state: str  # active, busy or unavailable
+    reason: str  # why busy or unavailable; "" when active
+    since: float = 0.0  # Unix time the state last changed; 0 from probes that do not say
+    kernels: tuple[KernelRow, ...] = ()
+    duration_bucket_bounds: tuple[float, ...] = ()  # upper bounds, seconds; +Inf implied
+    durations: tuple[KernelDurations, ...] = ()
+    memcpy: tuple[MemcpyRow, ...] = ()
+    layers: tuple[LayerGpuRow, ...] = ()
+    overhead_seconds: float = 0.0
+    dropped_records: int = 0
+    devices: tuple[tuple[int, str], ...] = ()  # (CUDA ordinal, GPU UUID)
+    traced: bool = False  # the tracer has run at some point: its counters are real
+
+    @classmethod
+    def from_reply(cls, kernels: Mapping[str, object], *, layers: bool = True
+                   ) -> KernelSample:
+        """Raises ProtocolError for anything a probe would not send."""
+        return parse_reply(lambda: cls._parse(_kernel_snapshot(kernels), layers))
+
+    @classmethod
+    def _parse(cls, kernels: KernelSnapshot, layers: bool) -> KernelSample:
+        traced = "kernels" in kernels
+        bounds = tuple(_seconds(b, "duration bucket") for b in _list(
+            kernels.get("duration_buckets", []), MAX_BUCKETS, "duration buckets"))
+        durations = []
+        for d, counts, total in _rows(kernels.get("durations", []), MAX_DEVICES, 3,
+                                      "kernel durations"):
+            _, per_bucket = _buckets(list(bounds), counts, "kernel duration buckets")
+            durations.append(KernelDurations(_count(d, "device"), per_bucket,
+                                             _seconds(total, "kernel seconds")))
+        devices = _map(kernels.get("devices", {}), "devices", MAX_DEVICES)
+        layer_rows = _rows(kernels.get("layers", []), 2 * MAX_LAYER_ROWS, 3, "layer GPU rows")
+        return cls(
+            state=_text(kernels["state"], "kernel state"),
+            reason=_text(kernels.get("reason", ""), "kernel state reason"),
+            since=_seconds(kernels.get("since", 0.0), "state since"),
+            kernels=tuple(KernelRow(_text(k, "kernel name"), _count(d, "device"),
+                                    _count(n, "launches"), _seconds(t, "kernel seconds"))
+                          for k, d, n, t in _rows(kernels.get("kernels", []),
+                                                  MAX_KERNEL_ROWS, 4, "kernel rows")),
+            duration_bucket_bounds=bounds,
+            durations=tuple(durations),
+            memcpy=tuple(MemcpyRow(_count(d, "device"), _text(k, "copy kind"),
+                                   _count(b, "bytes"), _seconds(t, "copy seconds"))
+                         for d, k, b, t in _rows(kernels.get("memcpy", []),
+                                                 MAX_DEVICES * 8, 4, "copy rows")),
+            layers=tuple(LayerGpuRow(_text(n, "layer name"), _text(p, "phase"),
+                                     _seconds(t, "layer GPU seconds"))
+                         for n, p, t in layer_rows) if layers else (),
+            overhead_seconds=_seconds(kernels.get("overhead_seconds", 0.0), "overhead"),
+            dropped_records=_count(kernels.get("dropped_records", 0), "dropped records"),
+            devices=tuple(sorted((int(_text(d, "device")), _text(u, "GPU UUID"))
+                                 for d, u in devices.items())),
+            traced=traced)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSample:
+    """Totals since the probe was started by this agent."""
+
+    pid: int
+    step_source: str
+    steps: tuple[tuple[str, int], ...]  # (phase, count), phase warmup or steady
+    samples: tuple[tuple[str, int], ...]
+    step_bucket_bounds: tuple[float, ...]  # upper bounds, seconds; +Inf implied
+    step_bucket_counts: tuple[int, ...]  # per bucket, not cumulative; one more than bounds
+    step_seconds_sum: float
+    last_step_seconds: float | None
+    phase_seconds: tuple[tuple[str, float], ...]
+    layers: tuple[LayerSample, ...]
+    hook_errors: int
+    dropped_messages: tuple[tuple[str, int], ...]  # (reason, count)
+    settings: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # per framework
+    kernels: KernelSample | None = None  # None: a probe older than kernel tracing
+    layer_sampled_steps: int | None = None  # steps whose layers were timed; None: not told
+
+    @property
+    def steady_steps(self) -> int:
+        return dict(self.steps).get("steady", 0)
+
+    @property
+    def steady_samples(self) -> int:
+        return dict(self.samples).get("steady", 0)
+
+    @classmethod
+    def from_reply(cls, pid: int, reply: Mapping[str, object], *, layers: bool = True
+                   ) -> ProbeSample:
+        """Raises ProtocolError for anything a probe would not send. Without
+        ``layers`` (the agent did not ask for them), layer rows are dropped."""
+        # Typed for its keys only: each value is checked as it is read.
+        return parse_reply(lambda: cls._parse(pid, cast(SnapshotReply, reply), layers))
+
+    @classmethod
+    def _parse(cls, pid: int, reply: SnapshotReply, layers: bool) -> ProbeSample:
+        probe = cast(RecorderSnapshot, _map(reply["probe"], "probe", 32))
+        bounds, counts = _buckets(probe["step_buckets"], probe["step_bucket_counts"],
+                                  "step buckets")
+        last = probe["last_step_seconds"]
+        settings = _map(reply.get("settings", {}), "settings", 8)
+        kernels = reply.get("kernels")
+        # Checked whether asked for or not: a probe not asked for layers sends none.
+        layer_rows = _rows(probe["layers"], MAX_LAYER_ROWS, 5, "layers")
+        return cls(
+            pid=pid,
+            step_source=_text(probe["step_source"], "step source"),
+            steps=_counts(probe["steps"], "steps"),
+            samples=_counts(probe["samples"], "samples"),
+            step_bucket_bounds=bounds,
+            step_bucket_counts=counts,
+            step_seconds_sum=_seconds(probe["step_seconds_sum"], "step seconds"),
+            last_step_seconds=None if last is None else _seconds(last, "last step"),
+            phase_seconds=tuple(sorted((_text(k, "phase"), _seconds(v, "phase seconds"))
+                                       for k, v in _map(probe["phase_seconds"],
+                                                        "phases").items())),
+            layers=tuple(LayerSample(_text(n, "layer name"), _seconds(fs, "layer seconds"),
+                                     _count(fc, "layer calls"), _seconds(bs, "layer seconds"),
+                                     _count(bc, "layer calls"))
+                         for n, fs, fc, bs, bc in layer_rows) if layers else (),
+            layer_sampled_steps=(_count(probe["layer_sampled_steps"], "layer sampled steps")
+                                 if "layer_sampled_steps" in probe else None),
+            hook_errors=_count(probe["hook_errors"], "hook errors"),
+            dropped_messages=_counts(reply.get("dropped", {}), "dropped messages"),
+            settings=tuple(sorted(
+                (_text(framework, "framework"),
+                 tuple(sorted((_text(k, "setting"), _text(v, "setting"))
+                              for k, v in _map(values, "settings").items())))
+                for framework, values in settings.items())),
+            kernels=(KernelSample._parse(_kernel_snapshot(kernels), layers)
+                     if isinstance(kernels, dict) else None),
+        )
