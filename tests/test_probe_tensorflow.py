@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from dlprof_agent.probe.recorder import LayerSampling, Recorder
-from dlprof_agent.probe.tensorflow_hooks import GRAPH_MODE, TensorFlowHooks
+from dlprof_agent.probe.tensorflow_hooks import TensorFlowHooks
+from dlprof_agent.probe.tensorflow_settings import GRAPH_MODE
 
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TF, reason="tensorflow is not installed")

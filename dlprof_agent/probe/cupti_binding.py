@@ -62,7 +62,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from dlprof_agent.errors import CuptiUnavailable
 from dlprof_agent.probe.cupti_versions import (
@@ -79,50 +79,6 @@ EXTERNAL_KIND_CUSTOM2 = 5  # CUpti_ExternalCorrelationKind; Kineto uses CUSTOM0 
 RESULT_MAX_LIMIT_REACHED = 12  # CUPTI_ERROR_MAX_LIMIT_REACHED: no record after this one
 FLUSH_NOT_FORCED = 0  # cuptiActivityFlushAll's flag: only buffers of completed records
 FLUSH_FORCED = 1  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: every buffer, running work included
-
-
-class LayerCorrelator(Protocol):
-    """What the layer hooks push and pop around a layer (``Correlator``)."""
-
-    base: int  # the tracer's run and the timed step's weight, in every id's high bits
-
-    def push(self, external_id: int) -> None: ...
-
-    def pop(self) -> None: ...
-
-
-class ActivityBinding(Protocol):
-    """CUPTI's Activity API as the kernel tracer uses it: ``CuptiBinding``, or a
-    test's fake (the seam is ``kernel_tracer.BINDING_FACTORY``)."""
-
-    @property
-    def enabled(self) -> tuple[int, ...]: ...
-
-    def open(self, framework: str = "", framework_cuda: str | None = None) -> None: ...
-
-    def enable(self, kinds: list[int]) -> None: ...
-
-    def disable(self, kinds: list[int]) -> None: ...
-
-    def flush(self, *, forced: bool = False) -> None: ...
-
-    def take_buffers(self) -> list[ActivityBuffer]: ...
-
-    def release(self, buffer: ActivityBuffer) -> None: ...
-
-    def record_size(self, buffer: ActivityBuffer, offset: int) -> int | None: ...
-
-    def counters(self) -> dict[str, int]: ...
-
-    def timestamp_ns(self) -> int: ...
-
-    def correlator(self, base: int) -> LayerCorrelator: ...
-
-    def close(self, *, forced: bool = False) -> None: ...
-
-    def abandon(self) -> None: ...
-
-    def trim(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from dlprof_agent.probe.messages import KernelSnapshot, TraceStatus
 from dlprof_agent.probe.trace_window import Capture
 
 if TYPE_CHECKING:
-    from dlprof_agent.probe.cupti_binding import ActivityBinding
+    from dlprof_agent.probe.activity_binding import ActivityBinding
     from dlprof_agent.probe.kernel_records import RecordSplitter
     from dlprof_agent.probe.kernel_totals import KernelAggregator
 

@@ -45,18 +45,24 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import os
-import platform
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from types import FrameType, ModuleType
 from typing import Any
 
+from dlprof_agent.probe.patching import Patch
 from dlprof_agent.probe.recorder import Recorder
+from dlprof_agent.probe.tensorflow_samples import KerasSamples, leading_dim
+from dlprof_agent.probe.tensorflow_settings import (
+    KERAS_CONFIG_MODULE,
+    layer_timing,
+    module_ready,
+    read_precision,
+    read_settings,
+)
 
 _FUNCTION_MODULES = (
     ("tensorflow.python.eager.polymorphic_function.polymorphic_function", "Function"),
@@ -67,11 +73,9 @@ _KERAS_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
 _KERAS_LAYER_MODULE = "keras.src.layers.layer"
 _KERAS_TENSOR_MODULE = "keras.src.backend.common.keras_tensor"
 _KERAS_STATE_MODULE = "keras.src.backend.common.global_state"
-_KERAS_CONFIG_MODULE = "keras.src.backend.config"
 
 # On a train_function wrapper: the function it wraps.
 _WRAPPED = "__dlprof_wrapped__"
-_MISSING = object()
 _MAX_CANDIDATES = 64
 # Calls of other tf.functions, with none of the step function, before the
 # step function is chosen anew (it may have been a one-off helper called twice).
@@ -79,75 +83,6 @@ _STALE_CALLS = 1000
 # How long install() waits for an import of TensorFlow that is under way.
 _IMPORT_WAIT_S = 30.0
 
-# A weak reference to a data adapter, its batch size, batches per epoch and
-# final partial batch size.
-_AdapterCache = tuple[weakref.ref[Any], int | None, int | None, int | None]
-
-GRAPH_MODE = "unavailable: graph mode (compile with run_eagerly=True for per-layer time)"
-_FALSE_VALUES = ("0", "false")
-
-
-class _Patch:
-    """One class attribute replaced, and what was there before."""
-
-    def __init__(self, owner: Any, name: str, replacement: Any) -> None:
-        self.owner = owner
-        self.name = name
-        self.replacement = replacement
-        self.previous = owner.__dict__.get(name, _MISSING)
-
-    def apply(self) -> None:
-        setattr(self.owner, self.name, self.replacement)
-
-    def undo(self) -> None:
-        # Someone patched over us: theirs stays, and ours passes through.
-        if self.owner.__dict__.get(self.name) is not self.replacement:
-            return
-        if self.previous is _MISSING:
-            delattr(self.owner, self.name)
-        else:
-            setattr(self.owner, self.name, self.previous)
-
-
-def _leading_dim(values: tuple[Any, ...]) -> int | None:
-    """First known leading dimension among values, looking one level into
-    tuples, lists and dicts (a step called with ``(x, y)``)."""
-    for value in values:
-        if isinstance(value, (tuple, list)):
-            inner: Any = value[:4]
-        elif isinstance(value, dict):
-            inner = itertools.islice(value.values(), 4)
-        else:
-            inner = (value,)
-        for item in inner:
-            found = _shape_dim(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _shape_dim(value: Any) -> int | None:
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        return None
-    try:
-        if len(shape) == 0:
-            return None
-        first = shape[0]
-        first = None if first is None else int(first)
-    except (TypeError, ValueError, IndexError):  # unknown rank
-        return None
-    return first if first is not None and first > 0 else None
-
-
-def _env_flag(name: str) -> bool:
-    """TensorFlow's reading of a boolean variable that defaults to true."""
-    return os.environ.get(name, "1").strip().lower() not in _FALSE_VALUES
-
-
-def _module_ready(module: ModuleType | None) -> bool:
-    spec = getattr(module, "__spec__", None)
-    return module is not None and not getattr(spec, "_initializing", False)
 
 
 class TensorFlowHooks:
@@ -163,7 +98,7 @@ class TensorFlowHooks:
         self._pid = os.getpid()
         self._removing = False
         self._active = False
-        self._patches: list[_Patch] = []
+        self._patches: list[Patch] = []
         self._local = threading.local()
         self._executing_eagerly: Callable[[], bool] | None = None
         # The tf.function fallback: candidates by id, then the chosen one.
@@ -177,12 +112,12 @@ class TensorFlowHooks:
         self._keras_state: Any = None
         self._keras_config: Any = None
         self._wrapped_models: dict[int, tuple[weakref.ref[Any], Any]] = {}
-        self._adapter_cache: _AdapterCache | None = None
+        self._samples = KerasSamples()
         # Facts seen on the training thread, for settings() on the probe thread.
         self._boundaries = 0
         self._layer_calls_in_step = 0
         self._eager_layer_calls = 0
-        self._layer_patch: _Patch | None = None  # Layer.__call__, on in timed steps only
+        self._layer_patch: Patch | None = None  # Layer.__call__, on in timed steps only
         self._layer_patched = False  # Layer.__call__ is patched now
         self._layer_step_timed = False  # ... and was during the step that just ended
         self._layer_mode: str | None = None
@@ -201,7 +136,7 @@ class TensorFlowHooks:
             # Attached while the user's thread is still importing TensorFlow:
             # its classes may not exist yet.
             deadline = time.monotonic() + _IMPORT_WAIT_S
-            while not _module_ready(tf) and time.monotonic() < deadline:
+            while not module_ready(tf) and time.monotonic() < deadline:
                 if self._removing:
                     return
                 time.sleep(0.05)
@@ -248,7 +183,7 @@ class TensorFlowHooks:
             self._wrapped_models.clear()
             self._candidates.clear()
             self._step_function = None
-            self._adapter_cache = None
+            self._samples.forget()
 
     def _process_lock(self) -> threading.RLock:
         # remove() also runs in forked children (data-loader workers), where
@@ -259,7 +194,7 @@ class TensorFlowHooks:
         return self._lock
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
-        patch = _Patch(owner, name, replacement)
+        patch = Patch(owner, name, replacement)
         patch.apply()
         self._patches.append(patch)
 
@@ -283,20 +218,20 @@ class TensorFlowHooks:
             return
         trainer: Any = sys.modules.get(_KERAS_TRAINER_MODULE)
         layer_module: Any = sys.modules.get(_KERAS_LAYER_MODULE)
-        if not (_module_ready(trainer) and _module_ready(layer_module)):
+        if not (module_ready(trainer) and module_ready(layer_module)):
             return
         self._keras_pending = False
         trainer_class = trainer.TensorFlowTrainer
         self._trainer_class = trainer_class
         self._keras_tensor = getattr(sys.modules.get(_KERAS_TENSOR_MODULE), "KerasTensor", None)
         self._keras_state = sys.modules.get(_KERAS_STATE_MODULE)
-        self._keras_config = sys.modules.get(_KERAS_CONFIG_MODULE)
+        self._keras_config = sys.modules.get(KERAS_CONFIG_MODULE)
         self._patch(trainer_class, "make_train_function",
                     self._make_train_function_wrapper(trainer_class.make_train_function))
         if self.layers:
             # Patched only for timed steps (``_layer_boundary``): the others call Keras as is.
             layer_class = layer_module.Layer
-            self._layer_patch = _Patch(layer_class, "__call__",
+            self._layer_patch = Patch(layer_class, "__call__",
                                        self._layer_call_wrapper(layer_class.__call__))
             self.recorder.layer_listeners.append(self._layer_boundary)
             self._layer_boundary(self.recorder.layer_step)
@@ -411,7 +346,7 @@ class TensorFlowHooks:
                 recorder.step_boundary("tf_function")
                 if recorder.step_source == "tf_function":
                     self._note_boundary(None)
-                    samples = _leading_dim(args)
+                    samples = leading_dim(args)
                     if samples:
                         recorder.add_samples(samples)
             local.inside = True
@@ -451,49 +386,11 @@ class TensorFlowHooks:
                 return
             self._note_boundary(model_ref())
             # Frames: this one, the wrapper, then whoever called train_function.
-            samples = self._keras_samples(sys._getframe(2))
+            samples = self._samples.of_caller(sys._getframe(2))
             if samples:
                 recorder.add_samples(samples)
         except Exception as exc:
             self.recorder.hook_failed("keras.train_function", exc)
-
-    def _keras_samples(self, caller: FrameType) -> int | None:
-        name = caller.f_code.co_name
-        if name == "fit":
-            names = caller.f_locals
-            begin, end = names.get("begin_step"), names.get("end_step")
-            if isinstance(begin, int) and isinstance(end, int):
-                return self._epoch_samples(names.get("epoch_iterator"), begin, end)
-        elif name == "train_on_batch":
-            return _leading_dim((caller.f_locals.get("x"),))
-        return None
-
-    def _epoch_samples(self, epoch_iterator: Any, begin: int, end: int) -> int | None:
-        adapter = getattr(epoch_iterator, "data_adapter", None)
-        if adapter is None:
-            return None
-        cache = self._adapter_cache
-        if cache is None or cache[0]() is not adapter:
-            # Properties of some adapters run TensorFlow ops: read them once per fit.
-            batch, batches, partial = adapter.batch_size, adapter.num_batches, None
-            if adapter.has_partial_batch:
-                partial = adapter.partial_batch_size
-            cache = (weakref.ref(adapter), _positive(batch), _positive(batches),
-                     _positive(partial))
-            self._adapter_cache = cache
-        _, batch, batches, partial = cache
-        if batch is None:
-            return None
-        if getattr(epoch_iterator, "steps_per_epoch", None) or batches is None:
-            # The step index says nothing about where in the data the step is.
-            return batch * (end - begin + 1)
-        if begin >= batches:
-            return None
-        last = min(end, batches - 1)
-        samples = batch * (last - begin + 1)
-        if partial is not None and last == batches - 1:
-            samples -= batch - partial
-        return samples
 
     def _layer_call_start(self, layer: Any, args: tuple[Any, ...]) -> float | None:
         try:
@@ -546,62 +443,17 @@ class TensorFlowHooks:
         self._layer_step_timed = self._layer_patched
         self._layer_calls_in_step = 0
         if self._precision is None or self._boundaries % 256 == 0:
-            self._capture_precision(model)
-
-    def _capture_precision(self, model: Any) -> None:
-        """Keras keeps its dtype policy per thread, so it is read here, on the
-        training thread, and not in settings() on the probe thread."""
-        policy = getattr(model, "dtype_policy", None) if model is not None else None
-        if policy is None:
-            state, config = self._keras_state, self._keras_config
-            if state is None or config is None:
-                return
-            # Not keras.mixed_precision.global_policy(): that one stores a default.
-            policy = state.get_global_attribute("dtype_policy")
-            if policy is None:
-                self._precision = str(config.floatx())
-                return
-        self._precision = str(policy.name)
+            # Keras keeps its dtype policy per thread: read here, not in settings().
+            precision = read_precision(model, self._keras_state, self._keras_config)
+            if precision is not None:
+                self._precision = precision
 
     # Settings: the probe's background thread.
 
     def settings(self) -> dict[str, str]:
         """Framework facts, all strings; a fact that cannot be read is left out."""
-        found = {"framework": "tensorflow"}
-        tf: Any = sys.modules.get("tensorflow")
-        if not _module_ready(tf):
-            return found
-        keras: Any = sys.modules.get("keras")
-
-        def put(key: str, read: Callable[[], str | None]) -> None:
-            try:
-                value = read()
-            except Exception:
-                return
-            if value is not None:
-                found[key] = value
-
-        put("framework_version", lambda: str(tf.__version__))
-        if keras is not None:
-            put("keras_version", lambda: str(keras.__version__))
-        put("device", lambda: self._read_device(tf))
-        put("intra_op_threads",
-            lambda: _threads(tf.config.threading.get_intra_op_parallelism_threads()))
-        put("inter_op_threads",
-            lambda: _threads(tf.config.threading.get_inter_op_parallelism_threads()))
-        onednn = (sys.platform.startswith("linux")
-                  and platform.machine().lower() in ("x86_64", "amd64")
-                  and _env_flag("TF_ENABLE_ONEDNN_OPTS"))
-        found["blas"] = "onednn" if onednn else "eigen"
-        found["cudnn_autotune"] = "on" if _env_flag("TF_CUDNN_USE_AUTOTUNE") else "off"
-        if self._precision is not None:
-            found["precision"] = self._precision
-        config: Any = sys.modules.get(_KERAS_CONFIG_MODULE)
-        if config is not None:
-            put("data_layout", lambda: "NHWC" if config.image_data_format() == "channels_last"
-                else "NCHW")
-        found["layer_timing"] = self._layer_timing()
-        return found
+        return read_settings(self._read_device, self._precision, layer_timing(
+            self.layers, self._layer_mode, self._eager_layer_calls))
 
     def _read_device(self, tf: Any) -> str:
         # Lists physical devices only, which leaves the user free to configure
@@ -609,23 +461,3 @@ class TensorFlowHooks:
         if self._device is None:
             self._device = "gpu" if tf.config.list_physical_devices("GPU") else "cpu"
         return self._device
-
-    def _layer_timing(self) -> str:
-        if not self.layers:
-            return "off"
-        if self._layer_mode == "graph":
-            return GRAPH_MODE
-        if self._layer_mode == "eager" or self._eager_layer_calls:
-            return "eager"
-        return "pending"
-
-
-def _positive(value: Any) -> int | None:
-    if isinstance(value, int) and value > 0:
-        return value
-    return None
-
-
-def _threads(value: Any) -> str:
-    count = int(value)
-    return str(count) if count > 0 else "default"
