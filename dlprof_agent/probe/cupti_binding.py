@@ -72,6 +72,8 @@ from dlprof_agent.probe.cupti_versions import (
     loaded_libcupti,
 )
 
+# Any below stands for ctypes' objects: library handles, C function pointers,
+# pointers handed to the callbacks, out-parameters.
 BUFFER_BYTES = 4 << 20
 MAX_BUFFERS = 16  # 64 MiB at most; with none free CUPTI drops records, and counts them
 FLUSH_PERIOD_MS = 500

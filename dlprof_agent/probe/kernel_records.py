@@ -88,6 +88,7 @@ MEMCPY_KINDS = ("other", "h2d", "d2h", "h2d", "d2h", "d2d", "d2d", "d2d", "d2d",
 
 MAX_KIND = 128  # CUpti_ActivityKind values are below this (60 kinds in CUPTI 13)
 
+# A buffer is Any: an object with the buffer protocol (a ctypes array, bytes).
 U8 = npt.NDArray[np.uint8]
 U32 = npt.NDArray[np.uint32]
 U64 = npt.NDArray[np.uint64]

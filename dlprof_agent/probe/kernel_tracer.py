@@ -1,6 +1,11 @@
 """Kernel tracing in the probe: when CUPTI is started, given up and taken back,
 how its buffers become totals, and how a windowed trace is captured.
 
+Over 450 lines as one class on purpose: CUPTI's ownership (start, stand aside,
+come back, fail), layer attribution and the trace window share one lock and one
+binding, and each changes the others' state; what stands alone is elsewhere
+(``cuda_state``, ``trace_window``, ``kernel_records``, ``kernel_totals``).
+
 The probe thread calls ``tick()`` a few times a second. Tracing starts once the
 job uses CUDA (``torch.cuda.is_initialized()``, or libcuda mapped for other
 frameworks) and kernels are wanted; it reports one of three states:
@@ -39,7 +44,7 @@ from dlprof_agent.probe.cuda_state import (
     injection_library,
 )
 from dlprof_agent.probe.messages import KernelSnapshot, TraceStatus
-from dlprof_agent.probe.trace_window import Capture
+from dlprof_agent.probe.trace_window import Capture, cupti_clock_offset
 
 if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import ActivityBinding
@@ -484,24 +489,11 @@ class KernelTracer:
         binding.enable(added)
         self._extra_kinds = added
         self._drain(now)  # what came before the window is not part of it
-        capture = Capture(steps, now + max_seconds, self._clock_offset(binding))
+        capture = Capture(steps, now + max_seconds, cupti_clock_offset(binding))
         self.capture = capture
         if self.recorder is not None:
             self.recorder.capture = capture
         return ""
-
-    @staticmethod
-    def _clock_offset(binding: ActivityBinding) -> int:
-        """CUPTI's clock minus perf_counter's, in ns, from the tightest of a few reads."""
-        best: tuple[int, int] | None = None
-        for _ in range(5):
-            before = time.perf_counter_ns()
-            cupti_now = binding.timestamp_ns()
-            after = time.perf_counter_ns()
-            if best is None or after - before < best[0]:
-                best = (after - before, cupti_now - (before + after) // 2)
-        assert best is not None
-        return best[1]
 
     def _expire_capture(self, now: float) -> None:
         capture = self.capture

@@ -26,7 +26,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 TORCH_PROFILER = "torch.profiler"
 TENSORFLOW_PROFILER = "TensorFlow's profiler"
@@ -39,9 +39,18 @@ _TF_MODULES = ("tensorflow.python.profiler.profiler_v2",
                "tensorflow._api.v2.profiler.experimental",
                "tensorflow._api.v2.compat.v2.profiler.experimental")
 
+
+class Yielding(Protocol):
+    """What stands aside for the job's profiler: the kernel tracer."""
+
+    def stand_aside(self, holder: str) -> None: ...
+
+    def come_back(self, holder: str) -> None: ...
+
+
 _lock = threading.Lock()
-_tracers: list[Any] = []  # objects with stand_aside(holder) and come_back(holder)
-_patched: list[tuple[Any, str, Any]] = []  # (module, name, wrapper)
+_tracers: list[Yielding] = []
+_patched: list[tuple[Any, str, Any]] = []  # (the framework's module, name, wrapper)
 
 
 def _notify(method: str, holder: str) -> None:
@@ -110,7 +119,7 @@ def uninstall() -> None:
                     setattr(module, name, getattr(wrapper, _WRAPPED))
 
 
-def register(tracer: Any) -> None:
+def register(tracer: Yielding) -> None:
     """Tell ``tracer`` when the job's profiler starts and stops; wraps what is
     imported now (called each time tracing starts, so late imports are caught)."""
     with _lock:
@@ -119,7 +128,7 @@ def register(tracer: Any) -> None:
     install()
 
 
-def unregister(tracer: Any) -> None:
+def unregister(tracer: Yielding) -> None:
     with _lock:
         _tracers[:] = [known for known in _tracers if known is not tracer]
         empty = not _tracers

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from dlprof_agent.probe.messages import TracePayload, TraceStatus
 
 if TYPE_CHECKING:
+    from dlprof_agent.probe.activity_binding import ActivityBinding
     from dlprof_agent.probe.kernel_names import KernelNames
     from dlprof_agent.probe.kernel_records import I64, U32, U64, Batch
     from dlprof_agent.probe.kernel_totals import KernelAggregator
@@ -23,6 +25,19 @@ if TYPE_CHECKING:
 MAX_TRACE_RECORDS = 500_000  # GPU records kept for one trace
 MAX_TRACE_RANGES = 500_000  # layer ranges kept for one trace
 TRACE_CHUNK_CHARS = 1 << 20  # per trace_status reply: well under the protocol's 4 MiB
+
+
+def cupti_clock_offset(binding: ActivityBinding) -> int:
+    """CUPTI's clock minus perf_counter's, in ns, from the tightest of a few reads."""
+    best: tuple[int, int] | None = None
+    for _ in range(5):
+        before = time.perf_counter_ns()
+        cupti_now = binding.timestamp_ns()
+        after = time.perf_counter_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, cupti_now - (before + after) // 2)
+    assert best is not None
+    return best[1]
 
 
 class Capture:
