@@ -1,4 +1,4 @@
-"""CUPTI activity buffers, decoded in bulk and aggregated into bounded totals.
+"""CUPTI activity buffers, decoded in bulk into columns of numpy arrays.
 
 A completed CUPTI activity buffer is a run of packed records of different kinds
 and sizes, each starting with its ``CUpti_ActivityKind`` as an int32. Nothing
@@ -12,11 +12,9 @@ here creates a Python object per record:
    the walk stayed in step. A kind of unknown size stops the walk there; its
    size is asked of CUPTI (``learn``) and the walk goes on.
 2. ``decode`` gathers each field it needs as one numpy array per kind, through
-   views of the buffer as uint8/uint32/uint64.
-3. ``KernelAggregator`` folds a batch into per-(kernel, device) launches and
-   seconds, a duration histogram per device, memcpy bytes and seconds per
-   direction, CUPTI's overhead, and kernel time per layer (through the
-   external correlation records the layer hooks cause), with ``np.bincount``.
+   views of the buffer as uint8/uint32/uint64, into a ``Batch``.
+
+``kernel_totals`` folds batches into totals, ``kernel_names`` names the kernels.
 
 Record layouts are those of CUPTI 12.8 and 13.4, read from cupti-python's own
 numpy dtypes (``cupti.activity_kernel13_dtype`` and friends; 12.8 names them

@@ -68,8 +68,10 @@ class _Pending:
         self.deadline = time.monotonic() + HANDSHAKE_SECONDS
 
 
-
 class Probe:
+    """The listening socket, the connections not yet past their first frame, the
+    attached agent's session and a trace client beside it; all on one thread."""
+
     def __init__(self, *, persistent: bool) -> None:
         self.persistent = persistent
         self.pid = os.getpid()

@@ -84,7 +84,6 @@ _STALE_CALLS = 1000
 _IMPORT_WAIT_S = 30.0
 
 
-
 class TensorFlowHooks:
     """Step, sample and layer hooks for TensorFlow 2 and Keras 3."""
 
