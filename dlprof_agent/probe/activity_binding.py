@@ -50,3 +50,10 @@ class ActivityBinding(Protocol):
     def abandon(self) -> None: ...
 
     def trim(self) -> None: ...
+
+
+class LayerIdSource(Protocol):
+    """What the layer hooks read of the kernel tracer: the correlator to push
+    their ids with, or None while kernel time is not being put on layers."""
+
+    correlator: LayerCorrelator | None

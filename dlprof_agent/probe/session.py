@@ -8,6 +8,7 @@ import socket
 import time
 from typing import Protocol, cast, runtime_checkable
 
+from dlprof_agent.probe.activity_binding import LayerIdSource
 from dlprof_agent.probe.frameworks import FRAMEWORK_HOOKS, framework_imported
 from dlprof_agent.probe.kernel_tracer import KernelTracer
 from dlprof_agent.probe.messages import ErrorReply, SessionOptions, TraceStarted, TraceStatus
@@ -49,7 +50,7 @@ class AttributingHooks(Protocol):
     """Hooks that label layers, so that kernel time can be put on them."""
 
     layer_labels: list[str]
-    kernels: KernelTracer | None
+    kernels: LayerIdSource | None
 
 
 def checked_options(args: object, current: SessionOptions) -> SessionOptions:

@@ -37,7 +37,8 @@ batch dimension is unknown (``batch()`` without ``drop_remainder``) gives
 steps but no samples. Keras 2 (``tf_keras``) is seen only through the
 ``tf.function`` fallback.
 
-Nothing here imports TensorFlow or Keras: both are taken from ``sys.modules``.
+Nothing here imports TensorFlow or Keras: both are taken from ``sys.modules``,
+and their modules, classes, models and tensors are Any here.
 Every hook catches its own errors and reports them to the recorder.
 """
 

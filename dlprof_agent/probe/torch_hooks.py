@@ -24,6 +24,8 @@ push an external correlation id (``probe.kernel_tracer``), so CUPTI ties every
 kernel launched meanwhile to the layer and phase. CUPTI keeps those ids per
 thread, and autograd runs backward on its own threads: a backward id is popped
 on the thread that pushed it, the next time a hook runs there.
+
+Modules, tensors, autograd nodes and hook handles are torch's objects (Any).
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ import functools
 import os
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.probe.recorder import Recorder
+
+if TYPE_CHECKING:
+    from dlprof_agent.probe.activity_binding import LayerCorrelator, LayerIdSource
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
 
@@ -74,15 +79,15 @@ class TorchHooks:
         self._torch: Any = sys.modules["torch"]  # the probe only hooks an imported torch
         # Kernel attribution: the kernel tracer (its ``correlator`` may come and go),
         # each hooked layer's index in ``layer_labels``, and what is pushed where.
-        self.kernels: Any = None
+        self.kernels: LayerIdSource | None = None
         self.layer_labels: list[str] = []
         self._layer_index: dict[int, int] = {}
         self._leaves: list[Any] = []  # the modules timed in a timed step, capped
         self._layer_handles: list[Any] = []  # present only during a timed step
         # Step boundaries (training thread) and remove() (probe thread) both change them.
         self._layer_lock = threading.Lock()
-        self._pushed: dict[int, Any] = {}  # id of a module in forward -> its correlator
-        self._backward_pushed: dict[int, Any] = {}  # thread ident -> correlator
+        self._pushed: dict[int, LayerCorrelator] = {}  # id of a module in forward ->
+        self._backward_pushed: dict[int, LayerCorrelator] = {}  # thread ident ->
 
     # Lifecycle, from the probe thread.
 
@@ -233,11 +238,11 @@ class TorchHooks:
         self._layer_started[id(module)] = self._clock()
         kernels = self.kernels
         if kernels is not None and kernels.correlator is not None:
-            self._push_forward(id(module))
+            self._push_forward(id(module), kernels)
 
-    def _push_forward(self, key: int) -> None:
+    def _push_forward(self, key: int, kernels: LayerIdSource) -> None:
         try:
-            correlator = self.kernels.correlator
+            correlator = kernels.correlator
             if correlator is not None:
                 correlator.push(correlator.base | self._layer_index[key] << 1)
                 self._pushed[key] = correlator
