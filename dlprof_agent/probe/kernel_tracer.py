@@ -1,10 +1,10 @@
 """Kernel tracing in the probe: when CUPTI is started, given up and taken back,
 how its buffers become totals, and how a windowed trace is captured.
 
-Over 450 lines as one class on purpose: CUPTI's ownership (start, stand aside,
-come back, fail), layer attribution and the trace window share one lock and one
-binding, and each changes the others' state; what stands alone is elsewhere
-(``cuda_state``, ``trace_window``, ``kernel_records``, ``kernel_totals``).
+Kept in one file: CUPTI's ownership (start, stand aside, come back, fail),
+layer attribution and the trace window share one lock and one binding, and each
+changes the others' state; what stands alone is elsewhere (``cuda_state``,
+``trace_window``, ``kernel_records``, ``kernel_totals``).
 
 The probe thread calls ``tick()`` a few times a second. Tracing starts once the
 job uses CUDA (``torch.cuda.is_initialized()``, or libcuda mapped for other

@@ -1,5 +1,9 @@
 """TensorFlow and Keras 3 hooks for the in-process probe.
 
+Kept in one file: one class, whose hooks share one lock and the state they
+patch in and out; samples and settings are in ``tensorflow_samples`` and
+``tensorflow_settings``.
+
 Three hooks, all patched in place and restored by ``remove()``:
 
 - Keras ``model.fit``: each Keras model's ``train_function`` attribute is
