@@ -12,10 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from dlprof_agent.agent.sampler import Sampler, Snapshot
+from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.model.snapshot import Snapshot
 
 
 class BrokenHost(HostCollector):

@@ -28,9 +28,9 @@ from dlprof_agent import __version__
 from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
 from dlprof_agent.agent.arguments import budget_fraction, seconds, whole_number
 from dlprof_agent.agent.arguments import paragraph as _para
-from dlprof_agent.agent.findings import FindingsTracker
+from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
-from dlprof_agent.agent.sampler import Sampler, Snapshot
+from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
 from dlprof_agent.agent.target import open_target
 from dlprof_agent.collectors.error_log import ErrorLog
@@ -51,6 +51,7 @@ from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.exporters.web_config import load as read_web_config
+from dlprof_agent.model.snapshot import Snapshot
 
 DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-exporter 9400
 DEFAULT_LISTEN = "127.0.0.1"

@@ -28,9 +28,10 @@ from typing import Any, TypeVar
 import psutil
 from prometheus_client import CollectorRegistry
 
-from dlprof_agent.agent.findings import FindingsTracker, point_of
+from dlprof_agent.agent.findings.tracker import FindingsTracker
+from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
-from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot, Snapshot
+from dlprof_agent.agent.sampler import GpuSource
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
@@ -40,6 +41,7 @@ from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import ProbeAlreadyAttached, TargetGone
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
 
 log = logging.getLogger("dlprof_agent")

@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
-from dlprof_agent.agent.findings import Finding, FindingsTracker, point_of
+from dlprof_agent.agent.findings.tracker import FindingsTracker
+from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
-from dlprof_agent.collectors.host import HostCollector, HostSample
-from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
+from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import TargetGone
+from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
 log = logging.getLogger("dlprof_agent")
 
@@ -41,51 +42,6 @@ class ProbeSource(Protocol):
     def up(self) -> bool: ...
 
     def sample(self) -> ProbeSample | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class AgentSelfSample:
-    """The agent's own footprint, read with system calls rather than /proc files
-    so that measuring it costs next to nothing."""
-
-    cpu_seconds: float
-    rss_bytes: int
-    rss_peak_bytes: int
-
-    @classmethod
-    def read(cls) -> AgentSelfSample:
-        times = os.times()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        try:
-            with open("/proc/self/statm") as statm:
-                rss = int(statm.read().split()[1]) * _PAGE_SIZE
-        except OSError:
-            rss = peak
-        # The kernel updates the high-water mark lazily; the current value can be ahead.
-        return cls(times.user + times.system, rss, max(peak, rss))
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    timestamp_seconds: float  # unix time the pass started
-    monotonic_seconds: float
-    target_pid: int
-    target_up: bool
-    processes: tuple[ProcessSample, ...] = ()
-    host: HostSample | None = None
-    gpu: GpuSample | None = None
-    collector_errors: tuple[tuple[str, int], ...] = ()
-    sample_duration_seconds: float = 0.0
-    samples_total: int = 0
-    agent: AgentSelfSample | None = None
-    probe: ProbeSample | None = None
-    probe_up: bool = False
-    limits: LimitsSample | None = None
-    findings: tuple[Finding, ...] = ()  # every rule that could judge this pass
-
-    @property
-    def target(self) -> ProcessSample | None:
-        return next((p for p in self.processes if p.is_target), None)
 
 
 @dataclass
@@ -179,19 +135,3 @@ class Sampler:
                 missed = int((now - next_deadline) // self.interval_seconds) + 1
                 next_deadline += missed * self.interval_seconds
             stop.wait(next_deadline - now)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSnapshot:
-    """One pass of the daemon: the node's host and GPUs read once, and a Snapshot
-    per target (without host and GPU) for the processes it watches."""
-
-    timestamp_seconds: float
-    monotonic_seconds: float
-    host: HostSample | None
-    gpu: GpuSample | None
-    targets: tuple[Snapshot, ...]
-    collector_errors: tuple[tuple[str, int], ...] = ()
-    sample_duration_seconds: float = 0.0
-    samples_total: int = 0
-    agent: AgentSelfSample | None = None

@@ -6,9 +6,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dlprof_agent.agent.findings import SEVERITIES, Finding, active
-from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.probe import LayerSample, ProbeSample
+from dlprof_agent.model.findings import SEVERITIES, Finding, active
+from dlprof_agent.model.snapshot import Snapshot
 
 
 @dataclass(frozen=True, slots=True)

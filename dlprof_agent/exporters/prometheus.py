@@ -19,12 +19,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dlprof_agent import __version__
-from dlprof_agent.agent.findings import Finding
-from dlprof_agent.agent.sampler import NodeSnapshot, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.probe import KernelSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.model.findings import Finding
+from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 
 CPU_MODES = ("user", "system", "iowait")
 # dlprof_framework_info's labels: one fixed set whatever the framework; "" when unknown.

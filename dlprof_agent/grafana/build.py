@@ -33,7 +33,7 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 
-from dlprof_agent.agent.findings import KINDS
+from dlprof_agent.model.findings import KINDS
 
 DEFAULT_DIRECTORY = Path(__file__).parent / "dashboards"
 
