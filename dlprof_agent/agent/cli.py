@@ -23,8 +23,10 @@ from dlprof_agent.agent.arguments import (
     whole_number,
 )
 from dlprof_agent.agent.arguments import paragraph as _para
+from dlprof_agent.agent.demo import demo_command
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, load_web_config
 from dlprof_agent.agent.probe_control import ProbeOptions
+from dlprof_agent.agent.run import run_command
 from dlprof_agent.agent.serve import (
     DEFAULT_GRACE_SECONDS,
     DEFAULT_INTERVAL_SECONDS,
@@ -297,12 +299,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                            children=args.children, gpu=args.gpu, probe=_probe_options(args),
                            web_config=load_web_config(args.web_config_file))
     if args.command == "run":
-        from dlprof_agent.agent.run import run_command
-
         return run_command(args.command_line, options)
     if args.command == "demo":
-        from dlprof_agent.agent.demo import demo_command
-
         return demo_command(args, options, sys.stdout)
     return serve(args.pid, options)
 
