@@ -687,9 +687,9 @@ def test_runnable_threads_count_the_threads_that_compute(
 
 def test_the_sampler_judges_on_its_own_passes_and_a_scrape_only_renders_them(
         spinning: subprocess.Popen[bytes]) -> None:
-    from dlprof_agent.agent.cli import _make_sampler
+    from dlprof_agent.agent.serve import make_sampler
 
-    sampler = _make_sampler(spinning.pid, interval=0.25, children=True, gpu=False)
+    sampler = make_sampler(spinning.pid, interval=0.25, children=True, gpu=False)
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=0.25))
     first = sampler.sample_once()

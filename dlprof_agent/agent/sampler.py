@@ -3,16 +3,15 @@ clock, and publishes one immutable snapshot. Scrapes only read the latest one.""
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.findings.window import point_of
+from dlprof_agent.agent.loop import guarded, run_on_deadlines
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
@@ -22,20 +21,14 @@ from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
-log = logging.getLogger("dlprof_agent")
 
-
-_T = TypeVar("_T")
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-class GpuSource(Protocol):
+class GpuReader(Protocol):
     """What the sampler needs from the GPU collector."""
 
     def sample(self, pids: frozenset[int]) -> GpuSample: ...
 
 
-class ProbeSource(Protocol):
+class ProbeReader(Protocol):
     """What the sampler needs from the in-process probe's channel."""
 
     @property
@@ -49,10 +42,10 @@ class Sampler:
     target_pid: int
     processes: ProcessCollector
     host: HostCollector
-    gpu: GpuSource | None
+    gpu: GpuReader | None
     errors: ErrorLog
     interval_seconds: float
-    probe: ProbeSource | None = None
+    probe: ProbeReader | None = None
     limits: LimitsCollector | None = None
     findings: FindingsTracker | None = None
     _latest: Snapshot | None = field(default=None, init=False)
@@ -76,18 +69,18 @@ class Sampler:
                 self._target_up = False
             except Exception as error:
                 self.errors.record("process", error)
-        host = self._guarded("host", self.host.sample)
+        host = guarded(self.errors, "host", self.host.sample)
         gpu = None
         if self.gpu is not None:
             pids = frozenset(p.pid for p in processes)
             gpu_source = self.gpu
-            gpu = self._guarded("gpu", lambda: gpu_source.sample(pids))
+            gpu = guarded(self.errors, "gpu", lambda: gpu_source.sample(pids))
         probe = None
         if self.probe is not None and self._target_up:
-            probe = self._guarded("probe", self.probe.sample)
+            probe = guarded(self.errors, "probe", self.probe.sample)
         limits = None
         if self.limits is not None and self._target_up:
-            limits = self._guarded("process", self.limits.sample)
+            limits = guarded(self.errors, "process", self.limits.sample)
         self._samples_total += 1
         snapshot = Snapshot(
             timestamp_seconds=started_wall,
@@ -110,28 +103,13 @@ class Sampler:
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
 
-    def _guarded(self, collector: str, read: Callable[[], _T]) -> _T | None:
-        try:
-            return read()
-        except Exception as error:
-            self.errors.record(collector, error)
-            return None
-
     def run(self, stop: threading.Event, on_sample: Callable[[Snapshot], None]) -> None:
-        """Sample every interval until ``stop`` is set or the target exits.
+        """Sample every interval, on fixed deadlines, until ``stop`` is set or the
+        target exits."""
 
-        Deadlines are fixed multiples of the interval, so a slow pass delays
-        the next one without shifting the ones after it.
-        """
-        next_deadline = time.monotonic()
-        while not stop.is_set():
+        def one_pass() -> bool:
             snapshot = self.sample_once()
             on_sample(snapshot)
-            if not snapshot.target_up:
-                return
-            next_deadline += self.interval_seconds
-            now = time.monotonic()
-            if next_deadline < now:  # overran: skip the missed ticks
-                missed = int((now - next_deadline) // self.interval_seconds) + 1
-                next_deadline += missed * self.interval_seconds
-            stop.wait(next_deadline - now)
+            return snapshot.target_up
+
+        run_on_deadlines(stop, self.interval_seconds, one_pass)

@@ -26,6 +26,7 @@ from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.errors import (
     EXIT_CODES_HELP,
     ConnectionClosed,
+    ExitCode,
     ProtocolError,
     TraceUnavailable,
     UsageError,
@@ -221,4 +222,4 @@ def trace_command(args: argparse.Namespace, out: TextIO = sys.stdout,
           f"{counts.get('memset', 0)} memsets, {counts.get('memcpy', 0)} copies, "
           f"{counts.get('layer', 0)} layer ranges{note}; open it in https://ui.perfetto.dev",
           file=out)
-    return 0
+    return ExitCode.FINISHED

@@ -16,7 +16,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from dlprof_agent import __version__
 from dlprof_agent.collectors.gpu_samples import GpuSample
@@ -490,3 +490,10 @@ class NodeCollector(_LatestCollector[NodeSnapshot]):
                           for target in node.targets)
         yield from merged(finding_families(target.target_pid, target.findings)
                           for target in node.targets)
+
+
+def registry_of(collector: Collector) -> CollectorRegistry:
+    """A registry holding ``collector`` alone: what exporters.http serves."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
