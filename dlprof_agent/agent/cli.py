@@ -29,10 +29,11 @@ from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
 from dlprof_agent.agent.arguments import budget_fraction, seconds, whole_number
 from dlprof_agent.agent.arguments import paragraph as _para
 from dlprof_agent.agent.findings import FindingsTracker
-from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
+from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.connect import ProbeOptions
+from dlprof_agent.agent.reach.target import open_target
 from dlprof_agent.agent.sampler import Sampler, Snapshot
 from dlprof_agent.agent.status import LiveStatus, StatusAwareHandler, Summary
-from dlprof_agent.agent.target import open_target
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector

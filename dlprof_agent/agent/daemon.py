@@ -29,7 +29,8 @@ import psutil
 from prometheus_client import CollectorRegistry
 
 from dlprof_agent.agent.findings import FindingsTracker, point_of
-from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
+from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot, Snapshot
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample

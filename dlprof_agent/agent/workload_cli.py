@@ -296,7 +296,7 @@ def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
 def _attached(args: argparse.Namespace) -> int:
     """The same `workload run`, minus --attach, as a child the agent attaches to."""
     from dlprof_agent.agent.cli import DEFAULT_LISTEN, ServeOptions, run_command
-    from dlprof_agent.agent.probe_control import ProbeOptions
+    from dlprof_agent.agent.reach.connect import ProbeOptions
 
     child = [sys.executable, "-m", "dlprof_agent", "workload", "run",
              *_base_run_args(args), "--ranks", str(args.ranks), "--no-progress"]
