@@ -80,12 +80,6 @@ _BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
 # the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
 _MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
 
-
-def _borrowable(number: int, arguments: list[int]) -> bool:
-    if number in _BORROWABLE:
-        return True
-    index = _MASK_ARGUMENT.get(number)
-    return index is not None and index < len(arguments) and arguments[index] == 0
 _ERESTART_CODES = (-512, -513, -514)  # ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND
 # A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
 # with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
@@ -98,6 +92,13 @@ _STACK_NEEDED = 64 << 10  # free stack the called function may use below the fra
 _USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
 _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
 _MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
+
+
+def _borrowable(number: int, arguments: list[int]) -> bool:
+    if number in _BORROWABLE:
+        return True
+    index = _MASK_ARGUMENT.get(number)
+    return index is not None and index < len(arguments) and arguments[index] == 0
 
 
 class _Ptrace:
