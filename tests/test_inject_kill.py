@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,18 +82,6 @@ def start(args: list[str], started: list[subprocess.Popen[str]]) -> subprocess.P
     assert process.stdout is not None
     assert process.stdout.readline() == "ready\n"
     return process
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 def status(pid: int, field: str) -> str:
