@@ -25,7 +25,7 @@ from dlprof_agent.agent.arguments import (
 from dlprof_agent.agent.arguments import paragraph as _para
 from dlprof_agent.agent.demo import demo_command
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, load_web_config
-from dlprof_agent.agent.probe_control import ProbeOptions
+from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.run import run_command
 from dlprof_agent.agent.serve import (
     DEFAULT_GRACE_SECONDS,

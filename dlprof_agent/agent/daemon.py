@@ -34,7 +34,8 @@ from dlprof_agent.agent.loop import (
     sample_health,
     sigterm_stops,
 )
-from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
+from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.sampler import GpuReader
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample

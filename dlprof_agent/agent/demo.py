@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import replace
 from typing import TextIO
 
-from dlprof_agent.agent.probe_control import ProbeOptions
+from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.serve import DEFAULT_WARMUP_STEPS, ServeOptions, serve
 from dlprof_agent.errors import PortUnavailable
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TextIO
 
-from dlprof_agent.agent.probe_control import ProbeOptions
+from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.serve import ServeOptions, serve
 from dlprof_agent.errors import TargetNotFound, UsageError
 

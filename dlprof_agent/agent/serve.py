@@ -17,10 +17,11 @@ import psutil
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
-from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
+from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.connect import ProbeOptions
+from dlprof_agent.agent.reach.target import open_target
 from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
-from dlprof_agent.agent.target import open_target
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector

@@ -20,8 +20,8 @@ from typing import Any, TextIO
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.arguments import seconds, whole_number
-from dlprof_agent.agent.probe_control import ProbeOptions, open_trace_channel
-from dlprof_agent.agent.target import open_target
+from dlprof_agent.agent.reach.connect import ProbeOptions, open_trace_channel
+from dlprof_agent.agent.reach.target import open_target
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.errors import (
     EXIT_CODES_HELP,

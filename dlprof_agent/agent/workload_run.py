@@ -95,7 +95,7 @@ def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
 def _attached(args: argparse.Namespace) -> int:
     """The same `workload run`, minus --attach, as a child the agent attaches to."""
     from dlprof_agent.agent.endpoint import DEFAULT_LISTEN
-    from dlprof_agent.agent.probe_control import ProbeOptions
+    from dlprof_agent.agent.reach.connect import ProbeOptions
     from dlprof_agent.agent.run import run_command as run_under_agent
     from dlprof_agent.agent.serve import ServeOptions
 
