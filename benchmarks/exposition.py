@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from dlprof_agent.agent.sampler import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
@@ -30,6 +29,7 @@ from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, OTHER_LAYER, STEP_BUCKETS
 
 MAX_LAYER_NAMES = DEFAULT_MAX_LAYERS + 1  # the named ones and "other"

@@ -137,7 +137,7 @@ def layer_costs(layers: int, passes: int) -> tuple[float, float]:
     """CPU per poll in the job (snapshot + encode) and in the agent (decode +
     render of the probe's families), with ``layers`` layer names."""
     from dlprof_agent.collectors.probe_samples import ProbeSample
-    from dlprof_agent.exporters.prometheus import probe_families
+    from dlprof_agent.exporters.probe_families import probe_families
     from dlprof_agent.probe.protocol import HEADER, encode
     from dlprof_agent.probe.recorder import Recorder
 

@@ -3,6 +3,7 @@ agent attached to it, and a real Prometheus server scraping the agent."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -92,14 +93,24 @@ class Prometheus:
 
 
 @pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test starts; whatever still runs at its end is killed."""
-    started: list[subprocess.Popen[bytes]] = []
+def processes() -> Iterator[list[subprocess.Popen[Any]]]:
+    """Processes a test starts. At its end each one still there is killed, with its
+    process group when it leads one (started in a session of its own), after a
+    SIGCONT should the test have stopped it; then it is reaped and its pipes closed."""
+    started: list[subprocess.Popen[Any]] = []
     yield started
     for process in started:
-        if process.poll() is None:
-            process.kill()
+        if process.returncode is None:  # not reaped yet: its pid is still its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # none unless it leads a group
+            if process.poll() is None:
+                process.kill()
         process.wait(10)
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 @pytest.fixture

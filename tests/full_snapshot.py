@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from dlprof_agent.agent.findings import KINDS_BY_ID, Finding
-from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.probe_samples import (
@@ -20,6 +18,8 @@ from dlprof_agent.collectors.probe_samples import (
 )
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
+from dlprof_agent.model.findings import KINDS_BY_ID, Finding
+from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
 
 def full_snapshot(pid: int = 4242) -> Snapshot:

@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.agent.daemon import DaemonOptions, Discovery
-from dlprof_agent.agent.sampler import NodeSnapshot
 from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.model.snapshot import NodeSnapshot
 from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
 from tests.full_snapshot import full_snapshot
 

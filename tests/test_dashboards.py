@@ -18,6 +18,15 @@ from typing import Any
 import pytest
 
 from dlprof_agent.grafana import build as dashboards
+from dlprof_agent.grafana.overview import build_overview
+from dlprof_agent.grafana.panels import (
+    CPU_RATE,
+    KERNEL_METRICS,
+    KERNEL_RATE,
+    LAYER_RATE,
+    STEP_MEAN,
+    THREAD_CPU_RATE,
+)
 from tests.conftest import (
     PROMETHEUS,
     PROMTOOL,
@@ -93,7 +102,7 @@ def metrics_behind(expr: str) -> set[str]:
 
 def needs_gpu(panel: dict[str, Any]) -> bool:
     """Whether the panel's data comes from NVML or the CUPTI tracer only."""
-    return any(GPU_METRIC.match(metric) or metric in dashboards.KERNEL_METRICS
+    return any(GPU_METRIC.match(metric) or metric in KERNEL_METRICS
                for target in panel["targets"] for metric in metrics_behind(target["expr"]))
 
 
@@ -183,7 +192,7 @@ def test_every_panel_is_complete(model: dict[str, Any]) -> None:
 
 
 def test_overview_rows() -> None:
-    overview = dashboards.build_overview()
+    overview = build_overview()
     assert [p["title"] for p in overview["panels"] if p["type"] == "row"] == [
         "Overview", "Training", "CPU", "Memory", "I/O", "GPU", "Agent"]
     assert len(list(dashboards.panels(overview))) > 20
@@ -230,7 +239,7 @@ def test_queries_use_only_documented_metrics_kernel_metrics_and_shipped_rules(
     names = {name for expr in exprs for name in NAME.findall(expr)}
     assert {n for n in names if ":" in n} - set(rules) == set(), "not in rules.yml"
     used = {metric for expr in exprs for metric in metrics_behind(expr)}
-    assert used - documented - set(dashboards.KERNEL_METRICS) == set(), \
+    assert used - documented - set(KERNEL_METRICS) == set(), \
         "neither in docs/metrics.md nor in KERNEL_METRICS"
     for expr in exprs:
         substitute(expr)  # only variables the dashboards define
@@ -250,8 +259,8 @@ def test_recording_rules_are_named_by_convention_and_all_used(
     used = {name for model in models.values() for expr in dashboards.queries(model)
             for name in NAME.findall(expr)}
     assert set(rules) - used == set(), "a rule no dashboard reads"
-    constants = {dashboards.CPU_RATE, dashboards.THREAD_CPU_RATE, dashboards.STEP_MEAN,
-                 dashboards.LAYER_RATE, dashboards.KERNEL_RATE}
+    constants = {CPU_RATE, THREAD_CPU_RATE, STEP_MEAN,
+                 LAYER_RATE, KERNEL_RATE}
     assert constants == set(rules)
 
 
@@ -359,7 +368,7 @@ def test_every_query_of_every_dashboard_runs_on_the_shipped_prometheus(
     assert {r["name"] for g in rules for r in g["rules"]} == set(recording_rules())
     # The last series to appear: steady steps and layers, through the recording rules.
     wait_for(lambda: all(prometheus.query(f"{rule} > 0") for rule in
-                         (dashboards.STEP_MEAN, dashboards.LAYER_RATE)),
+                         (STEP_MEAN, LAYER_RATE)),
              "steady steps and layer times in the recording rules", 60)
 
     checked, owed, empty = [], [], []

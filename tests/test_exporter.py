@@ -15,7 +15,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent import __version__
-from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
@@ -23,6 +22,7 @@ from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.model.snapshot import Snapshot
 
 PID = 4242
 

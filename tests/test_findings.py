@@ -19,17 +19,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlprof_agent.agent import findings as rules
-from dlprof_agent.agent.findings import (
+from dlprof_agent.agent.findings import rules
+from dlprof_agent.agent.findings.tracker import (
     CLEAR_AFTER_SECONDS,
-    KINDS_BY_ID,
     RAISE_AFTER_SECONDS,
-    Finding,
     FindingsTracker,
-    Point,
-    Window,
 )
-from dlprof_agent.agent.sampler import AgentSelfSample, Snapshot
+from dlprof_agent.agent.findings.window import MIN_WINDOW_SECONDS, WINDOW_SECONDS, Point, Window
 from dlprof_agent.agent.status import LiveStatus, Summary
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
@@ -38,6 +34,8 @@ from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.probe_samples import KernelRow, KernelSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.model.findings import KINDS, KINDS_BY_ID, SEVERITIES, Finding
+from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 from tests.conftest import agent_env
 
 PID = 4242
@@ -483,12 +481,12 @@ def test_a_cause_raises_its_finding_only_after_holding_and_clears_after_it_goes(
     assert seen[0] is None  # one sample: no window yet
     first_raised = times[seen.index(True)]
     # Judged from MIN_WINDOW_SECONDS on, raised RAISE_AFTER_SECONDS after that.
-    assert rules.MIN_WINDOW_SECONDS + RAISE_AFTER_SECONDS <= first_raised <= (
-        rules.MIN_WINDOW_SECONDS + RAISE_AFTER_SECONDS + 1.0)
+    assert MIN_WINDOW_SECONDS + RAISE_AFTER_SECONDS <= first_raised <= (
+        MIN_WINDOW_SECONDS + RAISE_AFTER_SECONDS + 1.0)
     # From 15 s the window still holds oversubscribed samples for a few seconds; once
     # the cause is gone the finding stays up for CLEAR_AFTER_SECONDS, then clears.
     last_raised = max(t for t, s in zip(times, seen, strict=True) if s)
-    assert 15.0 + CLEAR_AFTER_SECONDS <= last_raised <= 15.0 + rules.WINDOW_SECONDS \
+    assert 15.0 + CLEAR_AFTER_SECONDS <= last_raised <= 15.0 + WINDOW_SECONDS \
         + CLEAR_AFTER_SECONDS + 1.0
     assert seen[-1] is False
 
@@ -579,11 +577,16 @@ def _summary_of(snapshot: Snapshot) -> str:
 
 
 def test_every_kind_has_a_known_severity_a_summary_and_advice() -> None:
-    assert len(rules.KINDS) == len(KINDS_BY_ID) >= 10
-    for kind in rules.KINDS:
+    assert len(KINDS) == len(KINDS_BY_ID) >= 10
+    for kind in KINDS:
         assert re.fullmatch(r"[a-z0-9_]+", kind.id)
-        assert kind.severity in rules.SEVERITIES
+        assert kind.severity in SEVERITIES
         assert kind.summary and kind.advice and "\n" not in kind.advice
+
+
+def test_every_kind_of_the_catalogue_has_exactly_one_rule() -> None:
+    assert set(rules.RULES) == set(KINDS_BY_ID)
+    assert all(callable(rule) for rule in rules.RULES.values())
 
 
 # ---- the limits collector and runnable threads on a real procfs ---------------------------
@@ -684,14 +687,14 @@ def test_runnable_threads_count_the_threads_that_compute(
 
 def test_the_sampler_judges_on_its_own_passes_and_a_scrape_only_renders_them(
         spinning: subprocess.Popen[bytes]) -> None:
-    from dlprof_agent.agent.cli import _make_sampler
+    from dlprof_agent.agent.serve import make_sampler
 
-    sampler = _make_sampler(spinning.pid, interval=0.25, children=True, gpu=False)
+    sampler = make_sampler(spinning.pid, interval=0.25, children=True, gpu=False)
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=0.25))
     first = sampler.sample_once()
     assert first.findings == ()  # one pass: nothing to judge yet
-    deadline = time.monotonic() + 3 * rules.MIN_WINDOW_SECONDS
+    deadline = time.monotonic() + 3 * MIN_WINDOW_SECONDS
     while not sampler.latest or not sampler.latest.findings:
         assert time.monotonic() < deadline, "no rule judged the busy process"
         time.sleep(0.25)

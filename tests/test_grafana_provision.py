@@ -24,12 +24,11 @@ import pytest
 import yaml
 
 from dlprof_agent.agent.grafana_cli import (
-    DATASOURCE_UID,
     DEFAULT_DATASOURCE_NAME,
     DEFAULT_FOLDER,
     DEFAULT_PROMETHEUS_URL,
-    folder_uid,
 )
+from dlprof_agent.grafana.provision import DATASOURCE_UID, folder_uid
 from tests.conftest import agent_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,17 +23,12 @@ from typing import Protocol
 import pytest
 
 import dlprof_agent
-from dlprof_agent.agent.inject import (
-    REQUIRED_SYMBOLS,
-    PythonRuntime,
-    _inject_remote_exec,
-    _refused,
-    _remove_later,
-    _write_bootstrap,
-    elf_defined_symbols,
-    find_python_runtime,
-    inject,
-)
+from dlprof_agent.agent.reach.bootstrap_files import remove_later, write_bootstrap
+from dlprof_agent.agent.reach.elf import elf_defined_symbols
+from dlprof_agent.agent.reach.inject import inject
+from dlprof_agent.agent.reach.refusal import refused
+from dlprof_agent.agent.reach.remote_exec import inject_with_remote_exec
+from dlprof_agent.agent.reach.runtime import REQUIRED_SYMBOLS, PythonRuntime, find_python_runtime
 from dlprof_agent.errors import InjectionFailed, InjectionRefused, NotPython, TargetNotFound
 
 HAS_GDB = shutil.which("gdb") is not None
@@ -224,8 +219,8 @@ def test_a_refusal_says_what_is_needed(spawn: Spawn, tmp_path: Path, how: list[s
                    sys.executable, "-I", "-c", LOOP, str(tmp_path / "stop")])
     attempt = (
         "import sys\n"
-        "from dlprof_agent.agent.errors import DlprofError\n"
-        "from dlprof_agent.agent.inject import inject\n"
+        "from dlprof_agent.errors import DlprofError\n"
+        "from dlprof_agent.agent.reach.inject import inject\n"
         "try:\n"
         "    inject(int(sys.argv[1]), 'open(\"/dev/null\")')\n"
         "except DlprofError as error:\n"
@@ -287,7 +282,7 @@ def test_a_target_with_another_tmp(spawn: Spawn) -> None:
 def test_a_job_that_never_releases_the_gil_is_left_running(
         spawn: Spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No safe point within the wait: gdb detaches without calling in."""
-    monkeypatch.setattr("dlprof_agent.agent.inject.GDB_WAIT_SECONDS", 2.0)
+    monkeypatch.setattr("dlprof_agent.agent.reach.inject.SAFE_POINT_WAIT_SECONDS", 2.0)
     # Checking for a file would release the GIL around stat(): spin on the clock alone.
     spin = ("import time\nprint('ready', flush=True)\n"
             "end = time.monotonic() + 5\nwhile time.monotonic() < end: pass\n")
@@ -311,7 +306,7 @@ def test_the_bootstrap_file_lands_in_the_targets_tmp(spawn: Spawn, tmp_path: Pat
     in the target's /tmp, readable by any user, and go away later, even once the target
     has exited."""
     child = spawn([sys.executable, "-c", LOOP, str(tmp_path / "stop")])
-    bootstrap = _write_bootstrap(child.pid, "print('hello')\n")
+    bootstrap = write_bootstrap(child.pid, "print('hello')\n")
     assert bootstrap.seen_as.startswith("/tmp/dlprof-bootstrap-")
     local = Path(f"/proc/{child.pid}/root{bootstrap.seen_as}")
     assert local.read_text() == "print('hello')\n"
@@ -319,7 +314,7 @@ def test_the_bootstrap_file_lands_in_the_targets_tmp(spawn: Spawn, tmp_path: Pat
     assert stat.S_IMODE(local.parent.stat().st_mode) == 0o711
     (tmp_path / "stop").touch()
     assert child.wait(5) == 0
-    _remove_later(bootstrap, 0.05)
+    remove_later(bootstrap, 0.05)
     wait_for(lambda: not os.path.exists(os.path.dirname(bootstrap.seen_as)),
              "the bootstrap's removal")  # the child shared our /tmp
 
@@ -333,7 +328,7 @@ def test_the_remote_exec_path_with_a_stand_in(spawn: Spawn, tmp_path: Path) -> N
 
     stop, out = tmp_path / "stop", tmp_path / "pid"
     child = spawn([sys.executable, "-c", LOOP, str(stop)])
-    _inject_remote_exec(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)),
+    inject_with_remote_exec(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)),
                         remote_exec)
     wait_for(out.exists, "the bootstrap file to run")
     assert out.read_text() == str(child.pid)
@@ -342,7 +337,7 @@ def test_the_remote_exec_path_with_a_stand_in(spawn: Spawn, tmp_path: Path) -> N
         raise PermissionError(1, "Operation not permitted")
 
     with pytest.raises(InjectionRefused, match=r"sys\.remote_exec was denied"):
-        _inject_remote_exec(child.pid, "pass", refuse)
+        inject_with_remote_exec(child.pid, "pass", refuse)
     stop.touch()
     assert child.wait(5) == 0
 
@@ -357,7 +352,7 @@ def test_a_refusal_explains_yama(tmp_path: Path, scope: str, says: str) -> None:
     pid = fake_process(procfs, Path("/bin/sh"))
     (procfs / "sys" / "kernel" / "yama").mkdir(parents=True)
     (procfs / "sys" / "kernel" / "yama" / "ptrace_scope").write_text(f"{scope}\n")
-    line = _refused(pid, str(procfs), "ptrace was denied").one_line()
+    line = refused(pid, str(procfs), "ptrace was denied").one_line()
     assert f"kernel.yama.ptrace_scope is {scope}: {says}" in line
     assert "\n" not in line
 

@@ -16,13 +16,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from dlprof_agent.agent import inject as inject_module
-from dlprof_agent.agent.inject import inject
+from dlprof_agent.agent.reach import bootstrap_files, pending
+from dlprof_agent.agent.reach import inject as inject_module
+from dlprof_agent.agent.reach.inject import inject
+from dlprof_agent.agent.reach.runtime import find_python_runtime
 from dlprof_agent.errors import InjectionFailed, TargetNotFound
 from dlprof_agent.probe.bootstrap import injection_code
 from tests.conftest import agent_env
@@ -80,18 +82,6 @@ def start(args: list[str], started: list[subprocess.Popen[str]]) -> subprocess.P
     assert process.stdout is not None
     assert process.stdout.readline() == "ready\n"
     return process
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 def status(pid: int, field: str) -> str:
@@ -181,7 +171,7 @@ def test_killing_the_agent_and_gdb_at_any_moment_leaves_the_job_training(
     marker = tmp_path / "injected"
     code = f"open({str(marker)!r}, 'a').write({token!r})"
     attempt = ("import sys\n"
-               "from dlprof_agent.agent.inject import inject\n"
+               "from dlprof_agent.agent.reach.inject import inject\n"
                "inject(int(sys.argv[1]), sys.argv[2])\n"
                "print('injected', flush=True)\n")
     env = {**agent_env(), "TMPDIR": str(agent_tmp)}
@@ -240,7 +230,7 @@ def test_a_job_holding_the_gil_longer_than_the_wait_gets_the_code_once_it_lets_g
     job = start([sys.executable, "-c", HOLDS_THE_GIL, "11", str(lets_go)], processes)
     queued = inject(job.pid, f"import time; open({str(out)!r}, 'w').write(str(time.monotonic()))")
     assert queued is not None and queued.state() == "queued"
-    assert inject_module.pending_bootstrap(job.pid) == queued
+    assert pending.pending_bootstrap(job.pid) == queued
     assert inject(job.pid, "open('/dev/null')") == queued  # not queued twice
     assert status(job.pid, "TracerPid") == "0"
     assert not out.exists()
@@ -251,7 +241,7 @@ def test_a_job_holding_the_gil_longer_than_the_wait_gets_the_code_once_it_lets_g
     assert out.exists(), "the queued code never ran"
     assert float(out.read_text()) >= float(lets_go.read_text()) - 0.05  # not during the hold
     assert queued.state() == "ran"
-    assert inject_module.pending_bootstrap(job.pid) is None
+    assert pending.pending_bootstrap(job.pid) is None
     assert job.poll() is None
 
 
@@ -277,7 +267,7 @@ def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
     """The job ends after the agent looked at it and before gdb attaches: that is what
     the message says, not a refusal of ptrace."""
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
-    find_runtime: Callable[..., object] = inject_module.find_python_runtime
+    find_runtime: Callable[..., object] = find_python_runtime
 
     def exit_next(pid: int) -> object:
         runtime = find_runtime(pid)
@@ -328,7 +318,7 @@ def test_two_bootstraps_queued_before_either_ran_start_one_probe(
     queued = inject(job.pid, injection_code())
     assert queued is not None and queued.state() == "queued"
     other_agent = ("import sys\n"
-                   "from dlprof_agent.agent.inject import inject\n"
+                   "from dlprof_agent.agent.reach.inject import inject\n"
                    "from dlprof_agent.probe.bootstrap import injection_code\n"
                    "print(inject(int(sys.argv[1]), injection_code()).state())\n")
     second = subprocess.run([sys.executable, "-c", other_agent, str(job.pid)], env=agent_env(),
@@ -384,7 +374,7 @@ def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
         os.utime(other, (old, old))
         kept.append(other)
 
-    removed = inject_module.remove_stale_files()
+    removed = bootstrap_files.remove_stale_files()
     assert sorted(removed) == sorted(path.name for path in gone)
     assert [path for path in gone if os.path.lexists(path)] == []
     assert [path for path in kept if not os.path.lexists(path)] == []
@@ -397,7 +387,7 @@ def test_where_the_agent_cannot_inject_itself_gdb_queues_the_code(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Off x86-64 (forced here), gdb makes the same two calls; the job goes on, untraced,
     and a job with no thread waiting in the kernel is left alone."""
-    monkeypatch.setattr(inject_module, "_ptrace_plan", lambda pid, runtime: None)
+    monkeypatch.setattr(inject_module, "plan_calls", lambda pid, runtime: None)
     out = tmp_path / "ran"
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
     queued = inject(job.pid, f"open({str(out)!r}, 'w').write('x')")

@@ -120,7 +120,7 @@ def test_a_probe_older_than_kernel_tracing_has_no_kernel_series() -> None:
 
 
 def test_the_dashboards_kernel_metrics_are_exported_with_exactly_their_labels() -> None:
-    dashboards = pytest.importorskip("dlprof_agent.grafana.build")
+    panels = pytest.importorskip("dlprof_agent.grafana.panels")
     probe = ProbeSample.from_reply(PID, reply(traced_snapshot()))
     exposition = generate_latest(registry(probe)).decode()
     exported = {}
@@ -128,7 +128,7 @@ def test_the_dashboards_kernel_metrics_are_exported_with_exactly_their_labels() 
         name = family.name + ("_total" if family.type == "counter" else "")
         exported[name] = {label for sample in family.samples for label in sample.labels
                           if label != "le"}
-    for name, labels in dashboards.KERNEL_METRICS.items():
+    for name, labels in panels.KERNEL_METRICS.items():
         assert exported[name] == set(labels), name
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dlprof_agent.agent.cli import build_parser
-from dlprof_agent.agent.probe_control import ProbeOptions, _start_options
+from dlprof_agent.agent.reach.connect import ProbeOptions, _start_options
 from dlprof_agent.probe.session import DEFAULT_OPTIONS
 from dlprof_agent.probe.session import checked_options as _options
 

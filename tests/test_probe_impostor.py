@@ -85,16 +85,6 @@ def start(processes: list[subprocess.Popen[str]], args: list[str],
     return process
 
 
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
-
-
 def start_job(processes: list[subprocess.Popen[str]], runtime_dir: Path,
               script: str = SLEEPER, *args: str) -> subprocess.Popen[str]:
     job = start(processes, [sys.executable, "-c", script, *args],

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from dlprof_agent.agent import probe_control
-from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, connect_probe
+from dlprof_agent.agent.reach import channel
+from dlprof_agent.agent.reach.channel import ProbeSource
+from dlprof_agent.agent.reach.connect import ProbeOptions, connect_probe
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.probe.protocol import HEADER, encode, take_frame
 from tests.conftest import agent_env
@@ -94,7 +95,7 @@ def test_a_probe_silent_past_the_limit_is_dropped(
     assert client is not None
     source = ProbeSource(client, interval=0.1)
     assert source.sample() is not None
-    monkeypatch.setattr(probe_control, "LATE_LIMIT_SECONDS", 0.3)
+    monkeypatch.setattr(channel, "LATE_LIMIT_SECONDS", 0.3)
 
     def never(self: ProbeClient) -> None:
         raise ReplyLate("no reply to snapshot yet")

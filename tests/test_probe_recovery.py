@@ -80,23 +80,12 @@ class Job:
         return float(self.process.stdout.readline().split()[1])
 
 
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            with_cont(process.pid)
-            process.kill()
-        process.wait(10)
-        log = LOGS.pop(process.pid, None)
-        if log is not None:
-            log.unlink(missing_ok=True)
-
-
-def with_cont(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGCONT)
+@pytest.fixture(autouse=True)
+def remove_agent_logs() -> Iterator[None]:
+    """After the test (and the ``processes`` it started are killed), the agents' logs go."""
+    yield
+    while LOGS:
+        LOGS.popitem()[1].unlink(missing_ok=True)
 
 
 def start_job(processes: list[subprocess.Popen[str]], tmp_path: Path, *args: str) -> Job:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import io
 
-from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.agent.status import LiveStatus, Summary
 from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
+from dlprof_agent.model.snapshot import Snapshot
 from tests.full_snapshot import full_snapshot
 
 

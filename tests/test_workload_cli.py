@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dlprof_agent.agent.cli import build_parser
-from dlprof_agent.agent.workload_cli import refusal
+from dlprof_agent.agent.workload_run import refusal
 from dlprof_agent.workloads.models import MODELS
 from tests.conftest import agent_env
 

@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import textwrap
 from collections.abc import Callable
+from typing import Any
+
+from dlprof_agent.errors import ExitCode
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports errors in one line, like the rest of the agent."""
+
+    def error(self, message: str) -> Any:
+        self.exit(ExitCode.USAGE, f"dlprof-agent: error: {message} (see {self.prog} --help)\n")
 
 
 def paragraph(text: str) -> str:
@@ -66,3 +77,40 @@ def budget_fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text} is out of range: give 0.01% to 100% (0.0001 to 1)")
     return value
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port: use 1-65535, or 0 for any")
+    return value
+
+
+def pid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a pid: give the number `ps` or `pgrep -f train.py` shows"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a pid: pids are positive")
+    return value
+
+
+def regex(text: str) -> re.Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {error}"
+                                         ) from None
+
+
+def environment_pair(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE, e.g. SLURM_JOB_ID=1234")
+    return name, value

@@ -17,33 +17,39 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from types import FrameType
-from typing import Any, TypeVar
 
 import psutil
-from prometheus_client import CollectorRegistry
 
-from dlprof_agent.agent.findings import FindingsTracker, point_of
-from dlprof_agent.agent.probe_control import ProbeOptions, ProbeSource, open_probe
-from dlprof_agent.agent.sampler import AgentSelfSample, GpuSource, NodeSnapshot, Snapshot
+from dlprof_agent.agent.endpoint import start_metrics_server
+from dlprof_agent.agent.findings.tracker import FindingsTracker
+from dlprof_agent.agent.findings.window import point_of
+from dlprof_agent.agent.loop import (
+    StopRequested,
+    guarded,
+    run_on_deadlines,
+    sample_health,
+    sigterm_stops,
+)
+from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.connect import ProbeOptions
+from dlprof_agent.agent.sampler import GpuReader
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
-from dlprof_agent.errors import ProbeAlreadyAttached, TargetGone
-from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.exporters.web_config import WebConfig
+from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
 
 log = logging.getLogger("dlprof_agent")
-_T = TypeVar("_T")
 
 # Where probes of any user put their sockets (probe.protocol.runtime_dir_candidates).
 PROBE_SOCKET_DIRS = ("/tmp/dlprof-agent-*", "/run/user/*/dlprof-agent")
@@ -140,7 +146,7 @@ class Daemon:
     """Finds targets, samples them, and publishes one NodeSnapshot per pass."""
 
     def __init__(self, options: DaemonOptions, *, discovery: Discovery,
-                 host: HostCollector, gpu: GpuSource | None, errors: ErrorLog,
+                 host: HostCollector, gpu: GpuReader | None, errors: ErrorLog,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.options = options
         self.targets: dict[int, Target] = {}
@@ -213,7 +219,7 @@ class Daemon:
         if started >= self._next_scan:
             self._next_scan = started + self.options.scan_interval
             self.scan()
-        host = self._guarded("host", self._host.sample)
+        host = guarded(self._errors, "host", self._host.sample)
         read: list[tuple[Target, tuple[ProcessSample, ...]]] = []
         for target in list(self.targets.values()):
             try:
@@ -228,9 +234,11 @@ class Daemon:
         snapshots = []
         for target, processes in read:
             probe_source = target.probe
-            probe = self._guarded("probe", probe_source.sample) if probe_source else None
+            probe = (guarded(self._errors, "probe", probe_source.sample) if probe_source
+                     else None)
             limits_source = target.limits
-            limits = self._guarded("process", limits_source.sample) if limits_source else None
+            limits = (guarded(self._errors, "process", limits_source.sample) if limits_source
+                      else None)
             snapshot = Snapshot(
                 timestamp_seconds=started_wall, monotonic_seconds=started,
                 target_pid=target.pid, target_up=True, processes=processes,
@@ -251,29 +259,19 @@ class Daemon:
         gpu_source = self._gpu
         if gpu_source is None:
             return None
-        gpu = self._guarded("gpu", lambda: gpu_source.sample(pids))
+        gpu = guarded(self._errors, "gpu", lambda: gpu_source.sample(pids))
         if gpu is not None:
             self._gpu_pids = gpu.resident_pids
         return gpu
 
-    def _guarded(self, collector: str, read: Callable[[], _T]) -> _T | None:
-        try:
-            return read()
-        except Exception as error:
-            self._errors.record(collector, error)
-            return None
-
     def run(self, stop: threading.Event) -> None:
         """Sample every interval until ``stop`` is set, on fixed deadlines."""
-        next_deadline = self._clock()
-        while not stop.is_set():
+
+        def one_pass() -> bool:
             self.sample_once()
-            next_deadline += self.options.interval
-            now = self._clock()
-            if next_deadline < now:  # overran: skip the missed ticks
-                missed = int((now - next_deadline) // self.options.interval) + 1
-                next_deadline += missed * self.options.interval
-            stop.wait(next_deadline - now)
+            return True
+
+        run_on_deadlines(stop, self.options.interval, one_pass, self._clock)
 
     def close(self) -> None:
         for target in list(self.targets.values()):
@@ -287,13 +285,6 @@ def _name(pid: int) -> str:
         return "?"
 
 
-def registry_for(daemon: Daemon) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    registry.register(NodeCollector(lambda: daemon.latest,
-                                    interval_seconds=daemon.options.interval))
-    return registry
-
-
 def make_daemon(options: DaemonOptions) -> Daemon:
     from dlprof_agent.collectors.gpu import GpuCollector
 
@@ -302,41 +293,24 @@ def make_daemon(options: DaemonOptions) -> Daemon:
                   gpu=GpuCollector(errors=errors) if options.gpu else None, errors=errors)
 
 
-class _Stop(BaseException):
-    """SIGTERM. A BaseException, as KeyboardInterrupt is: a collector read guarded
-    by ``except Exception`` that it lands in must not swallow it."""
-
-
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop
-
-
-Health = Callable[[], tuple[bool, dict[str, Any]]]
-
-
-def serve_node(options: DaemonOptions, listen: str,
-               start_server: Callable[[CollectorRegistry, Health, Callable[[], object]],
-                                      MetricsServer]) -> int:
-    """Run the daemon until SIGTERM or Ctrl-C; ``start_server`` serves /metrics."""
+def serve_node(options: DaemonOptions, listen: str, port: int,
+               web_config: WebConfig | None = None) -> int:
+    """Run the daemon, serving /metrics on ``listen``:``port``, until SIGTERM or Ctrl-C."""
     daemon = make_daemon(options)
-
-    def health() -> tuple[bool, dict[str, Any]]:
-        latest = daemon.latest
-        age = None if latest is None else time.monotonic() - latest.monotonic_seconds
-        return (age is not None and age < 3 * options.interval + 1,
-                {"targets": sorted(daemon.targets), "last_sample_age_seconds": age})
-
-    server = start_server(registry_for(daemon), health, lambda: daemon.latest)
+    health = sample_health(lambda: daemon.latest, options.interval,
+                           lambda latest: {"targets": sorted(daemon.targets)})
+    server = start_metrics_server(
+        NodeCollector(lambda: daemon.latest, interval_seconds=options.interval), health,
+        listen, port, version=lambda: daemon.latest, web_config=web_config)
     stop = threading.Event()
-    previous_term = signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        log.info("daemon serving http://%s:%d/metrics; looking for jobs every %g s",
-                 listen, server.port, options.scan_interval)
-        daemon.run(stop)
-    except (KeyboardInterrupt, _Stop):
+        with sigterm_stops():
+            log.info("daemon serving http://%s:%d/metrics; looking for jobs every %g s",
+                     listen, server.port, options.scan_interval)
+            daemon.run(stop)
+    except (KeyboardInterrupt, StopRequested):
         stop.set()
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
         daemon.close()
         server.stop()
-    return 0
+    return ExitCode.FINISHED

@@ -3,38 +3,32 @@ clock, and publishes one immutable snapshot. Scrapes only read the latest one.""
 
 from __future__ import annotations
 
-import logging
-import os
-import resource
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-from dlprof_agent.agent.findings import Finding, FindingsTracker, point_of
+from dlprof_agent.agent.findings.tracker import FindingsTracker
+from dlprof_agent.agent.findings.window import point_of
+from dlprof_agent.agent.loop import guarded, run_on_deadlines
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
-from dlprof_agent.collectors.host import HostCollector, HostSample
-from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
+from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import TargetGone
-
-log = logging.getLogger("dlprof_agent")
-
-
-_T = TypeVar("_T")
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
 
-class GpuSource(Protocol):
+class GpuReader(Protocol):
     """What the sampler needs from the GPU collector."""
 
     def sample(self, pids: frozenset[int]) -> GpuSample: ...
 
 
-class ProbeSource(Protocol):
+class ProbeReader(Protocol):
     """What the sampler needs from the in-process probe's channel."""
 
     @property
@@ -43,60 +37,15 @@ class ProbeSource(Protocol):
     def sample(self) -> ProbeSample | None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class AgentSelfSample:
-    """The agent's own footprint, read with system calls rather than /proc files
-    so that measuring it costs next to nothing."""
-
-    cpu_seconds: float
-    rss_bytes: int
-    rss_peak_bytes: int
-
-    @classmethod
-    def read(cls) -> AgentSelfSample:
-        times = os.times()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        try:
-            with open("/proc/self/statm") as statm:
-                rss = int(statm.read().split()[1]) * _PAGE_SIZE
-        except OSError:
-            rss = peak
-        # The kernel updates the high-water mark lazily; the current value can be ahead.
-        return cls(times.user + times.system, rss, max(peak, rss))
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    timestamp_seconds: float  # unix time the pass started
-    monotonic_seconds: float
-    target_pid: int
-    target_up: bool
-    processes: tuple[ProcessSample, ...] = ()
-    host: HostSample | None = None
-    gpu: GpuSample | None = None
-    collector_errors: tuple[tuple[str, int], ...] = ()
-    sample_duration_seconds: float = 0.0
-    samples_total: int = 0
-    agent: AgentSelfSample | None = None
-    probe: ProbeSample | None = None
-    probe_up: bool = False
-    limits: LimitsSample | None = None
-    findings: tuple[Finding, ...] = ()  # every rule that could judge this pass
-
-    @property
-    def target(self) -> ProcessSample | None:
-        return next((p for p in self.processes if p.is_target), None)
-
-
 @dataclass
 class Sampler:
     target_pid: int
     processes: ProcessCollector
     host: HostCollector
-    gpu: GpuSource | None
+    gpu: GpuReader | None
     errors: ErrorLog
     interval_seconds: float
-    probe: ProbeSource | None = None
+    probe: ProbeReader | None = None
     limits: LimitsCollector | None = None
     findings: FindingsTracker | None = None
     _latest: Snapshot | None = field(default=None, init=False)
@@ -120,18 +69,18 @@ class Sampler:
                 self._target_up = False
             except Exception as error:
                 self.errors.record("process", error)
-        host = self._guarded("host", self.host.sample)
+        host = guarded(self.errors, "host", self.host.sample)
         gpu = None
         if self.gpu is not None:
             pids = frozenset(p.pid for p in processes)
             gpu_source = self.gpu
-            gpu = self._guarded("gpu", lambda: gpu_source.sample(pids))
+            gpu = guarded(self.errors, "gpu", lambda: gpu_source.sample(pids))
         probe = None
         if self.probe is not None and self._target_up:
-            probe = self._guarded("probe", self.probe.sample)
+            probe = guarded(self.errors, "probe", self.probe.sample)
         limits = None
         if self.limits is not None and self._target_up:
-            limits = self._guarded("process", self.limits.sample)
+            limits = guarded(self.errors, "process", self.limits.sample)
         self._samples_total += 1
         snapshot = Snapshot(
             timestamp_seconds=started_wall,
@@ -154,44 +103,13 @@ class Sampler:
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
 
-    def _guarded(self, collector: str, read: Callable[[], _T]) -> _T | None:
-        try:
-            return read()
-        except Exception as error:
-            self.errors.record(collector, error)
-            return None
-
     def run(self, stop: threading.Event, on_sample: Callable[[Snapshot], None]) -> None:
-        """Sample every interval until ``stop`` is set or the target exits.
+        """Sample every interval, on fixed deadlines, until ``stop`` is set or the
+        target exits."""
 
-        Deadlines are fixed multiples of the interval, so a slow pass delays
-        the next one without shifting the ones after it.
-        """
-        next_deadline = time.monotonic()
-        while not stop.is_set():
+        def one_pass() -> bool:
             snapshot = self.sample_once()
             on_sample(snapshot)
-            if not snapshot.target_up:
-                return
-            next_deadline += self.interval_seconds
-            now = time.monotonic()
-            if next_deadline < now:  # overran: skip the missed ticks
-                missed = int((now - next_deadline) // self.interval_seconds) + 1
-                next_deadline += missed * self.interval_seconds
-            stop.wait(next_deadline - now)
+            return snapshot.target_up
 
-
-@dataclass(frozen=True, slots=True)
-class NodeSnapshot:
-    """One pass of the daemon: the node's host and GPUs read once, and a Snapshot
-    per target (without host and GPU) for the processes it watches."""
-
-    timestamp_seconds: float
-    monotonic_seconds: float
-    host: HostSample | None
-    gpu: GpuSample | None
-    targets: tuple[Snapshot, ...]
-    collector_errors: tuple[tuple[str, int], ...] = ()
-    sample_duration_seconds: float = 0.0
-    samples_total: int = 0
-    agent: AgentSelfSample | None = None
+        run_on_deadlines(stop, self.interval_seconds, one_pass)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dlprof_agent.agent.findings import SEVERITIES, Finding, active
-from dlprof_agent.agent.sampler import Snapshot
 from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
+from dlprof_agent.model.findings import SEVERITIES, Finding, active
+from dlprof_agent.model.snapshot import Snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +165,16 @@ class StatusAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
         if self._status is not None:
             self._status.clear()
         super().emit(record)
+
+
+def configure_logging(status: LiveStatus | None) -> None:
+    """The agent's messages, one line each on stderr, clear of the live line."""
+    handler = StatusAwareHandler(sys.stderr, status)
+    handler.setFormatter(logging.Formatter("dlprof-agent: %(message)s"))
+    log = logging.getLogger("dlprof_agent")
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 class Summary:

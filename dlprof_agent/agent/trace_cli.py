@@ -20,12 +20,13 @@ from typing import Any, TextIO
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.arguments import seconds, whole_number
-from dlprof_agent.agent.probe_control import ProbeOptions, open_trace_channel
-from dlprof_agent.agent.target import open_target
+from dlprof_agent.agent.reach.connect import ProbeOptions, open_trace_channel
+from dlprof_agent.agent.reach.target import open_target
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.errors import (
     EXIT_CODES_HELP,
     ConnectionClosed,
+    ExitCode,
     ProtocolError,
     TraceUnavailable,
     UsageError,
@@ -221,4 +222,4 @@ def trace_command(args: argparse.Namespace, out: TextIO = sys.stdout,
           f"{counts.get('memset', 0)} memsets, {counts.get('memcpy', 0)} copies, "
           f"{counts.get('layer', 0)} layer ranges{note}; open it in https://ui.perfetto.dev",
           file=out)
-    return 0
+    return ExitCode.FINISHED

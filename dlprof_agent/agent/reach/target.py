@@ -4,11 +4,11 @@ wrong into a one-line error with what to do about it."""
 from __future__ import annotations
 
 import os
-import pwd
 from dataclasses import dataclass
 
 import psutil
 
+from dlprof_agent.agent.reach.procfs import start_ticks, user_name
 from dlprof_agent.collectors.process import check_access
 from dlprof_agent.errors import TargetAccessDenied, TargetNotFound, UsageError
 
@@ -18,13 +18,9 @@ PRIVILEGE_HINT = ("run the agent as the same user as the job, or as root, or gra
 
 def _owner(process: psutil.Process) -> str:
     try:
-        uid = process.uids().real
+        return user_name(process.uids().real)
     except psutil.Error:
         return "another user"
-    try:
-        return f"user {pwd.getpwuid(uid).pw_name}"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def open_target(pid: int, *, procfs: str = "/proc") -> psutil.Process:
@@ -37,14 +33,15 @@ def open_target(pid: int, *, procfs: str = "/proc") -> psutil.Process:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             raise TargetNotFound(f"process {pid} has exited (zombie awaiting its parent)",
-                                 "attach to a running job")
+                                 "attach to a running job", pid=pid)
         check_access(pid, procfs=procfs)
         with process.oneshot():
             process.cpu_times()
             process.num_fds()
     except psutil.NoSuchProcess:
         raise TargetNotFound(f"no process with pid {pid}",
-                             "check the pid with `ps -eo pid,user,args | grep python`") from None
+                             "check the pid with `ps -eo pid,user,args | grep python`",
+                             pid=pid) from None
     except (psutil.AccessDenied, TargetAccessDenied):
         raise TargetAccessDenied(
             f"no permission to read process {pid} (owned by {_owner(process)})",
@@ -68,13 +65,14 @@ class ProgramIdentity:
 
 def program_identity(pid: int, *, procfs: str = "/proc") -> ProgramIdentity | None:
     """None when it cannot be read (gone, or not ours to read)."""
+    started = start_ticks(pid, procfs)
+    if started is None:
+        return None
     try:
-        with open(f"{procfs}/{pid}/stat", "rb") as file:
-            start_ticks = int(file.read().rpartition(b")")[2].split()[19])
         executable = os.readlink(f"{procfs}/{pid}/exe")
         with open(f"{procfs}/{pid}/cmdline", "rb") as file:
             command = file.read(4096).rstrip(b"\0").replace(b"\0", b" ").decode(
                 errors="replace")
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return None
-    return ProgramIdentity(start_ticks, executable, command)
+    return ProgramIdentity(started, executable, command)

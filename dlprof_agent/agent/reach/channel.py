@@ -1,222 +1,22 @@
-"""Gets the agent talking to the probe inside the target: an existing probe
-(started by `run` or by the job itself) is used as is; otherwise one is
-injected, unless the user said --no-inject. When none can be had, attach goes
-on out of process, says once why the in-process metrics are missing, and keeps
-trying on later passes; it says when the probe is back."""
+"""The sampler's channel to the probe in the target, kept across its loss: late
+replies, a probe that stops answering, a connection that breaks (reached, or
+injected, again off the sampling pass with a growing pause), and an exec that
+puts another program behind the pid."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
 
-from dlprof_agent.agent.target import ProgramIdentity, program_identity
-from dlprof_agent.collectors.probe import (
-    REPLY_SECONDS,
-    ProbeClient,
-    ReplyLate,
-    find_probe_socket,
-)
+from dlprof_agent.agent.reach.connect import NoProbe, ProbeOptions, say_missing, try_connect
+from dlprof_agent.agent.reach.procfs import running
+from dlprof_agent.agent.reach.target import ProgramIdentity, program_identity
+from dlprof_agent.collectors.probe import REPLY_SECONDS, ProbeClient, ReplyLate
 from dlprof_agent.collectors.probe_samples import ProbeSample
-from dlprof_agent.collectors.process import read_state
-from dlprof_agent.errors import (
-    InjectionError,
-    InjectionRefused,
-    NotPython,
-    ProbeAlreadyAttached,
-    ProbeBusy,
-    ProbeImpostor,
-    ProbeStale,
-    ProbeUnavailable,
-    ProtocolError,
-    TraceUnavailable,
-)
+from dlprof_agent.errors import ProbeAlreadyAttached, ProtocolError
 
 log = logging.getLogger("dlprof_agent")
-_T = TypeVar("_T")
-
-SOCKET_WAIT_SECONDS = 10.0  # an injected bootstrap runs at the target's next safe point
-
-
-@dataclass(frozen=True)
-class ProbeOptions:
-    inject: bool = True
-    layers: bool = False
-    warmup_steps: int = 10
-    wait_seconds: float = SOCKET_WAIT_SECONDS
-    kernels: bool = True  # continuous CUPTI kernel tracing while the job uses CUDA
-    layers_budget: float = 0.01  # share of step time layer timing may add
-    layers_every: int = 0  # > 0: time one step in this many, whatever the budget
-
-
-def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
-    started: dict[str, object] = {"interval_seconds": interval, "layers": options.layers,
-                                  "warmup_steps": options.warmup_steps,
-                                  "agent_pid": os.getpid()}
-    if not options.kernels:
-        # Sent only when off: a probe older than kernel tracing refuses unknown options.
-        started["kernels"] = False
-    if options.layers and options.layers_budget != 0.01:
-        started["layers_budget"] = options.layers_budget  # likewise: only when not default
-    if options.layers and options.layers_every:
-        started["layers_every"] = options.layers_every
-    return started
-
-
-def _wait_for_socket(pid: int, seconds: float) -> str | None:
-    deadline = time.monotonic() + seconds
-    while True:
-        path = find_probe_socket(pid)
-        if path is not None or time.monotonic() >= deadline or not _running(pid):
-            return path
-        time.sleep(0.05)
-
-
-def _connect(pid: int, path: str, options: ProbeOptions, interval: float) -> ProbeClient:
-    try:
-        return ProbeClient.connect(pid, path, _start_options(options, interval))
-    except ProbeBusy as busy:
-        which = f" (pid {busy.agent_pid})" if busy.agent_pid else ""
-        raise ProbeAlreadyAttached(
-            f"process {pid} already has an agent attached{which}",
-            "scrape that agent, or stop it first"
-            + (f" (kill {busy.agent_pid})" if busy.agent_pid else "")) from None
-
-
-class _NoProbe(Exception):
-    """Why the process has no probe to talk to, in plain words. ``final``: trying
-    again cannot help while the process runs this program (not Python, ptrace
-    denied, a socket someone else serves)."""
-
-    def __init__(self, why: str, *, final: bool = False) -> None:
-        super().__init__(why)
-        self.final = final
-
-
-def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
-                 connect: Callable[[str], _T]) -> _T:
-    """``connect(socket path)`` to the probe of ``pid``, injecting one first where
-    there is none and the options allow it. Raises _NoProbe."""
-    path = _wait_for_socket(pid, wait_seconds) if wait_seconds else find_probe_socket(pid)
-    if path is not None:
-        try:
-            return connect(path)
-        except ProbeBusy:
-            raise
-        except ProbeImpostor as error:
-            raise _NoProbe(f"{error}; someone may be impersonating the probe",
-                           final=True) from None
-        except ProbeStale as error:
-            if not options.inject:
-                raise _NoProbe(f"the probe in it is gone: {error}") from None
-            # A socket left by an earlier program in this process: inject afresh.
-        except ProbeUnavailable as error:
-            # A probe is there but did not answer in time (the job may hold the
-            # GIL, or another client may be slow): injecting another would not help.
-            raise _NoProbe(f"the probe in it did not answer: {error}") from None
-    if not options.inject:
-        raise _NoProbe("it has no probe and --no-inject was given; start the job with "
-                       "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
-    from dlprof_agent.agent import inject
-    from dlprof_agent.probe.bootstrap import injection_code
-
-    try:
-        queued = inject.inject(pid, injection_code())
-    except InjectionError as error:
-        raise _NoProbe(error.one_line(), final=isinstance(
-            error, (NotPython, InjectionRefused))) from None
-    path = _wait_for_socket(pid, options.wait_seconds)
-    if path is None:
-        if queued is not None and queued.state() == "queued":
-            raise _NoProbe("the probe is queued in the job and starts when its main thread "
-                           "next runs Python code (it is in a long native call)")
-        raise _NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
-                       "(the main thread may be stuck in native code, or the job's Python "
-                       "is older than 3.10)")
-    try:
-        return connect(path)
-    except ProbeBusy:
-        raise
-    except ProbeUnavailable as error:
-        raise _NoProbe(f"the injected probe did not answer: {error}") from None
-
-
-def connect_probe(pid: int, options: ProbeOptions, *, interval: float,
-                  wait_seconds: float = 0.0) -> ProbeClient | None:
-    """A started probe client, or None with the reason logged once."""
-    try:
-        return _try_connect(pid, options, interval, wait_seconds)
-    except _NoProbe as why:
-        _missing(pid, str(why))
-        return None
-
-
-def _try_connect(pid: int, options: ProbeOptions, interval: float, wait_seconds: float
-                 ) -> ProbeClient:
-    return _reach_probe(pid, options, wait_seconds,
-                        lambda path: _connect(pid, path, options, interval))
-
-
-def open_probe(pid: int, options: ProbeOptions, *, interval: float,
-               wait_seconds: float = 0.0) -> ProbeSource:
-    """The probe channel for ``pid``: connected now, or waiting for a probe that
-    later passes keep trying to reach. Raises ProbeAlreadyAttached."""
-    identity = program_identity(pid)
-    final = False
-    try:
-        client: ProbeClient | None = _try_connect(pid, options, interval, wait_seconds)
-        why = ""
-    except _NoProbe as error:
-        client, why, final = None, str(error), error.final
-        _missing(pid, why, trying_again=not final)
-    source = ProbeSource(client, interval=interval, pid=pid, options=options,
-                         identity=identity, waiting=why)
-    if final:
-        source.give_up_until_exec()
-    return source
-
-
-TRACE_INTERVAL_SECONDS = 1.0  # the trace client's own session: it polls well within the lease
-
-
-def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, object]
-                       ) -> tuple[ProbeClient, dict[str, Any] | None]:
-    """A connection to ask the probe of ``pid`` for a trace: our own session (the
-    reply is None: say ``trace`` next), or, beside an attached agent, a second
-    connection that said ``trace`` already (with the probe's reply)."""
-    def connect(path: str) -> tuple[ProbeClient, dict[str, Any] | None]:
-        try:
-            return ProbeClient.connect(pid, path, _start_options(
-                options, TRACE_INTERVAL_SECONDS)), None
-        except ProbeBusy:
-            return ProbeClient.connect_beside(pid, path, {"command": "trace",
-                                                          "args": trace_args})
-    try:
-        return _reach_probe(pid, options, 0.0, connect)
-    except ProbeBusy as busy:
-        raise TraceUnavailable(
-            f"process {pid} has an agent attached"
-            + (f" (pid {busy.agent_pid})" if busy.agent_pid else "")
-            + " whose probe is too old to trace beside it",
-            "restart the job with this dlprof-agent version") from None
-    except _NoProbe as why:
-        raise TraceUnavailable(f"no probe in process {pid}: {why}",
-                               "kernel traces are taken by the in-process probe") from None
-
-
-def _missing(pid: int, why: str, *, trying_again: bool = False) -> None:
-    log.warning("no in-process metrics (steps, layers, framework settings) for pid %d: %s; "
-                "the process, thread and GPU metrics are unaffected%s", pid, why,
-                "; trying again on later passes" if trying_again else "")
-
-
-def _running(pid: int) -> bool:
-    return read_state(pid) not in (None, "Z", "X")
-
 
 # A job that is exiting closes its probe, then may take seconds to tear down its
 # framework (thread pools, allocators) before it is gone.
@@ -361,7 +161,7 @@ class ProbeSource:
 
     def _try_again(self) -> None:
         options = self._options
-        if options is None or self._stopped or not _running(self.pid):
+        if options is None or self._stopped or not running(self.pid):
             return
         with self._lock:
             if self._connecting is not None or time.monotonic() < self._next_try:
@@ -380,10 +180,10 @@ class ProbeSource:
         failure: str | None = None
         final = False
         try:
-            client = _try_connect(self.pid, options, self._interval, 0.0)
+            client = try_connect(self.pid, options, self._interval, 0.0)
         except ProbeAlreadyAttached as error:
             failure = error.one_line()
-        except _NoProbe as why:
+        except NoProbe as why:
             failure, final = str(why), why.final
         except Exception as error:  # the process metrics go on regardless
             failure = str(error) or type(error).__name__
@@ -436,7 +236,7 @@ class ProbeSource:
         if self._lost is None:
             return
         since, why = self._lost
-        if not _running(self.pid):
+        if not running(self.pid):
             self._lost = None  # the job ended: nothing to report
             self._next_try = float("inf")
         elif time.monotonic() - since >= EXIT_GRACE_SECONDS:
@@ -456,3 +256,22 @@ class ProbeSource:
         for each in (client, reached):
             if each is not None:
                 each.stop()
+
+
+def open_probe(pid: int, options: ProbeOptions, *, interval: float,
+               wait_seconds: float = 0.0) -> ProbeSource:
+    """The probe channel for ``pid``: connected now, or waiting for a probe that
+    later passes keep trying to reach. Raises ProbeAlreadyAttached."""
+    identity = program_identity(pid)
+    final = False
+    try:
+        client: ProbeClient | None = try_connect(pid, options, interval, wait_seconds)
+        why = ""
+    except NoProbe as error:
+        client, why, final = None, str(error), error.final
+        say_missing(pid, why, trying_again=not final)
+    source = ProbeSource(client, interval=interval, pid=pid, options=options,
+                         identity=identity, waiting=why)
+    if final:
+        source.give_up_until_exec()
+    return source

@@ -1,0 +1,75 @@
+"""The /metrics endpoint of `attach`, `run`, `demo` and `daemon`: its web
+configuration checked before anything starts, and a started server, or a
+one-line error that says why there is none."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable
+
+from dlprof_agent.agent.loop import Health
+from dlprof_agent.errors import MissingLibrary, PortUnavailable, UsageError, WebConfigError
+from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.exporters.prometheus import NodeCollector, SnapshotCollector, registry_of
+from dlprof_agent.exporters.web_config import WebConfig
+from dlprof_agent.exporters.web_config import load as read_web_config
+
+DEFAULT_PORT = 9945  # clear of node_exporter 9100, process-exporter 9256, dcgm-exporter 9400
+DEFAULT_LISTEN = "127.0.0.1"
+
+log = logging.getLogger("dlprof_agent")
+
+
+def load_web_config(path: str | None) -> WebConfig | None:
+    """--web.config.file, read and checked before anything starts."""
+    if path is None:
+        return None
+    try:
+        return read_web_config(path)
+    except MissingLibrary as error:
+        raise UsageError(f"--web.config.file: {error}") from None
+    except WebConfigError as error:
+        raise UsageError(f"--web.config.file: {error}",
+                         "see \"Locking /metrics\" in docs/deploy.md") from None
+
+
+def _loopback(listen: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(listen, None))
+    except (OSError, ValueError):
+        return False
+
+
+def start_metrics_server(collector: SnapshotCollector | NodeCollector, health: Health,
+                         listen: str, port: int, *,
+                         version: Callable[[], object] | None = None,
+                         web_config: WebConfig | None = None) -> MetricsServer:
+    """A started /metrics server, or a one-line error saying why there is none.
+    ``version``: the published sample; a scrape renders each one at most once."""
+    try:
+        server = MetricsServer(registry_of(collector), host=listen, port=port, health=health,
+                               version=version, web_config=web_config)
+    except socket.gaierror:
+        raise UsageError(f"cannot listen on {listen!r}: not an address of this "
+                         "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None
+    except OSError as error:
+        where = f"{listen}:{port}"
+        if error.errno == errno.EADDRINUSE:
+            raise PortUnavailable(f"port {port} on {listen} is already in use",
+                                  f"pick another with --port, e.g. --port {port + 1}"
+                                  ) from None
+        if error.errno == errno.EACCES:
+            raise PortUnavailable(f"no permission to listen on {where}",
+                                  "ports below 1024 need root; use e.g. --port "
+                                  f"{DEFAULT_PORT}") from None
+        raise UsageError(f"cannot listen on {where}: {error.strerror}",
+                         "check --listen and --port") from None
+    if web_config is None and not _loopback(listen):
+        log.warning("serving /metrics on %s without TLS or authentication: anyone who can "
+                    "reach this port reads it (see --web.config.file)", listen)
+    server.start()
+    return server

@@ -1,0 +1,188 @@
+"""Gets the agent talking to the probe inside the target: an existing probe
+(started by `run` or by the job itself) is used as is; otherwise one is
+injected, unless the user said --no-inject. When none can be had, attach goes
+on out of process and says once why the in-process metrics are missing;
+``channel.ProbeSource`` keeps trying on later passes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from dlprof_agent.agent.reach.procfs import running
+from dlprof_agent.collectors.probe import ProbeClient, find_probe_socket
+from dlprof_agent.errors import (
+    InjectionError,
+    InjectionRefused,
+    NotPython,
+    ProbeAlreadyAttached,
+    ProbeBusy,
+    ProbeImpostor,
+    ProbeStale,
+    ProbeUnavailable,
+    TraceUnavailable,
+)
+
+log = logging.getLogger("dlprof_agent")
+_T = TypeVar("_T")
+
+SOCKET_WAIT_SECONDS = 10.0  # an injected bootstrap runs at the target's next safe point
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    inject: bool = True
+    layers: bool = False
+    warmup_steps: int = 10
+    wait_seconds: float = SOCKET_WAIT_SECONDS
+    kernels: bool = True  # continuous CUPTI kernel tracing while the job uses CUDA
+    layers_budget: float = 0.01  # share of step time layer timing may add
+    layers_every: int = 0  # > 0: time one step in this many, whatever the budget
+
+
+def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
+    started: dict[str, object] = {"interval_seconds": interval, "layers": options.layers,
+                                  "warmup_steps": options.warmup_steps,
+                                  "agent_pid": os.getpid()}
+    if not options.kernels:
+        # Sent only when off: a probe older than kernel tracing refuses unknown options.
+        started["kernels"] = False
+    if options.layers and options.layers_budget != 0.01:
+        started["layers_budget"] = options.layers_budget  # likewise: only when not default
+    if options.layers and options.layers_every:
+        started["layers_every"] = options.layers_every
+    return started
+
+
+def _wait_for_socket(pid: int, seconds: float) -> str | None:
+    deadline = time.monotonic() + seconds
+    while True:
+        path = find_probe_socket(pid)
+        if path is not None or time.monotonic() >= deadline or not running(pid):
+            return path
+        time.sleep(0.05)
+
+
+def _connect(pid: int, path: str, options: ProbeOptions, interval: float) -> ProbeClient:
+    try:
+        return ProbeClient.connect(pid, path, _start_options(options, interval))
+    except ProbeBusy as busy:
+        which = f" (pid {busy.agent_pid})" if busy.agent_pid else ""
+        raise ProbeAlreadyAttached(
+            f"process {pid} already has an agent attached{which}",
+            "scrape that agent, or stop it first"
+            + (f" (kill {busy.agent_pid})" if busy.agent_pid else ""), pid=pid) from None
+
+
+class NoProbe(Exception):
+    """Why the process has no probe to talk to, in plain words. ``final``: trying
+    again cannot help while the process runs this program (not Python, ptrace
+    denied, a socket someone else serves)."""
+
+    def __init__(self, why: str, *, final: bool = False) -> None:
+        super().__init__(why)
+        self.final = final
+
+
+def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
+                 connect: Callable[[str], _T]) -> _T:
+    """``connect(socket path)`` to the probe of ``pid``, injecting one first where
+    there is none and the options allow it. Raises NoProbe."""
+    path = _wait_for_socket(pid, wait_seconds) if wait_seconds else find_probe_socket(pid)
+    if path is not None:
+        try:
+            return connect(path)
+        except ProbeBusy:
+            raise
+        except ProbeImpostor as error:
+            raise NoProbe(f"{error}; someone may be impersonating the probe",
+                           final=True) from None
+        except ProbeStale as error:
+            if not options.inject:
+                raise NoProbe(f"the probe in it is gone: {error}") from None
+            # A socket left by an earlier program in this process: inject afresh.
+        except ProbeUnavailable as error:
+            # A probe is there but did not answer in time (the job may hold the
+            # GIL, or another client may be slow): injecting another would not help.
+            raise NoProbe(f"the probe in it did not answer: {error}") from None
+    if not options.inject:
+        raise NoProbe("it has no probe and --no-inject was given; start the job with "
+                       "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
+    from dlprof_agent.agent.reach import inject
+    from dlprof_agent.probe.bootstrap import injection_code
+
+    try:
+        queued = inject.inject(pid, injection_code())
+    except InjectionError as error:
+        raise NoProbe(error.one_line(), final=isinstance(
+            error, (NotPython, InjectionRefused))) from None
+    path = _wait_for_socket(pid, options.wait_seconds)
+    if path is None:
+        if queued is not None and queued.state() == "queued":
+            raise NoProbe("the probe is queued in the job and starts when its main thread "
+                           "next runs Python code (it is in a long native call)")
+        raise NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
+                       "(the main thread may be stuck in native code, or the job's Python "
+                       "is older than 3.10)")
+    try:
+        return connect(path)
+    except ProbeBusy:
+        raise
+    except ProbeUnavailable as error:
+        raise NoProbe(f"the injected probe did not answer: {error}") from None
+
+
+def connect_probe(pid: int, options: ProbeOptions, *, interval: float,
+                  wait_seconds: float = 0.0) -> ProbeClient | None:
+    """A started probe client, or None with the reason logged once."""
+    try:
+        return try_connect(pid, options, interval, wait_seconds)
+    except NoProbe as why:
+        say_missing(pid, str(why))
+        return None
+
+
+def try_connect(pid: int, options: ProbeOptions, interval: float, wait_seconds: float
+                ) -> ProbeClient:
+    """A started probe client for ``pid``; raises NoProbe (or ProbeAlreadyAttached)."""
+    return _reach_probe(pid, options, wait_seconds,
+                        lambda path: _connect(pid, path, options, interval))
+
+
+TRACE_INTERVAL_SECONDS = 1.0  # the trace client's own session: it polls well within the lease
+
+
+def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, object]
+                       ) -> tuple[ProbeClient, dict[str, Any] | None]:
+    """A connection to ask the probe of ``pid`` for a trace: our own session (the
+    reply is None: say ``trace`` next), or, beside an attached agent, a second
+    connection that said ``trace`` already (with the probe's reply)."""
+    def connect(path: str) -> tuple[ProbeClient, dict[str, Any] | None]:
+        try:
+            return ProbeClient.connect(pid, path, _start_options(
+                options, TRACE_INTERVAL_SECONDS)), None
+        except ProbeBusy:
+            return ProbeClient.connect_beside(pid, path, {"command": "trace",
+                                                          "args": trace_args})
+    try:
+        return _reach_probe(pid, options, 0.0, connect)
+    except ProbeBusy as busy:
+        raise TraceUnavailable(
+            f"process {pid} has an agent attached"
+            + (f" (pid {busy.agent_pid})" if busy.agent_pid else "")
+            + " whose probe is too old to trace beside it",
+            "restart the job with this dlprof-agent version", pid=pid) from None
+    except NoProbe as why:
+        raise TraceUnavailable(f"no probe in process {pid}: {why}",
+                               "kernel traces are taken by the in-process probe",
+                               pid=pid) from None
+
+
+def say_missing(pid: int, why: str, *, trying_again: bool = False) -> None:
+    log.warning("no in-process metrics (steps, layers, framework settings) for pid %d: %s; "
+                "the process, thread and GPU metrics are unaffected%s", pid, why,
+                "; trying again on later passes" if trying_again else "")

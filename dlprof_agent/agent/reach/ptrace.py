@@ -1,0 +1,401 @@
+"""The agent's own injector on x86-64: it borrows one thread of the job that waits in
+the kernel, has it call a function, and the thread puts itself back.
+
+The agent is the tracer, and stops one thread only, one that waits in the kernel in a
+system call that leaves the signal mask alone (``threads``). With PTRACE_SEIZE and
+PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the thread running as
+before. The agent writes, below the thread's red zone, a signal frame holding the
+thread's registers and FXSAVE state (its interrupted call set to be restarted, as the
+kernel does after a ptrace stop), and sets all registers at once so that the thread
+calls the function and returns into an ``rt_sigreturn`` of libc: the kernel puts the
+thread back exactly where it was. From then on the thread needs nothing from the agent:
+the agent may die at any instant and no trap, no breakpoint, no stopped thread is ever
+left. It is done twice: ``mmap`` (a page for the code, at a free address with
+MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent writes the code there through
+/proc/<pid>/mem, then ``Py_AddPendingCall(PyRun_SimpleString, page)``. Each address
+called is checked first to hold the bytes of that function in its file.
+
+A thread stopped in a call the kernel would resume through ``restart_syscall`` (relative
+sleeps, waits with a timeout) is not borrowed: rt_sigreturn would turn that resumption
+into EINTR. What may differ for the borrowed thread: the upper halves of its AVX
+registers are reset (dead across the libc call it waits in), and a wait for the 3.13
+pending-call mutex itself (another thread adding a pending call at that very moment)
+could be lengthened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import mmap
+import os
+import signal
+import struct
+import time
+from typing import NamedTuple
+
+from dlprof_agent.agent.reach.elf import scan_elf_file
+from dlprof_agent.agent.reach.pending import (
+    ADDRESS_PLACEHOLDER,
+    FLAG_BYTES,
+    QueuedBootstrap,
+    pending_payload,
+    remember,
+)
+from dlprof_agent.agent.reach.procfs import (
+    Mapping,
+    hex_status_field,
+    memory_map,
+    read_text,
+    start_ticks,
+)
+from dlprof_agent.agent.reach.refusal import refused
+from dlprof_agent.agent.reach.runtime import PythonRuntime
+from dlprof_agent.agent.reach.threads import (
+    POLL_SECONDS,
+    exited_during_injection,
+    no_safe_point,
+    same_process,
+    thread_syscalls,
+)
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow
+
+_PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
+_PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207
+_PTRACE_EVENT_STOP = 128
+_WALL = 0x40000000
+_MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
+# struct user_regs_struct, in order
+_REGS = ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx",
+         "rdx", "rsi", "rdi", "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base",
+         "gs_base", "ds", "es", "fs", "gs")
+# mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
+_SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
+# System calls a waiting thread may be borrowed from: none of them changes the signal mask
+# for its duration (ppoll, pselect, epoll_pwait and sigsuspend do), and the kernel restarts
+# or fails each of them the same way after our detour as after any ptrace stop.
+_BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
+# These change it only when given a mask: pselect6, ppoll, epoll_pwait, epoll_pwait2, and
+# the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
+_MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
+
+_ERESTART_CODES = (-512, -513, -514)  # ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND
+# A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
+# with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
+_ERESTART_RESTARTBLOCK = -516
+_SYSCALL_ARGUMENTS = ("rdi", "rsi", "rdx", "r10", "r8", "r9")
+_CALL_ARGUMENTS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
+_RED_ZONE = 128
+_FRAME_GAP = 2048  # below the red zone: where the borrowed thread's detour frame goes
+_STACK_NEEDED = 64 << 10  # free stack the called function may use below the frame
+_USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
+_CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
+_MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
+
+
+def _borrowable(number: int, arguments: list[int]) -> bool:
+    if number in _BORROWABLE:
+        return True
+    index = _MASK_ARGUMENT.get(number)
+    return index is not None and index < len(arguments) and arguments[index] == 0
+
+
+class _Ptrace:
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        call = ctypes.CDLL(None, use_errno=True).ptrace
+        call.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        call.restype = ctypes.c_long
+        self._call = call
+
+    def __call__(self, request: int, tid: int, data: object = None) -> None:
+        self._ctypes.set_errno(0)
+        if self._call(request, tid, None, data) == -1:
+            error = self._ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+
+    def registers(self, tid: int) -> list[int]:
+        regs = (self._ctypes.c_ulonglong * len(_REGS))()
+        self(_PTRACE_GETREGS, tid, self._ctypes.addressof(regs))
+        return list(regs)
+
+    def set_registers(self, tid: int, values: list[int]) -> None:
+        regs = (self._ctypes.c_ulonglong * len(_REGS))(*values)
+        self(_PTRACE_SETREGS, tid, self._ctypes.addressof(regs))  # all of them, at once
+
+    def fxsave(self, tid: int) -> bytes:
+        area = (self._ctypes.c_ubyte * 512)()
+        self(_PTRACE_GETFPREGS, tid, self._ctypes.addressof(area))
+        return bytes(area)
+
+
+def _signed(register: int) -> int:
+    return register - (1 << 64) if register >= 1 << 63 else register
+
+
+def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget: int) -> bytes:
+    """What the borrowed thread finds on its stack at ``at`` when the called function
+    returns: the address of an rt_sigreturn, then the frame that call restores, which is
+    the thread as we stopped it, its interrupted system call set to run again."""
+    r = dict(zip(_REGS, regs, strict=True))
+    rax, rip = r["rax"], r["rip"]
+    if _signed(rax) in _ERESTART_CODES:
+        rax, rip = r["orig_rax"], rip - 2  # as the kernel restarts it after a ptrace stop
+    fx_at = -(-(at + 8 + 304) // 64) * 64
+    context = struct.pack(
+        "<18Q4H4QQ8Q", r["r8"], r["r9"], r["r10"], r["r11"], r["r12"], r["r13"], r["r14"],
+        r["r15"], r["rdi"], r["rsi"], r["rbp"], r["rbx"], r["rdx"], rax, r["rcx"], r["rsp"],
+        rip, r["eflags"], r["cs"], 0, 0, r["ss"], 0, 0, 0, 0, fx_at, *([0] * 8))
+    # uc_flags UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS; uc_stack with an invalid ss_flags,
+    # so the kernel keeps the thread's signal stack as it is (it ignores that error).
+    ucontext = struct.pack("<QQQiiQ", 6, 0, 0, 0x10, 0, 0) + context + struct.pack("<Q", blocked)
+    frame = struct.pack("<Q", gadget) + ucontext
+    # The FXSAVE image without the XSAVE marker: x87, SSE and MXCSR come back as they were.
+    return frame + bytes(fx_at - at - len(frame)) + fxsave[:464] + bytes(48)
+
+
+def _read_memory(pid: int, address: int, size: int) -> bytes:
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
+        memory.seek(address)
+        return memory.read(size)
+
+
+def _write_memory(pid: int, address: int, data: bytes) -> None:
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as memory:
+        memory.seek(address)
+        if memory.write(data) != len(data):
+            raise OSError(f"short write to process {pid}")
+
+
+def _function_address(pid: int, maps: list[Mapping], path: str,
+                      file: str, name: str) -> int | None:
+    """Where ``name``, defined in ``file`` (mapped as ``path``), is in process ``pid``;
+    None unless the bytes there are the file's own (a wrong address is never called)."""
+    scan = scan_elf_file(file)
+    location = scan.location(name) if scan is not None else None
+    if scan is None or location is None:
+        return None
+    value, offset = location
+    base = 0
+    if scan.shared:
+        starts = [start for start, _, _, map_offset, mapped in maps
+                  if mapped == path and map_offset == 0]
+        if not starts:
+            return None
+        base = min(starts)
+    try:
+        with open(file, "rb") as source:
+            source.seek(offset)
+            expected = source.read(16)
+        if len(expected) < 16 or _read_memory(pid, base + value, 16) != expected:
+            return None
+    except OSError:
+        return None
+    return base + value
+
+
+def _libc_path(maps: list[Mapping]) -> str | None:
+    for *_, path in maps:
+        name = os.path.basename(path)
+        if name.startswith(("libc.so", "libc-2.", "ld-musl-")):
+            return path
+    return None
+
+
+def _find_sigreturn(pid: int, maps: list[Mapping], libc: str) -> int | None:
+    for start, end, permissions, _, path in maps:
+        if path != libc or "x" not in permissions or end - start > _MAX_CODE_BYTES:
+            continue
+        try:
+            code = _read_memory(pid, start, end - start)
+        except OSError:
+            continue
+        for gadget in _SIGRETURN:
+            at = code.find(gadget)
+            if at >= 0:
+                return start + at
+    return None
+
+
+def _free_address(maps: list[Mapping], size: int) -> int | None:
+    """The middle of the widest gap between the job's mappings, away from any of them."""
+    best: tuple[int, int] | None = None
+    user = [mapping for mapping in maps if mapping[1] <= _USER_SPACE_END]  # not [vsyscall]
+    for (_, end, *_), (start, *_) in itertools.pairwise(user):
+        if end >= 1 << 32 and start - end >= 64 * size and (best is None or
+                                                           start - end > best[1] - best[0]):
+            best = (end, start)
+    if best is None:
+        return None
+    return (best[0] + (best[1] - best[0]) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def _blocked_signals(pid: int, tid: int) -> int | None:
+    return hex_status_field(f"{pid}/task/{tid}", "SigBlk")
+
+
+def _waiting_threads(pid: int) -> list[int]:
+    """Threads of ``pid`` waiting in a system call we may borrow them from, main first."""
+    found = []
+    for tid, fields in thread_syscalls(pid):
+        try:
+            number, arguments = int(fields[0]), [int(field, 16) for field in fields[1:7]]
+        except (IndexError, ValueError):
+            continue  # "running", or -1: not in a system call
+        task_state = (read_text(f"/proc/{pid}/task/{tid}/stat") or ")").rpartition(")")[2]
+        # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
+        # would keep the agent waiting for its stop.
+        if _borrowable(number, arguments) and task_state.split()[:1] == ["S"]:
+            found.append(tid)
+    return found
+
+
+def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
+            maps: list[Mapping]) -> bool:
+    """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
+    rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
+    when it is not waiting in a system call we may borrow it from. ``call`` is the
+    function's address, its arguments, and the address of an rt_sigreturn."""
+    function, args, gadget = call
+    regs = ptrace.registers(tid)
+    r = dict(zip(_REGS, regs, strict=True))
+    orig = _signed(r["orig_rax"])
+    arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
+    if (orig < 0 or _signed(r["rax"]) == _ERESTART_RESTARTBLOCK
+            or not _borrowable(orig, arguments)):
+        return False
+    blocked = _blocked_signals(pid, tid)
+    at = ((r["rsp"] - _RED_ZONE - _FRAME_GAP) & ~15) - 8  # a call's entry: rsp % 16 == 8
+    stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
+    if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
+        return False
+    frame = _signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget)
+    if at + len(frame) > r["rsp"] - _RED_ZONE:
+        return False
+    _write_memory(pid, at, frame)
+    new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1)
+    for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
+        new[register] = value % (1 << 64)
+    ptrace.set_registers(tid, [new[name] for name in _REGS])
+    return True
+
+
+def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
+                     gadget: int) -> bool:
+    """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
+    Only that thread stops, for microseconds; it needs nothing more from us once it is
+    set on its way, so the agent may die at any moment. False when none could be had."""
+    maps = memory_map(pid)
+    for tid in _waiting_threads(pid):
+        try:
+            ptrace(_PTRACE_SEIZE, tid)
+        except OSError as error:
+            if error.errno == errno.EPERM:
+                raise refused(pid, "/proc", "ptrace was denied") from None
+            continue
+        stopped, signal_to_pass = False, 0
+        try:
+            ptrace(_PTRACE_INTERRUPT, tid)
+            _, status = os.waitpid(tid, _WALL)
+            if not os.WIFSTOPPED(status):
+                continue
+            stopped = True
+            if status >> 16 != _PTRACE_EVENT_STOP:
+                signal_to_pass = os.WSTOPSIG(status)  # a signal arrived meanwhile: pass it on
+                continue
+            if os.WSTOPSIG(status) != signal.SIGTRAP:
+                continue  # a group stop (someone stopped the job): leave it as it is
+            if _detour(ptrace, pid, tid, (function, args, gadget), maps):
+                return True
+        except OSError:
+            continue
+        finally:
+            _release(ptrace, tid, stopped, signal_to_pass)
+    return False
+
+
+def _release(ptrace: _Ptrace, tid: int, stopped: bool, signal_to_pass: int) -> None:
+    # Detaching needs a stopped tracee; one left seized would stop at its next signal.
+    with contextlib.suppress(OSError, ChildProcessError):
+        if not stopped:
+            ptrace(_PTRACE_INTERRUPT, tid)
+            _, status = os.waitpid(tid, _WALL)
+            if not os.WIFSTOPPED(status):
+                return
+            if status >> 16 != _PTRACE_EVENT_STOP:
+                signal_to_pass = os.WSTOPSIG(status)
+        ptrace(_PTRACE_DETACH, tid, signal_to_pass)
+
+
+class CallAddresses(NamedTuple):
+    """Where, in the job, the functions the injector has a thread call are; each
+    checked to hold the bytes of that function in its file."""
+
+    add_pending_call: int  # Py_AddPendingCall
+    run_simple_string: int  # PyRun_SimpleString
+    mmap: int  # libc's
+    sigreturn: int  # an rt_sigreturn of libc's signal restorer
+
+
+def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
+    """Addresses in ``pid`` of Py_AddPendingCall, PyRun_SimpleString, mmap and an
+    rt_sigreturn; None when one cannot be found and checked (then gdb is used)."""
+    maps = memory_map(pid)
+    libc = _libc_path(maps)
+    if libc is None:
+        return None
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+    python_file = (f"/proc/{pid}/exe" if runtime.library == exe
+                   else f"/proc/{pid}/root{runtime.library}")
+    add = _function_address(pid, maps, runtime.library, python_file, "Py_AddPendingCall")
+    run = _function_address(pid, maps, runtime.library, python_file, "PyRun_SimpleString")
+    allocate = _function_address(pid, maps, libc, f"/proc/{pid}/root{libc}", "mmap")
+    gadget = _find_sigreturn(pid, maps, libc)
+    if add is None or run is None or allocate is None or gadget is None:
+        return None
+    return CallAddresses(add, run, allocate, gadget)
+
+
+def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: float
+                       ) -> QueuedBootstrap:
+    """Queue ``code`` as a pending call in ``pid``: a borrowed thread maps a page, the
+    agent writes the code there, and a borrowed thread queues it."""
+    start_time = start_ticks(pid)
+    payload = pending_payload(code)
+    size = -(-len(payload) // mmap.PAGESIZE) * mmap.PAGESIZE
+    ptrace = _Ptrace()
+    deadline = time.monotonic() + wait_seconds
+
+    def borrow(function: int, args: tuple[int, ...]) -> None:
+        while not _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn):
+            if not same_process(pid, start_time):
+                raise exited_during_injection(pid)
+            if time.monotonic() >= deadline:
+                raise no_safe_point(pid, wait_seconds)
+            time.sleep(POLL_SECONDS)
+
+    page = _free_address(memory_map(pid), size)
+    if page is None:
+        raise InjectionFailed(f"found no free address range in process {pid}",
+                              "start the job with `dlprof-agent run -- python ...` instead",
+                              pid=pid)
+    borrow(calls.mmap, (page, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0))
+    chain_deadline = time.monotonic() + _CHAIN_SECONDS
+    while not any(start == page for start, *_ in memory_map(pid)):
+        if not same_process(pid, start_time):
+            raise exited_during_injection(pid)
+        if time.monotonic() >= chain_deadline:
+            raise InjectionNotNow(f"process {pid} did not map a page for the probe's bootstrap",
+                                  "the agent tries again on its next passes", pid=pid)
+        time.sleep(POLL_SECONDS)
+    _write_memory(pid, page, payload.replace(ADDRESS_PLACEHOLDER.encode(),
+                                             f"{page:#018x}".encode(), 1))
+    borrow(calls.add_pending_call, (calls.run_simple_string, page + FLAG_BYTES))
+    return remember(QueuedBootstrap(pid, start_time or 0, page, time.monotonic()))

@@ -1,0 +1,208 @@
+"""`attach`: the agent wired for one target (sampler, probe, /metrics endpoint,
+live status) and served until the duration, Ctrl-C, SIGTERM or the target's
+exit; and `snapshot`, the same sampler read once."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import psutil
+
+from dlprof_agent.agent.endpoint import start_metrics_server
+from dlprof_agent.agent.findings.tracker import FindingsTracker
+from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
+from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.connect import ProbeOptions
+from dlprof_agent.agent.reach.target import open_target
+from dlprof_agent.agent.sampler import Sampler
+from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
+from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.gpu import GpuCollector
+from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.limits import LimitsCollector
+from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.errors import ExitCode, TargetNotFound
+from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.exporters.text import render_text
+from dlprof_agent.exporters.web_config import WebConfig
+from dlprof_agent.model.snapshot import Snapshot
+
+DEFAULT_INTERVAL_SECONDS = 1.0
+DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
+DEFAULT_WARMUP_STEPS = 10
+MIN_INTERVAL_SECONDS = 0.05
+
+log = logging.getLogger("dlprof_agent")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    listen: str
+    port: int
+    interval: float
+    duration: float | None
+    grace: float
+    quiet: bool
+    children: bool
+    gpu: bool
+    probe: ProbeOptions | None = None  # None: never talk to the process
+    probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
+    web_config: WebConfig | None = None  # --web.config.file, loaded
+
+
+def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
+    errors = ErrorLog(("process", "host", *(("gpu",) if gpu else ())))
+    gpu_collector = None
+    if gpu:
+        gpu_collector = GpuCollector(errors=errors)
+    try:
+        processes = ProcessCollector(pid, children=children, errors=errors)
+    except psutil.NoSuchProcess as error:  # gone since open_target checked it
+        raise TargetNotFound(f"process {pid} exited while the agent was starting",
+                             "attach to a running job") from error
+    return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
+                   gpu=gpu_collector, errors=errors, interval_seconds=interval,
+                   limits=LimitsCollector(pid), findings=FindingsTracker())
+
+
+def _first_sample(sampler: Sampler) -> Snapshot:
+    snapshot = sampler.sample_once()
+    if not snapshot.target_up:
+        raise TargetNotFound(f"process {sampler.target_pid} exited while the agent was "
+                             "starting", "attach to a running job")
+    return snapshot
+
+
+def _collector(sampler: Sampler) -> SnapshotCollector:
+    return SnapshotCollector(lambda: sampler.latest, interval_seconds=sampler.interval_seconds)
+
+
+def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
+    health = sample_health(lambda: sampler.latest, sampler.interval_seconds,
+                           lambda latest: {"target_pid": sampler.target_pid,
+                                           "target_up": bool(latest and latest.target_up)})
+    return start_metrics_server(_collector(sampler), health, options.listen, options.port,
+                                version=lambda: sampler.latest,
+                                web_config=options.web_config)
+
+
+def _linger(server: MetricsServer, grace: float, exited: str) -> None:
+    """After the target's exit, serve dlprof_target_up 0 for ``grace`` seconds so that
+    Prometheus's next scrape sees the end; but only if anything scraped at all."""
+    if grace <= 0:
+        log.info("%s", exited)
+    elif server.scrapes == 0:
+        log.info("%s; nothing has scraped /metrics, so the agent stops now", exited)
+    else:
+        log.info("%s; serving dlprof_target_up 0 for %g s more, so that the next scrape "
+                 "sees it (Ctrl-C stops now; --grace sets how long)", exited, grace)
+        time.sleep(grace)
+
+
+def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
+          before_stop: Callable[[int], None] | None = None,
+          on_summary: Callable[[dict[str, Any]], None] | None = None,
+          describe_exit: Callable[[], str] | None = None) -> int:
+    """Attach to ``pid``, serve until the duration, Ctrl-C, SIGTERM or the target's
+    exit, then print the summary. Returns the exit code.
+
+    ``before_stop`` gets the port while the endpoint still serves, at the end;
+    ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet;
+    ``describe_exit`` says how the target ended (`run`: with its exit code)."""
+    open_target(pid)
+    status = LiveStatus(out) if out.isatty() and not options.quiet else None
+    configure_logging(status)
+    sampler = make_sampler(pid, interval=options.interval, children=options.children,
+                           gpu=options.gpu)
+    server = _start_server(sampler, options)
+    summary = Summary()
+    probe_source: ProbeSource | None = None
+    try:
+        if options.probe is not None:
+            probe_source = sampler.probe = open_probe(
+                pid, options.probe, interval=options.interval,
+                wait_seconds=options.probe_wait_seconds)
+            if (client := probe_source.client) is not None:
+                log.info("probe active in pid %d (%s)", pid,
+                         ", ".join(client.hello.get("frameworks", [])) or
+                         "no framework imported yet")
+        first = _first_sample(sampler)
+        summary.add(first)
+        log.info("attached to pid %d (%s); serving http://%s:%d/metrics", pid,
+                 first.target.name if first.target else "?", options.listen, server.port)
+
+        stop = threading.Event()
+
+        def on_sample(snapshot: Snapshot) -> None:
+            summary.add(snapshot)
+            if status is not None:
+                status.show(snapshot)
+
+        failures: list[BaseException] = []
+
+        def sample_until_stopped() -> None:
+            # Not niced, unlike the render and serving threads: a niced reader of the
+            # job's thread states runs mostly while the job's threads sleep, which
+            # biases every instantaneous reading (runnable threads) low.
+            try:
+                sampler.run(stop, on_sample)
+            except BaseException as error:  # a bug: re-raised below, with its traceback
+                failures.append(error)
+
+        loop = threading.Thread(target=sample_until_stopped, name="dlprof-sampler",
+                                daemon=True)
+        try:
+            with sigterm_stops():
+                loop.start()
+                deadline = (None if options.duration is None
+                            else time.monotonic() + options.duration)
+                while loop.is_alive():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    loop.join(0.2 if remaining is None else min(0.2, remaining))
+                stop.set()
+                loop.join()
+                if failures:
+                    raise failures[0]
+                exited = not sampler.latest or not sampler.latest.target_up
+                if exited:
+                    if status is not None:
+                        status.clear()
+                    _linger(server, options.grace,
+                            describe_exit() if describe_exit else f"process {pid} exited")
+        except (KeyboardInterrupt, StopRequested):
+            stop.set()
+        if before_stop is not None:
+            before_stop(server.port)
+    finally:
+        if probe_source is not None:
+            probe_source.stop()  # the probe removes its hooks: the job is as it was
+        server.stop()
+    if status is not None:
+        status.clear()
+    if on_summary is not None:
+        on_summary(summary.as_dict(pid))
+    if not options.quiet:
+        latest = sampler.latest
+        print(summary.render(pid, target_exited=bool(latest and not latest.target_up)),
+              file=out)
+    return ExitCode.FINISHED
+
+
+def snapshot_command(pid: int, *, children: bool, gpu: bool, out: TextIO) -> int:
+    """One sample of ``pid``, printed in the text format that /metrics serves."""
+    open_target(pid)
+    configure_logging(None)
+    sampler = make_sampler(pid, interval=DEFAULT_INTERVAL_SECONDS, children=children, gpu=gpu)
+    _first_sample(sampler)
+    out.write(render_text(_collector(sampler)).decode())
+    out.flush()
+    return ExitCode.FINISHED
