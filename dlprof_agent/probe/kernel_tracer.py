@@ -21,8 +21,8 @@ frameworks) and kernels are wanted; it reports one of three states:
   installed", a CUDA major mismatch, or a failure of our own (counted).
 
 Nothing here may hurt the job: every entry point catches everything. Imports
-are the standard library's until tracing starts (``cupti_binding`` and
-``kernel_records`` load numpy and CUPTI only then).
+are the standard library's until tracing starts (``cupti_binding`` loads CUPTI,
+and ``kernel_records``, ``kernel_names`` and ``kernel_totals`` numpy, only then).
 """
 
 from __future__ import annotations
