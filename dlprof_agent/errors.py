@@ -172,8 +172,9 @@ class ProbeStale(ProbeUnavailable):
     """The socket is there but nothing listens: its process ended or exec'd."""
 
 
-class ProbeAlreadyAttached(ProbeUnavailable):
-    """The user asked to attach where an agent is attached already."""
+class ProbeAlreadyAttached(DlprofError):
+    """The user asked to attach where an agent is attached already. Not a
+    ProbeUnavailable: the agent must stop here, not go on without the probe."""
 
     exit_code = ExitCode.ALREADY_ATTACHED
 

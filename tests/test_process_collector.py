@@ -227,11 +227,12 @@ def test_target_gone_while_the_process_is_a_zombie(spawn: Spawn) -> None:
         collector.sample()
 
 
-def test_no_such_process_fails_at_construction() -> None:
+def test_no_such_process_fails_at_construction_in_our_own_terms() -> None:
     pid = 4_194_000  # above every default pid_max
     assert not os.path.exists(f"/proc/{pid}")
-    with pytest.raises(psutil.NoSuchProcess):
+    with pytest.raises(TargetGone) as raised:
         ProcessCollector(pid, errors=ErrorLog())
+    assert raised.value.pid == pid and not isinstance(raised.value, psutil.Error)
 
 
 def test_target_exiting_between_checks_is_target_gone_not_an_error() -> None:

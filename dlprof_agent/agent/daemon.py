@@ -43,7 +43,7 @@ from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
-from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetGone
+from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
@@ -182,7 +182,7 @@ class Daemon:
     def _add(self, pid: int, reason: str) -> None:
         try:
             processes = ProcessCollector(pid, children=True, errors=self._errors)
-        except psutil.Error:
+        except (TargetGone, TargetAccessDenied):
             return  # gone, or not ours to read
         target = Target(pid, reason, processes, limits=LimitsCollector(pid))
         self.targets[pid] = target

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-import psutil
-
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
@@ -27,7 +25,7 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.errors import ExitCode, TargetNotFound
+from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.text import render_text
@@ -64,7 +62,7 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sam
         gpu_collector = GpuCollector(errors=errors)
     try:
         processes = ProcessCollector(pid, children=children, errors=errors)
-    except psutil.NoSuchProcess as error:  # gone since open_target checked it
+    except TargetGone as error:  # gone since open_target checked it
         raise TargetNotFound(f"process {pid} exited while the agent was starting",
                              "attach to a running job") from error
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),

@@ -124,8 +124,13 @@ class ProcessCollector:
         self.children = children
         self._errors = errors
         self._procfs = procfs
-        self._root = process_factory(pid)
-        self._tracked: dict[int, _Tracked] = {pid: _Tracked(self._root, procfs)}
+        try:
+            self._root = process_factory(pid)
+            self._tracked: dict[int, _Tracked] = {pid: _Tracked(self._root, procfs)}
+        except psutil.NoSuchProcess:
+            raise TargetGone(pid) from None
+        except psutil.AccessDenied:
+            raise TargetAccessDenied(f"no permission to read process {pid}", pid=pid) from None
         self._rescan_seconds = rescan_seconds
         self._clock = clock
         self._last_scan: float | None = None
