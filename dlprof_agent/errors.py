@@ -158,9 +158,9 @@ class ProbeUnavailable(DlprofError):
 class ProbeBusy(ProbeUnavailable):
     """Another agent holds the probe's only connection; ``agent_pid`` where it said."""
 
-    def __init__(self, agent_pid: int | None) -> None:
+    def __init__(self, agent_pid: int | None, *, pid: int | None = None) -> None:
         super().__init__("another agent" + (f" (pid {agent_pid})" if agent_pid else "")
-                         + " is attached")
+                         + " is attached", pid=pid)
         self.agent_pid = agent_pid
 
 

@@ -35,7 +35,7 @@ from dlprof_agent.exporters import chrome_trace as trace_writer
 
 POLL_SECONDS = 0.5
 DEFAULT_STEPS = 10
-MAX_STEPS = 100_000  # the probe's own limit (probe.runtime.MAX_TRACE_STEPS)
+MAX_STEPS = 100_000  # the probe's own limit (probe.session.MAX_TRACE_STEPS)
 DEFAULT_TIMEOUT_SECONDS = 300.0
 PAYLOAD_SECONDS = 30.0  # the probe builds the window's records once: allow it that long
 

@@ -213,10 +213,10 @@ class ProbeClient:
         return connection, reply
 
     @staticmethod
-    def _busy(reply: Frame) -> ProbeBusy:
+    def _busy(pid: int, reply: Frame) -> ProbeBusy:
         agent_pid = reply.get("agent_pid")
         return ProbeBusy(agent_pid if isinstance(agent_pid, int) and not isinstance(
-            agent_pid, bool) and agent_pid > 0 else None)
+            agent_pid, bool) and agent_pid > 0 else None, pid=pid)
 
     @classmethod
     def connect(cls, pid: int, path: str, options: Mapping[str, object]) -> ProbeClient:
@@ -225,7 +225,7 @@ class ProbeClient:
         if not reply.get("ok"):
             connection.close()
             if reply.get("error") == "busy":
-                raise cls._busy(reply)
+                raise cls._busy(pid, reply)
             raise ProbeUnavailable(f"it refused to start: {str(reply.get('error'))[:200]}",
                                    pid=pid)
         if reply.get("version") != VERSION:
@@ -243,7 +243,7 @@ class ProbeClient:
         connection, reply = cls._open(pid, path, message)
         if reply.get("error") == "busy":  # a probe that serves no one beside its agent
             connection.close()
-            raise cls._busy(reply)
+            raise cls._busy(pid, reply)
         return cls(pid, connection, {}), reply
 
     def set_timeout(self, seconds: float) -> None:
