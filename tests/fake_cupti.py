@@ -250,17 +250,23 @@ class FakeCupti:
       CUPTI's clock (ns) in every record until another one, or NULL, is
       registered; Kineto registers its TSC clock at every GPU-tracing start and
       never unregisters it (kineto CuptiTimestamp.cpp; evidence item 4: 2.10x).
-      NULL puts CUPTI's clock back but answers 1 (evidence, item 4's reset run).
-      ``cuptiGetTimestamp`` is modelled on CUPTI's own clock either way.
+      NULL answers 1 (CUPTI_ERROR_INVALID_PARAMETER) and changes nothing: with it
+      called at every open, the kernel totals after torch.profiler were still
+      2.10x (GPU evidence 2026-11-26, gpu-tests.txt: 76.2 against 36.3 ms a step;
+      one run on 2026-11-23 that looked right is not reproduced).
+      ``cuptiGetTimestamp`` is on CUPTI's own clock unless
+      ``timestamp_follows_callback`` (not yet seen either way on a GPU).
     """
 
     def __init__(self, *, version: str = "13.4", buffer_records: int | None = None,
-                 now_ns: Callable[[], int] | None = None) -> None:
+                 now_ns: Callable[[], int] | None = None,
+                 timestamp_follows_callback: bool = False) -> None:
         self.version = version
         self.layouts = LAYOUTS[version]
         self.enabled: set[int] = set()
         self.callbacks: tuple[Any, Any] | None = None  # (requested, completed)
         self.timestamp_callback: Callable[[int], int] | None = None  # ns -> its clock
+        self.timestamp_follows_callback = timestamp_follows_callback
         self.flush_period_ms = 0
         self.subscribers: list[str] = []
         self.dropped = 0
@@ -311,14 +317,14 @@ class FakeCupti:
 
     def _register_timestamp_callback(self, callback: Any) -> int:
         self.calls.append("timestamp_callback" if callback else "timestamp_default")
-        self.timestamp_callback = callback or None
-        # NULL put CUPTI's clock back on the evidence's H100 (kernel totals right again)
-        # while the call returned 1, CUPTI_ERROR_INVALID_PARAMETER
-        # (after-profiler-with-timestamp-reset.txt): modelled as it was seen.
-        return SUCCESS if callback else ERROR_INVALID_PARAMETER
+        if not callback:  # refused, and the registered clock stays (see the class doc)
+            return ERROR_INVALID_PARAMETER
+        self.timestamp_callback = callback
+        return SUCCESS
 
     def _get_timestamp(self, out: Any) -> int:
-        out._obj.value = self._now_ns()
+        now = self._now_ns()
+        out._obj.value = self._stamp(now) if self.timestamp_follows_callback else now
         return SUCCESS
 
     def _get_dropped(self, context: Any, stream: int, out: Any) -> int:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import ActivityBinding
     from dlprof_agent.probe.kernel_records import RecordSplitter
     from dlprof_agent.probe.kernel_totals import KernelAggregator
+    from dlprof_agent.probe.record_clock import RecordClock
 
 ACTIVE, BUSY, UNAVAILABLE = "active", "busy", "unavailable"
 STATES = (ACTIVE, BUSY, UNAVAILABLE)
@@ -110,6 +111,7 @@ class KernelTracer:
         self._binding: ActivityBinding | None = None
         self._aggregator: KernelAggregator | None = None
         self._splitter: RecordSplitter | None = None
+        self._record_clock: RecordClock | None = None  # made at each open
         self._generation = 0
         self._next_attempt = 0.0
         self._last_drain = 0.0
@@ -210,8 +212,10 @@ class KernelTracer:
         self._activate(binding, now)
 
     def _activate(self, binding: ActivityBinding, now: float) -> None:
-        from dlprof_agent.probe import kernel_records, kernel_totals
+        from dlprof_agent.probe import kernel_records, kernel_totals, record_clock
 
+        # Another client may have put its clock on the records since we last traced.
+        self._record_clock = record_clock.RecordClock(binding.timestamp_ns)
         if self._aggregator is None:  # kept across restarts: the counters stay monotonic
             self._aggregator = kernel_totals.KernelAggregator()
         self._aggregator.names.forget_pointers()  # a restarted CUPTI has new strings
@@ -333,7 +337,7 @@ class KernelTracer:
             self.correlator = None
             if binding is not None:
                 with contextlib.suppress(Exception):
-                    self._drain_from(binding, self._clock())
+                    self._drain_from(binding, self._clock(), final=True)
                 binding.close()
             self._set(UNAVAILABLE, "switched off (--no-kernels)")
         except Exception as error:
@@ -352,7 +356,7 @@ class KernelTracer:
                 if binding is not None:
                     try:
                         binding.close(forced=True)  # our kinds off, every buffer back
-                        self._drain_from(binding, now)
+                        self._drain_from(binding, now, final=True)
                     finally:
                         self._dropped_before += (binding.counters().get("dropped_records", 0)
                                                  - self._dropped_base)
@@ -379,7 +383,7 @@ class KernelTracer:
         binding, self._binding = self._tracing(), None
         self.correlator = None
         with contextlib.suppress(Exception):
-            self._drain_from(binding, now)
+            self._drain_from(binding, now, final=True)
         self._dropped_before += binding.counters().get("dropped_records", 0) - self._dropped_base
         binding.abandon()
         self._temporary = False
@@ -422,7 +426,7 @@ class KernelTracer:
             self.recorder.capture = None
         if binding is not None:
             with contextlib.suppress(Exception):
-                self._drain_from(binding, self._clock())
+                self._drain_from(binding, self._clock(), final=True)
             with contextlib.suppress(Exception):
                 binding.close()
                 binding.trim()
@@ -432,11 +436,14 @@ class KernelTracer:
     def _drain(self, now: float) -> None:
         self._drain_from(self._tracing(), now)
 
-    def _drain_from(self, binding: ActivityBinding, now: float) -> None:
+    def _drain_from(self, binding: ActivityBinding, now: float, final: bool = False) -> None:
+        """Decode what CUPTI handed over and count it, once the records' clock is
+        known (``record_clock``); ``final``: tracing stops, count what waited."""
         from dlprof_agent.probe import kernel_records as records
 
-        splitter, aggregator = self._splitter, self._aggregator
-        assert splitter is not None and aggregator is not None  # made as tracing started
+        splitter, aggregator, clock = self._splitter, self._aggregator, self._record_clock
+        # All three are made as tracing started.
+        assert splitter is not None and aggregator is not None and clock is not None
         batches = []
         for buffer in binding.take_buffers():
             try:
@@ -446,13 +453,16 @@ class KernelTracer:
             finally:
                 binding.release(buffer)
         elapsed, self._last_drain = now - self._last_drain, now
-        if not batches:
-            return
-        batch = records.Batch.concat(batches)
-        full_ids = aggregator.add(batch, elapsed)
+        ready = clock.take(records.Batch.concat(batches), elapsed) if batches else []
+        if final:
+            ready += clock.settle()
         capture = self.capture
-        if capture is not None and capture.phase in ("recording", "collecting"):
-            capture.keep(batch, full_ids, aggregator)
+        if capture is not None and clock.converts:
+            capture.offset_ns = clock.offset_ns  # its records are on perf_counter ns now
+        for batch, seconds in ready:
+            full_ids = aggregator.add(batch, seconds)
+            if capture is not None and capture.phase in ("recording", "collecting"):
+                capture.keep(batch, full_ids, aggregator)
 
     # Windowed traces.
 
@@ -489,7 +499,10 @@ class KernelTracer:
         binding.enable(added)
         self._extra_kinds = added
         self._drain(now)  # what came before the window is not part of it
-        capture = Capture(steps, now + max_seconds, cupti_clock_offset(binding))
+        clock = self._record_clock
+        offset = clock.offset_ns if clock is not None and clock.converts \
+            else cupti_clock_offset(binding)
+        capture = Capture(steps, now + max_seconds, offset)
         self.capture = capture
         if self.recorder is not None:
             self.recorder.capture = capture
