@@ -22,7 +22,8 @@ frameworks) and kernels are wanted; it reports one of three states:
 
 Nothing here may hurt the job: every entry point catches everything. Imports
 are the standard library's until tracing starts (``cupti_binding`` loads CUPTI,
-and ``kernel_records``, ``kernel_names`` and ``kernel_totals`` numpy, only then).
+and ``kernel_records``, ``kernel_names``, ``kernel_totals`` and ``record_clock``
+numpy, only then).
 """
 
 from __future__ import annotations
