@@ -197,7 +197,9 @@ def parse_stat(text: str) -> Stat:
     fields after it start after the last ")"."""
     pid, _, rest = text.partition(" (")
     comm, _, after = rest.rpartition(")")
+    # Fields the line lacks (an older kernel's shorter line) read as 0.
     fields = after.split()
+    fields += ["0"] * (40 - len(fields))
     # proc(5) numbers the fields from 1, pid and comm being 1 and 2: field n is fields[n - 3].
     ticks = CLOCK_TICKS_PER_SECOND
     return Stat(
@@ -205,7 +207,7 @@ def parse_stat(text: str) -> Stat:
         user_seconds=int(fields[11]) / ticks, system_seconds=int(fields[12]) / ticks,
         threads=int(fields[17]), start_ticks=int(fields[19]), vms_bytes=int(fields[20]),
         rss_bytes=int(fields[21]) * PAGE_SIZE_BYTES,
-        iowait_seconds=int(fields[39]) / ticks if len(fields) > 39 else 0.0)
+        iowait_seconds=int(fields[39]) / ticks)
 
 
 def read_stat(pid: int | str, *, tid: int | None = None, root: str = PROC_ROOT) -> Stat | None:
@@ -412,13 +414,15 @@ def read_cmdline(pid: int, *, root: str = PROC_ROOT, limit_bytes: int = 4096) ->
 
 
 def read_executable(pid: int, *, root: str = PROC_ROOT) -> str | None:
-    """Where the executable was, as the process sees it; None without permission
-    (and for a kernel thread, which has none)."""
+    """Where the executable was, as the process sees it; "" for a process that has none
+    (a kernel thread), None without permission."""
     try:
         return os.readlink(executable_path(pid, root=root))
+    except PermissionError:
+        return None
     except OSError as error:
         _translate(error, pid, None, root)
-        return None
+        return ""
 
 
 def owner_uid(pid: int, *, root: str = PROC_ROOT) -> int:
