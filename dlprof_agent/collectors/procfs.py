@@ -5,7 +5,7 @@ Kept in one file: it is the only module that builds or opens a /proc path
 per-pass cache and the few paths that the injector opens itself (a process's
 memory, its root, its mapped files) sit together.
 
-Each ``read_*`` function takes the procfs root (``root``, "/proc" by default, a
+Each ``read_*`` function takes the procfs root (``root``: ``PROC_ROOT`` by default, a
 captured tree in tests) and returns a typed record. They agree on two rules:
 
 - a process or thread that has gone (ENOENT or ESRCH on its files) raises
@@ -344,7 +344,8 @@ def _environ_entries(file: BinaryIO) -> Iterator[bytes]:
 
 def read_environ(pid: int, *, root: str = PROC_ROOT) -> dict[str, str] | None:
     """The environment the process started with; None when the agent may not read it.
-    Bounded: see ENVIRON_VALUE_MAX_CHARS and the limits beside it. A zombie's is empty."""
+    Bounded: see ENVIRON_VALUE_MAX_CHARS and the limits beside it. The kernel answers
+    ESRCH for a zombie's: TargetGone, as for any process that has exited."""
     try:
         with open(proc_path(pid, "environ", root=root), "rb") as file:
             environment: dict[str, str] = {}
@@ -395,7 +396,7 @@ def read_limits(pid: int, *, root: str = PROC_ROOT) -> dict[str, ResourceLimit] 
 def count_fds(pid: int, *, root: str = PROC_ROOT) -> int | None:
     """Open file descriptors; None without permission."""
     try:
-        return len(os.listdir(proc_path(pid, "fd", root=root)))
+        return sum(name.isdigit() for name in os.listdir(proc_path(pid, "fd", root=root)))
     except OSError as error:
         _translate(error, pid, None, root)
         return None
