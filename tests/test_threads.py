@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.procfs import CLOCK_TICKS_PER_SECOND, ThreadStat, parse_stat
 from dlprof_agent.collectors.threads import (
-    CLOCK_TICKS_PER_SECOND,
     OTHER_THREAD_GROUP,
     ThreadGrouper,
     ThreadGroupSample,
-    ThreadStat,
-    parse_stat_line,
     read_thread_stats,
 )
+from dlprof_agent.errors import TargetGone
 
 HZ = CLOCK_TICKS_PER_SECOND
 
@@ -54,11 +53,11 @@ def stat(tid: int, name: str, user: float, system: float = 0.0,
 
 
 def test_parse_stat_line_keeps_spaces_and_parens_in_the_name() -> None:
-    name, fields = parse_stat_line(stat_line(7, "evil) (x y", utime=3, stime=4))
-    assert name == "evil) (x y"
-    assert fields[0] == "S"
-    assert fields[14 - 3] == "3"
-    assert fields[15 - 3] == "4"
+    parsed = parse_stat(stat_line(7, "evil) (x y", utime=3, stime=4))
+    assert parsed.comm == "evil) (x y"
+    assert parsed.state == "S"
+    assert parsed.user_seconds == pytest.approx(3 / HZ)
+    assert parsed.system_seconds == pytest.approx(4 / HZ)
 
 
 def test_read_thread_stats_from_a_fake_procfs(tmp_path: Path) -> None:
@@ -90,8 +89,7 @@ def test_read_thread_stats_from_a_fake_procfs(tmp_path: Path) -> None:
 
 
 def test_read_thread_stats_of_a_missing_process_raises(tmp_path: Path) -> None:
-    # ProcessCollector turns this into "the process has gone".
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(TargetGone):
         read_thread_stats(999, procfs=str(tmp_path))
 
 

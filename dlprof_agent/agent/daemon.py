@@ -43,6 +43,7 @@ from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.collectors.procfs import read_environ
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
@@ -65,18 +66,12 @@ class DaemonOptions:
     gpu: bool = True
 
 
-def _read_environment(pid: int, procfs: str = "/proc") -> dict[str, str] | None:
+def _read_environment(pid: int) -> dict[str, str] | None:
     """None when it cannot be read: another user's process without root, or gone."""
     try:
-        with open(f"{procfs}/{pid}/environ", "rb") as file:
-            raw = file.read()
-    except OSError:
+        return read_environ(pid)
+    except TargetGone:
         return None
-    environment = {}
-    for entry in raw.split(b"\0"):
-        name, _, value = entry.partition(b"=")
-        environment[name.decode(errors="replace")] = value.decode(errors="replace")
-    return environment
 
 
 class Discovery:

@@ -14,6 +14,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dlprof_agent.collectors.procfs import PROC_ROOT, mounts_path, read_cgroups
+from dlprof_agent.errors import TargetGone
+
 # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number.
 _V1_UNLIMITED = 1 << 62
 
@@ -67,10 +70,13 @@ class _Mounts:
 def _cgroup_paths(pid: int, procfs: str) -> dict[str, str]:
     """Controller ("" for v2) -> the process's cgroup path."""
     paths: dict[str, str] = {}
-    for line in (_read(f"{procfs}/{pid}/cgroup") or "").splitlines():
-        _, controllers, path = line.split(":", 2)
-        for controller in controllers.split(",") if controllers else [""]:
-            paths[controller] = path
+    try:
+        entries = read_cgroups(pid, root=procfs) or ()
+    except TargetGone:
+        entries = ()
+    for entry in entries:
+        for controller in entry.controllers or ("",):
+            paths[controller] = entry.path
     return paths
 
 
@@ -138,12 +144,12 @@ class LimitsCollector:
     ``procfs``, ``mounts_file`` and ``affinity`` are the data sources; tests pass
     their own."""
 
-    def __init__(self, pid: int, *, procfs: str = "/proc",
-                 mounts_file: str = "/proc/self/mounts",
+    def __init__(self, pid: int, *, procfs: str = PROC_ROOT,
+                 mounts_file: str | None = None,
                  affinity: Callable[[int], set[int]] = os.sched_getaffinity) -> None:
         self.pid = pid
         self._procfs = procfs
-        self._mounts = _Mounts.read(mounts_file)
+        self._mounts = _Mounts.read(mounts_path() if mounts_file is None else mounts_file)
         self._affinity = affinity
 
     def sample(self) -> LimitsSample:

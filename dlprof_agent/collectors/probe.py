@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dlprof_agent.collectors.probe_samples import ProbeSample
+from dlprof_agent.collectors.procfs import PROC_ROOT, ProcessFiles, inside_root, read_status
 from dlprof_agent.errors import (
     ConnectionClosed,
     ProbeBusy,
@@ -22,6 +23,7 @@ from dlprof_agent.errors import (
     ProbeStale,
     ProbeUnavailable,
     ProtocolError,
+    TargetGone,
 )
 from dlprof_agent.probe.messages import Frame, Request
 from dlprof_agent.probe.protocol import (
@@ -38,23 +40,22 @@ REPLY_SECONDS = 2.0  # the probe answers within milliseconds unless its process 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
-def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
+def find_probe_socket(pid: int, *, procfs: str = PROC_ROOT) -> str | None:
     """The socket of the probe in ``pid``, looked up where that process's user
     and environment would have put it."""
+    files = ProcessFiles(pid, root=procfs)
     try:
-        uid = os.stat(f"{procfs}/{pid}").st_uid
-    except OSError:
+        uid = files.owner_uid()
+        environ = files.environ() or {}
+        status = files.status()
+    except TargetGone:
         return None
-    environ: dict[str, str] = {}
-    with contextlib.suppress(OSError), open(f"{procfs}/{pid}/environ", "rb") as file:
-        for entry in file.read().split(b"\0"):
-            key, _, value = entry.partition(b"=")
-            environ[key.decode(errors="replace")] = value.decode(errors="replace")
     # In a container the probe names its socket with its own pid, and its /tmp is
     # the container's: look there too, through the process's root.
-    names = dict.fromkeys((socket_name(pid), socket_name(_innermost_pid(pid, procfs))))
+    innermost = status.nspid[-1] if status is not None and status.nspid else pid
+    names = dict.fromkeys((socket_name(pid), socket_name(innermost)))
     for directory in runtime_dir_candidates(uid, environ):
-        for root in ("", f"{procfs}/{pid}/root"):
+        for root in ("", inside_root(pid, "", root=procfs)):
             for name in names:
                 path = root + os.path.join(directory, name)
                 if os.path.exists(path):
@@ -62,25 +63,13 @@ def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
     return None
 
 
-def _innermost_pid(pid: int, procfs: str) -> int:
-    """``pid`` as the process itself sees it, in its own pid namespace."""
-    with contextlib.suppress(OSError, ValueError), open(f"{procfs}/{pid}/status") as file:
-        for line in file:
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return pid
-
-
 def _status_ids(pid: int, procfs: str) -> tuple[int, set[int]]:
-    """The parent pid and the uids (real, effective, saved, filesystem) of ``pid``."""
-    parent, uids = 0, set()
-    with open(f"{procfs}/{pid}/status") as file:
-        for line in file:
-            if line.startswith("PPid:"):
-                parent = int(line.split()[1])
-            elif line.startswith("Uid:"):
-                uids = {int(uid) for uid in line.split()[1:]}
-    return parent, uids
+    """The parent pid and the uids (real, effective, saved, filesystem) of ``pid``.
+    Raises TargetGone, or OSError when it may not be read."""
+    status = read_status(pid, root=procfs)
+    if status is None:
+        raise PermissionError(f"cannot read the status of process {pid}")
+    return status.ppid, set(status.uids)
 
 
 def _descends_from(pid: int, ancestor: int, procfs: str) -> bool:
@@ -91,7 +80,7 @@ def _descends_from(pid: int, ancestor: int, procfs: str) -> bool:
             return False
         try:
             pid = _status_ids(pid, procfs)[0]
-        except (OSError, ValueError):
+        except (OSError, ValueError, TargetGone):
             return False
     return False
 
@@ -118,7 +107,7 @@ def check_socket_place(path: str, uids: set[int]) -> None:
 
 
 def check_peer(connection: socket.socket, pid: int, uids: set[int], path: str,
-               procfs: str = "/proc") -> None:
+               procfs: str = PROC_ROOT) -> None:
     """The process serving ``connection`` must be ``pid`` or one of its
     descendants, running as the job's user (SO_PEERCRED: the kernel's word, not
     the peer's). Raises ProbeImpostor."""
@@ -132,10 +121,10 @@ def check_peer(connection: socket.socket, pid: int, uids: set[int], path: str,
                             f"not process {pid} or one of its children", pid=pid)
 
 
-def target_uids(pid: int, procfs: str = "/proc") -> set[int]:
+def target_uids(pid: int, procfs: str = PROC_ROOT) -> set[int]:
     try:
         return _status_ids(pid, procfs)[1]
-    except (OSError, ValueError):
+    except (OSError, ValueError, TargetGone):
         raise ProbeUnavailable(f"process {pid} is gone", pid=pid) from None
 
 

@@ -8,7 +8,6 @@ whenever a worker exits.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,13 @@ from typing import TypeVar
 import psutil
 
 from dlprof_agent.collectors.error_log import ErrorLog
-from dlprof_agent.collectors.threads import ThreadGrouper, ThreadGroupSample, read_thread_stats
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    ProcessFiles,
+    may_read_io,
+    read_status,
+)
+from dlprof_agent.collectors.threads import ThreadGrouper, ThreadGroupSample
 from dlprof_agent.errors import TargetAccessDenied, TargetGone
 
 COLLECTOR = "process"
@@ -51,27 +56,13 @@ class ProcessSample:
     runnable_threads: int | None = None
 
 
-def read_state(pid: int, *, procfs: str = "/proc") -> str | None:
-    """The one-letter scheduler state of ``pid`` (R, S, D, Z, ...), None if there is no
-    such process. Z (zombie) and X (dead) mean it has exited."""
-    try:
-        with open(f"{procfs}/{pid}/stat") as stat:
-            # The name in parentheses may hold spaces and ')': the state follows the last one.
-            return stat.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def read_peak_rss_bytes(pid: int, *, procfs: str = "/proc") -> int | None:
+def read_peak_rss_bytes(pid: int, *, procfs: str = PROC_ROOT) -> int | None:
     """The kernel's resident high-water mark (VmHWM) since the process started."""
     try:
-        with open(f"{procfs}/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        status = read_status(pid, root=procfs)
+    except TargetGone:
         return None
-    return None
+    return None if status is None else status.vm_hwm_bytes
 
 
 class _PeakTracker:
@@ -115,7 +106,7 @@ class ProcessCollector:
         *,
         children: bool = True,
         errors: ErrorLog,
-        procfs: str = "/proc",
+        procfs: str = PROC_ROOT,
         process_factory: Callable[[int], psutil.Process] = psutil.Process,
         rescan_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -204,12 +195,14 @@ class ProcessCollector:
             threads = process.num_threads()
             io = _optional(process.io_counters)
             open_fds = _optional(process.num_fds)
+        files = ProcessFiles(process.pid, root=self._procfs)
         try:
-            thread_stats = read_thread_stats(process.pid, procfs=self._procfs)
-            thread_groups = state.threads.update(thread_stats)
-        except FileNotFoundError:
+            thread_stats = files.threads()
+            status = files.status()
+        except TargetGone:
             raise psutil.NoSuchProcess(process.pid) from None
-        hwm = read_peak_rss_bytes(process.pid, procfs=self._procfs)
+        thread_groups = state.threads.update(thread_stats)
+        hwm = None if status is None else status.vm_hwm_bytes
         return ProcessSample(
             pid=process.pid,
             ppid=ppid,
@@ -243,16 +236,11 @@ def _optional(read: Callable[[], _T]) -> _T | None:
         return None
 
 
-def check_access(pid: int, *, procfs: str = "/proc") -> None:
+def check_access(pid: int, *, procfs: str = PROC_ROOT) -> None:
     """Raise ``TargetAccessDenied`` unless this process may read the target fully.
 
     /proc/<pid>/io needs the same check as ptrace read access: same user, or
     CAP_SYS_PTRACE.
     """
-    if not os.path.exists(f"{procfs}/{pid}/io"):
-        return  # kernel without I/O accounting: nothing to check
-    try:
-        with open(f"{procfs}/{pid}/io") as io_file:
-            io_file.read()  # the kernel checks access on read, not on open
-    except PermissionError:
-        raise TargetAccessDenied(f"no permission to read process {pid}", pid=pid) from None
+    if not may_read_io(pid, root=procfs):
+        raise TargetAccessDenied(f"no permission to read process {pid}", pid=pid)

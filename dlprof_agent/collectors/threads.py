@@ -1,35 +1,22 @@
-"""Per-thread CPU time from procfs, grouped by thread name.
+"""Per-thread CPU time grouped by thread name.
 
-psutil reports per-thread CPU without names, so the thread stat files are read
-here directly: one read per thread gives its name, user, system and block-I/O
-wait ticks.
+psutil reports per-thread CPU without names, so the threads come from the task
+stat files (``collectors/procfs.py``): one read per thread gives its name, user,
+system and block-I/O wait ticks. This module keeps the groups' counters.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-CLOCK_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-# Field positions after the ")" that ends the command name in /proc/*/stat
-# (proc(5) numbers them from 1 and counts pid and comm as fields 1 and 2).
-_UTIME = 14 - 3
-_STIME = 15 - 3
-_BLKIO_TICKS = 42 - 3
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    ThreadStat,
+    read_task_stats,
+)
 
 OTHER_THREAD_GROUP = "other"
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadStat:
-    tid: int
-    name: str
-    user_seconds: float
-    system_seconds: float
-    iowait_seconds: float
-    state: str = ""  # scheduler state at the read: R runs or waits for a CPU, S sleeps, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,39 +30,10 @@ class ThreadGroupSample:
     iowait_seconds: float
 
 
-def parse_stat_line(line: str) -> tuple[str, list[str]]:
-    """Split a /proc stat line into (comm, fields after comm).
-
-    The name sits in parentheses and may itself hold spaces or ")".
-    """
-    open_paren = line.index("(")
-    close_paren = line.rindex(")")
-    return line[open_paren + 1 : close_paren], line[close_paren + 2 :].split()
-
-
-def read_thread_stats(pid: int, *, procfs: str = "/proc") -> list[ThreadStat]:
-    """Read every thread of ``pid``. Threads that exit mid-read are skipped."""
-    task_dir = f"{procfs}/{pid}/task"
-    stats: list[ThreadStat] = []
-    for entry in os.listdir(task_dir):
-        try:
-            with open(f"{task_dir}/{entry}/stat") as stat_file:
-                line = stat_file.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        name, fields = parse_stat_line(line)
-        blkio_ticks = int(fields[_BLKIO_TICKS]) if len(fields) > _BLKIO_TICKS else 0
-        stats.append(
-            ThreadStat(
-                tid=int(entry),
-                name=name,
-                user_seconds=int(fields[_UTIME]) / CLOCK_TICKS_PER_SECOND,
-                system_seconds=int(fields[_STIME]) / CLOCK_TICKS_PER_SECOND,
-                iowait_seconds=blkio_ticks / CLOCK_TICKS_PER_SECOND,
-                state=fields[0],
-            )
-        )
-    return stats
+def read_thread_stats(pid: int, *, procfs: str = PROC_ROOT) -> list[ThreadStat]:
+    """Every thread of ``pid``; threads that exit mid-read are left out. Raises
+    TargetGone when the process has gone."""
+    return list(read_task_stats(pid, root=procfs))
 
 
 @dataclass

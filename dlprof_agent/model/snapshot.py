@@ -13,9 +13,8 @@ from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.collectors.procfs import read_self_statm_rss_bytes
 from dlprof_agent.model.findings import Finding
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +30,8 @@ class AgentSelfSample:
     def read(cls) -> AgentSelfSample:
         times = os.times()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        try:
-            with open("/proc/self/statm") as statm:
-                rss = int(statm.read().split()[1]) * _PAGE_SIZE
-        except OSError:
+        rss = read_self_statm_rss_bytes()
+        if rss is None:
             rss = peak
         # The kernel updates the high-water mark lazily; the current value can be ahead.
         return cls(times.user + times.system, rss, max(peak, rss))

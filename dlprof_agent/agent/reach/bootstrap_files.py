@@ -16,6 +16,8 @@ import tempfile
 import threading
 import time
 
+from dlprof_agent.collectors.procfs import PROC_ROOT, inside_root
+
 BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
 
 
@@ -58,14 +60,14 @@ class Bootstrap:
             self._tmp_fd = -1
 
 
-def write_bootstrap(pid: int, code: str, *, procfs: str = "/proc") -> Bootstrap:
+def write_bootstrap(pid: int, code: str, *, procfs: str = PROC_ROOT) -> Bootstrap:
     """Write ``code`` to a file process ``pid`` can open (at ``.seen_as``).
 
     Prefers the target's own /tmp, reached through /proc/<pid>/root, so a job in another
     container sees the file; falls back to the agent's temporary directory.
     """
     try:
-        return Bootstrap(f"{procfs}/{pid}/root/tmp", "/tmp", code)
+        return Bootstrap(inside_root(pid, "/tmp", root=procfs), "/tmp", code)
     except OSError:
         local = tempfile.gettempdir()
         return Bootstrap(local, local, code)
@@ -150,7 +152,7 @@ def remove_stale_files(pid: int | None = None, *, now: float | None = None) -> l
     when = time.time() if now is None else now
     places = [tempfile.gettempdir()]
     if pid is not None:
-        places.append(f"/proc/{pid}/root/tmp")
+        places.append(inside_root(pid, "/tmp"))
     seen: set[tuple[int, int]] = set()
     removed: list[str] = []
     for place in places:

@@ -31,6 +31,7 @@ from dlprof_agent.agent.reach.threads import (
     same_process,
     thread_syscalls,
 )
+from dlprof_agent.collectors.procfs import PROC_ROOT
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow
 
 GDB_SESSION_SECONDS = 30.0  # a session takes milliseconds; this only bounds a stuck gdb
@@ -148,7 +149,7 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap
     if not same_process(pid, start_time):
         raise exited_during_injection(pid)
     if "ptrace: Operation not permitted" in output:
-        raise refused(pid, "/proc", "ptrace was denied")
+        raise refused(pid, PROC_ROOT, "ptrace was denied")
     if verdict and verdict[0] == "no-thread-in-kernel":
         raise no_safe_point(pid, wait_seconds)
     detail = (" ".join(verdict) if verdict else None) or next(

@@ -39,7 +39,7 @@ import sys
 from dlprof_agent.agent.reach.bootstrap_files import remove_stale_files
 from dlprof_agent.agent.reach.gdb import inject_with_gdb
 from dlprof_agent.agent.reach.pending import QueuedBootstrap, pending_bootstrap
-from dlprof_agent.agent.reach.procfs import read_text
+from dlprof_agent.agent.reach.procfs import comm
 from dlprof_agent.agent.reach.ptrace import inject_with_ptrace, plan_calls
 from dlprof_agent.agent.reach.remote_exec import inject_with_remote_exec
 from dlprof_agent.agent.reach.runtime import (
@@ -74,8 +74,7 @@ def inject(pid: int, code: str, *, wait_seconds: float | None = None
                               "give the training job's pid", pid=pid)
     runtime = find_python_runtime(pid)
     if runtime is None:
-        comm = (read_text(f"/proc/{pid}/comm") or "?").strip()
-        raise NotPython(f"process {pid} ({comm}) is not a Python process the probe can run in",
+        raise NotPython(f"process {pid} ({comm(pid)}) is not a Python process the probe can run in",
                         "give the pid of the python process running the training script; "
                         f"for a launcher or shell, list its children with `pgrep -a -P {pid}`",
                         pid=pid)

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from dlprof_agent.agent.reach.procfs import start_ticks
+from dlprof_agent.collectors.procfs import open_memory
 
 FLAG_BYTES = 16  # at the start of the page: the job writes b"ran" there; the code follows
 ADDRESS_PLACEHOLDER = "0xDLPROFAGENTADDR0"  # as wide as "%#018x" of a 64-bit address
@@ -70,7 +71,7 @@ class QueuedBootstrap:
         if start_ticks(self.pid) != self.start_time:
             return "gone"
         try:
-            with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as memory:
+            with open_memory(self.pid) as memory:
                 memory.seek(self.address)
                 flag = memory.read(len(_RAN))
         except OSError:

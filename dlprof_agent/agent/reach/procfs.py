@@ -1,65 +1,69 @@
-"""Small reads of /proc that the target checks and the injectors share. Each returns
-None (or nothing) for a process that is gone or not ours to read, unless it says
-otherwise."""
+"""What the target checks and the injectors ask of a process, read through the one
+/proc reader (``collectors/procfs.py``). Each returns None (or nothing) for a process
+that is gone or not ours to read, unless it says otherwise."""
 
 from __future__ import annotations
 
-import os
 import pwd
 
-from dlprof_agent.collectors.process import read_state
-from dlprof_agent.errors import TargetNotFound
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    Mapping,
+    Status,
+    owner_uid,
+    read_comm,
+    read_memory_map,
+    read_stat,
+    read_state,
+    read_status,
+)
+from dlprof_agent.errors import TargetGone, TargetNotFound
 
-# One mapping of /proc/<pid>/maps: start, end, permissions, file offset, path ("" if none).
-Mapping = tuple[int, int, str, int, str]
 
-
-def read_text(path: str) -> str | None:
+def status_of(pid: int | str, *, tid: int | None = None,
+              procfs: str = PROC_ROOT) -> Status | None:
+    """The status of ``pid`` ("self" too) or of its thread ``tid``."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as file:
-            return file.read()
-    except OSError:
+        return read_status(pid, tid=tid, root=procfs)
+    except (TargetGone, ValueError):
         return None
 
 
-def status_field(pid: int | str, field: str, procfs: str = "/proc") -> str | None:
-    """One field of /proc/<pid>/status (``pid`` may be "self" or "<pid>/task/<tid>")."""
-    for line in (read_text(f"{procfs}/{pid}/status") or "").splitlines():
-        key, _, value = line.partition(":")
-        if key == field:
-            return value.strip()
-    return None
-
-
-def hex_status_field(pid: int | str, field: str, procfs: str = "/proc") -> int | None:
-    """A bit mask of /proc/<pid>/status (CapEff, SigBlk, ...)."""
-    value = status_field(pid, field, procfs)
-    try:
-        return int(value, 16) if value is not None else None
-    except ValueError:
-        return None
-
-
-def start_ticks(pid: int, procfs: str = "/proc") -> int | None:
+def start_ticks(pid: int, procfs: str = PROC_ROOT) -> int | None:
     """Field 22 of /proc/<pid>/stat, the start time in clock ticks since boot: a pid
     reused by another process has another."""
-    text = read_text(f"{procfs}/{pid}/stat")
-    if text is None:
-        return None
     try:
-        return int(text.rpartition(")")[2].split()[19])
-    except (IndexError, ValueError):
+        stat = read_stat(pid, root=procfs)
+    except (TargetGone, ValueError, IndexError):
         return None
+    return None if stat is None else stat.start_ticks
 
 
-def running(pid: int, procfs: str = "/proc") -> bool:
+def thread_state(pid: int, tid: int) -> str | None:
+    """The scheduler state letter of thread ``tid`` of ``pid``."""
+    try:
+        stat = read_stat(pid, tid=tid)
+    except (TargetGone, ValueError, IndexError):
+        return None
+    return None if stat is None else stat.state
+
+
+def comm(pid: int, procfs: str = PROC_ROOT) -> str:
+    """The process's name, "?" when it cannot be read."""
+    try:
+        return read_comm(pid, root=procfs) or "?"
+    except TargetGone:
+        return "?"
+
+
+def running(pid: int, procfs: str = PROC_ROOT) -> bool:
     """There is such a process and it has not exited (a zombie has)."""
-    return read_state(pid, procfs=procfs) not in (None, "Z", "X")
+    return read_state(pid, root=procfs) not in (None, "Z", "X")
 
 
-def raise_if_gone(pid: int, procfs: str = "/proc") -> None:
+def raise_if_gone(pid: int, procfs: str = PROC_ROOT) -> None:
     """The process behind a failed /proc read: TargetNotFound when there is none left."""
-    state = read_state(pid, procfs=procfs)
+    state = read_state(pid, root=procfs)
     if state is None:
         raise TargetNotFound(f"no process with pid {pid}",
                              "check the pid with `ps -eo pid,user,args | grep python`", pid=pid)
@@ -69,15 +73,10 @@ def raise_if_gone(pid: int, procfs: str = "/proc") -> None:
 
 def memory_map(pid: int) -> list[Mapping]:
     """Each mapping of ``pid``; empty when it cannot be read."""
-    mappings = []
-    for line in (read_text(f"/proc/{pid}/maps") or "").splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 5:
-            continue
-        start, _, end = fields[0].partition("-")
-        mappings.append((int(start, 16), int(end, 16), fields[1], int(fields[2], 16),
-                         fields[5] if len(fields) == 6 else ""))
-    return mappings
+    try:
+        return read_memory_map(pid) or []
+    except TargetGone:
+        return []
 
 
 def user_name(uid: int) -> str:
@@ -88,9 +87,9 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def owner(pid: int, procfs: str = "/proc") -> str:
+def owner(pid: int, procfs: str = PROC_ROOT) -> str:
     """Who owns process ``pid``, in words."""
     try:
-        return user_name(os.stat(f"{procfs}/{pid}").st_uid)
-    except OSError:
+        return user_name(owner_uid(pid, root=procfs))
+    except TargetGone:
         return "another user"

@@ -43,13 +43,7 @@ from dlprof_agent.agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.agent.reach.procfs import (
-    Mapping,
-    hex_status_field,
-    memory_map,
-    read_text,
-    start_ticks,
-)
+from dlprof_agent.agent.reach.procfs import memory_map, start_ticks, status_of, thread_state
 from dlprof_agent.agent.reach.refusal import refused
 from dlprof_agent.agent.reach.runtime import PythonRuntime
 from dlprof_agent.agent.reach.threads import (
@@ -59,7 +53,15 @@ from dlprof_agent.agent.reach.threads import (
     same_process,
     thread_syscalls,
 )
-from dlprof_agent.errors import InjectionFailed, InjectionNotNow
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    Mapping,
+    executable_path,
+    inside_root,
+    open_memory,
+    read_executable,
+)
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
 
 _PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
 _PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207
@@ -158,13 +160,13 @@ def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget:
 
 
 def _read_memory(pid: int, address: int, size: int) -> bytes:
-    with open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
+    with open_memory(pid) as memory:
         memory.seek(address)
         return memory.read(size)
 
 
 def _write_memory(pid: int, address: int, data: bytes) -> None:
-    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as memory:
+    with open_memory(pid, writable=True) as memory:
         memory.seek(address)
         if memory.write(data) != len(data):
             raise OSError(f"short write to process {pid}")
@@ -234,7 +236,8 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
 
 
 def _blocked_signals(pid: int, tid: int) -> int | None:
-    return hex_status_field(f"{pid}/task/{tid}", "SigBlk")
+    status = status_of(pid, tid=tid)
+    return None if status is None else status.sig_blk
 
 
 def _waiting_threads(pid: int) -> list[int]:
@@ -245,10 +248,9 @@ def _waiting_threads(pid: int) -> list[int]:
             number, arguments = int(fields[0]), [int(field, 16) for field in fields[1:7]]
         except (IndexError, ValueError):
             continue  # "running", or -1: not in a system call
-        task_state = (read_text(f"/proc/{pid}/task/{tid}/stat") or ")").rpartition(")")[2]
         # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
         # would keep the agent waiting for its stop.
-        if _borrowable(number, arguments) and task_state.split()[:1] == ["S"]:
+        if _borrowable(number, arguments) and thread_state(pid, tid) == "S":
             found.append(tid)
     return found
 
@@ -294,7 +296,7 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
             ptrace(_PTRACE_SEIZE, tid)
         except OSError as error:
             if error.errno == errno.EPERM:
-                raise refused(pid, "/proc", "ptrace was denied") from None
+                raise refused(pid, PROC_ROOT, "ptrace was denied") from None
             continue
         stopped, signal_to_pass = False, 0
         try:
@@ -348,14 +350,16 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     if libc is None:
         return None
     try:
-        exe = os.readlink(f"/proc/{pid}/exe")
-    except OSError:
+        exe = read_executable(pid)
+    except TargetGone:
         return None
-    python_file = (f"/proc/{pid}/exe" if runtime.library == exe
-                   else f"/proc/{pid}/root{runtime.library}")
+    if exe is None:
+        return None
+    python_file = (executable_path(pid) if runtime.library == exe
+                   else inside_root(pid, runtime.library))
     add = _function_address(pid, maps, runtime.library, python_file, "Py_AddPendingCall")
     run = _function_address(pid, maps, runtime.library, python_file, "PyRun_SimpleString")
-    allocate = _function_address(pid, maps, libc, f"/proc/{pid}/root{libc}", "mmap")
+    allocate = _function_address(pid, maps, libc, inside_root(pid, libc), "mmap")
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None

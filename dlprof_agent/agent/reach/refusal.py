@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import os
 
-from dlprof_agent.agent.reach.procfs import (
-    hex_status_field,
-    owner,
-    read_text,
-    status_field,
-    user_name,
-)
+from dlprof_agent.agent.reach.procfs import comm, owner, status_of, user_name
+from dlprof_agent.collectors.procfs import read_ptrace_scope
 from dlprof_agent.errors import InjectionRefused
 
 CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
@@ -20,13 +15,15 @@ CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
 
 def refused(pid: int, procfs: str, what: str) -> InjectionRefused:
     """The one-line refusal, with what would make the kernel say yes here."""
-    tracer = status_field(pid, "TracerPid", procfs)
-    if tracer not in (None, "0"):
-        comm = (read_text(f"{procfs}/{tracer}/comm") or "?").strip()
+    status = status_of(pid, procfs=procfs)
+    tracer = 0 if status is None else status.tracer_pid
+    if tracer:
         return InjectionRefused(
-            f"cannot attach to process {pid}: it is already traced by pid {tracer} ({comm})",
+            f"cannot attach to process {pid}: it is already traced by pid {tracer} "
+            f"({comm(tracer, procfs)})",
             "only one tracer at a time: detach that debugger or profiler, then retry", pid=pid)
-    own_caps = hex_status_field("self", "CapEff", procfs) or 0
+    own_status = status_of("self", procfs=procfs)
+    own_caps = (own_status.cap_eff if own_status is not None else None) or 0
     has_ptrace = bool(own_caps >> CAP_SYS_PTRACE & 1)
     message = (f"not allowed to attach to process {pid} ({what}; it is owned by "
                f"{owner(pid, procfs)}, the agent runs as {user_name(os.getuid())} "
@@ -34,14 +31,14 @@ def refused(pid: int, procfs: str, what: str) -> InjectionRefused:
     if not has_ptrace:
         hint = ("run the agent as the job's user or give it CAP_SYS_PTRACE (root without it is "
                 "not enough; in a container: --cap-add SYS_PTRACE)")
-    elif (hex_status_field(pid, "CapPrm", procfs) or 0) & ~own_caps:
+    elif ((status.cap_prm if status is not None else None) or 0) & ~own_caps:
         # The kernel also wants the tracer to hold every capability the tracee holds.
         hint = ("the job holds capabilities the agent lacks: run the agent with at least the "
                 "job's privileges (in a container: the same --cap-add/--privileged)")
     else:
         hint = ("the job may run in a parent user namespace, or a security module (AppArmor, "
                 "SELinux) forbids ptrace: run the agent inside the job's container")
-    scope = (read_text(f"{procfs}/sys/kernel/yama/ptrace_scope") or "").strip()
+    scope = read_ptrace_scope(root=procfs) or ""
     if scope == "1":
         hint += ("; kernel.yama.ptrace_scope is 1: only a parent process may attach unless "
                  "the agent has CAP_SYS_PTRACE, so the same user is not enough")

@@ -12,6 +12,7 @@ from dlprof_agent.agent.reach.bootstrap_files import (
     write_bootstrap,
 )
 from dlprof_agent.agent.reach.refusal import refused
+from dlprof_agent.collectors.procfs import PROC_ROOT
 from dlprof_agent.errors import InjectionFailed, TargetNotFound
 
 
@@ -30,7 +31,7 @@ def inject_with_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str
         raise TargetNotFound(f"process {pid} exited before the probe could be injected",
                              "attach to a running job", pid=pid) from None
     except PermissionError:
-        raise refused(pid, "/proc", "sys.remote_exec was denied") from None
+        raise refused(pid, PROC_ROOT, "sys.remote_exec was denied") from None
     except (OSError, RuntimeError, ValueError) as error:
         raise InjectionFailed(f"sys.remote_exec into process {pid} failed: {_first_line(error)}",
                               "the job must not disable remote debugging "

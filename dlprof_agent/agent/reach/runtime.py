@@ -12,6 +12,16 @@ from dataclasses import dataclass
 from dlprof_agent.agent.reach.elf import ElfScan, scan_elf_file
 from dlprof_agent.agent.reach.procfs import raise_if_gone
 from dlprof_agent.agent.reach.refusal import refused
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    Mapping,
+    executable_path,
+    inside_root,
+    mapped_file,
+    read_executable,
+    read_memory_map,
+)
+from dlprof_agent.errors import TargetGone
 
 # What the injectors call in the job (besides libc's mmap); both must be defined in the
 # target (readelf --dyn-syms).
@@ -38,22 +48,21 @@ def _version_from_name(path: str) -> tuple[int, int] | None:
 
 
 
-def _libpython_mappings(maps: str) -> dict[str, str]:
+def _libpython_mappings(maps: list[Mapping]) -> dict[str, tuple[int, int]]:
     """Mapped libpython3*.so* files: path as the target sees it -> one address range."""
-    found: dict[str, str] = {}
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and _LIBPYTHON.match(os.path.basename(fields[5].split(" (")[0])):
-            found.setdefault(fields[5], fields[0])
+    found: dict[str, tuple[int, int]] = {}
+    for start, end, _, _, path in maps:
+        if path and _LIBPYTHON.match(os.path.basename(path.split(" (")[0])):
+            found.setdefault(path, (start, end))
     return found
 
 
-def _scan_mapped(pid: int, procfs: str, path: str, addresses: str) -> ElfScan | None:
+def _scan_mapped(pid: int, procfs: str, path: str, addresses: tuple[int, int]
+                 ) -> ElfScan | None:
     # Through the target's root first (its mount namespace); then map_files, which
     # still opens a library deleted or replaced since it was loaded.
-    start, _, end = addresses.partition("-")
-    candidates = [f"{procfs}/{pid}/root{path.removesuffix(' (deleted)')}",
-                  f"{procfs}/{pid}/map_files/{int(start, 16):x}-{int(end, 16):x}"]
+    candidates = [inside_root(pid, path.removesuffix(" (deleted)"), root=procfs),
+                  mapped_file(pid, *addresses, root=procfs)]
     denied: PermissionError | None = None
     for candidate in candidates:
         try:
@@ -68,7 +77,7 @@ def _scan_mapped(pid: int, procfs: str, path: str, addresses: str) -> ElfScan | 
     return None
 
 
-def find_python_runtime(pid: int, *, procfs: str = "/proc") -> PythonRuntime | None:
+def find_python_runtime(pid: int, *, procfs: str = PROC_ROOT) -> PythonRuntime | None:
     """The ELF file through which process ``pid`` exports the CPython C API.
 
     None when the process is not a CPython we can inject into: neither its executable
@@ -78,14 +87,17 @@ def find_python_runtime(pid: int, *, procfs: str = "/proc") -> PythonRuntime | N
     Raises TargetNotFound when there is no such (live) process, and InjectionRefused
     when the process exists but the agent may not read its executable or mappings.
     """
-    base = f"{procfs}/{pid}"
     try:
-        exe_path = os.readlink(f"{base}/exe")
+        exe_path = read_executable(pid, root=procfs)
+        if exe_path is None:
+            raise PermissionError(pid)
+        if not exe_path:  # a kernel thread has no executable
+            return None
         # Opening the link itself reaches the file even across mount namespaces.
-        exe_scan = scan_elf_file(f"{base}/exe")
+        exe_scan = scan_elf_file(executable_path(pid, root=procfs))
     except PermissionError:
         raise refused(pid, procfs, "cannot read its executable") from None
-    except OSError:  # a kernel thread has no executable, an exited process no /proc entry
+    except (OSError, TargetGone):  # an exited process has no /proc entry
         raise_if_gone(pid, procfs)
         return None
     exe_version = _version_from_name(exe_path.removesuffix(" (deleted)"))
@@ -93,13 +105,12 @@ def find_python_runtime(pid: int, *, procfs: str = "/proc") -> PythonRuntime | N
         return PythonRuntime(exe_path, exe_scan.py_version or exe_version)
 
     try:
-        with open(f"{base}/maps", encoding="utf-8", errors="replace") as file:
-            maps = file.read()
-    except PermissionError:
-        raise refused(pid, procfs, "cannot read its memory map") from None
-    except OSError:
+        maps = read_memory_map(pid, root=procfs)
+    except TargetGone:
         raise_if_gone(pid, procfs)
         return None
+    if maps is None:
+        raise refused(pid, procfs, "cannot read its memory map")
     for path, addresses in _libpython_mappings(maps).items():
         try:
             scan = _scan_mapped(pid, procfs, path, addresses)

@@ -10,7 +10,8 @@ import psutil
 
 from dlprof_agent.agent.reach.procfs import start_ticks, user_name
 from dlprof_agent.collectors.process import check_access
-from dlprof_agent.errors import TargetAccessDenied, TargetNotFound, UsageError
+from dlprof_agent.collectors.procfs import PROC_ROOT, read_cmdline, read_executable
+from dlprof_agent.errors import TargetAccessDenied, TargetGone, TargetNotFound, UsageError
 
 PRIVILEGE_HINT = ("run the agent as the same user as the job, or as root, or grant it "
                   "CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE)")
@@ -23,7 +24,7 @@ def _owner(process: psutil.Process) -> str:
         return "another user"
 
 
-def open_target(pid: int, *, procfs: str = "/proc") -> psutil.Process:
+def open_target(pid: int, *, procfs: str = PROC_ROOT) -> psutil.Process:
     """Return the process for ``pid`` once it is known to exist and be readable."""
     if pid <= 0:
         raise UsageError(f"invalid pid {pid}", "give the positive pid of the training job")
@@ -63,16 +64,16 @@ class ProgramIdentity:
         return f"`{command}` ({self.executable})"
 
 
-def program_identity(pid: int, *, procfs: str = "/proc") -> ProgramIdentity | None:
+def program_identity(pid: int, *, procfs: str = PROC_ROOT) -> ProgramIdentity | None:
     """None when it cannot be read (gone, or not ours to read)."""
     started = start_ticks(pid, procfs)
     if started is None:
         return None
     try:
-        executable = os.readlink(f"{procfs}/{pid}/exe")
-        with open(f"{procfs}/{pid}/cmdline", "rb") as file:
-            command = file.read(4096).rstrip(b"\0").replace(b"\0", b" ").decode(
-                errors="replace")
-    except OSError:
+        executable = read_executable(pid, root=procfs)
+        command = read_cmdline(pid, root=procfs)
+    except TargetGone:
+        return None
+    if not executable or command is None:
         return None
     return ProgramIdentity(started, executable, command)

@@ -6,11 +6,10 @@ went away under them."""
 
 from __future__ import annotations
 
-import os
-
 from dlprof_agent.agent.reach.procfs import running, start_ticks
 from dlprof_agent.agent.reach.refusal import refused
-from dlprof_agent.errors import InjectionNotNow, TargetNotFound
+from dlprof_agent.collectors.procfs import PROC_ROOT, list_tasks, read_task_syscall
+from dlprof_agent.errors import InjectionNotNow, TargetGone, TargetNotFound
 
 POLL_SECONDS = 0.005  # between looks at the threads' states
 
@@ -21,19 +20,18 @@ def thread_syscalls(pid: int) -> list[tuple[int, list[str]]]:
     waits in, or "running" or -1 when it waits in none. Threads that end meanwhile are
     left out. Raises InjectionRefused when the agent may not read them."""
     try:
-        tids = sorted((int(task) for task in os.listdir(f"/proc/{pid}/task")),
-                      key=lambda tid: tid != pid)
-    except (OSError, ValueError):
+        tids = list_tasks(pid)
+    except (TargetGone, ValueError):
         return []
     found = []
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/syscall", encoding="ascii") as file:
-                found.append((tid, file.read().split()))
-        except PermissionError:
-            raise refused(pid, "/proc", "cannot read the state of its threads") from None
-        except OSError:
+            fields = read_task_syscall(pid, tid)
+        except TargetGone:
             continue
+        if fields is None:
+            raise refused(pid, PROC_ROOT, "cannot read the state of its threads")
+        found.append((tid, fields))
     return found
 
 
