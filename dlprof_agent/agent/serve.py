@@ -19,8 +19,8 @@ from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
 from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.reach.target import open_target
 from dlprof_agent.agent.sampler import Sampler
+from dlprof_agent.agent.snapshot_builder import error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
-from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
@@ -55,8 +55,9 @@ class ServeOptions:
     web_config: WebConfig | None = None  # --web.config.file, loaded
 
 
-def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
-    errors = ErrorLog(("process", "host", *(("gpu",) if gpu else ())))
+def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
+                 probe: bool = False) -> Sampler:
+    errors = error_log(gpu=gpu, probe=probe)
     gpu_collector = None
     if gpu:
         gpu_collector = GpuCollector(errors=errors)
@@ -118,7 +119,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     configure_logging(status)
     sampler = make_sampler(pid, interval=options.interval, children=options.children,
-                           gpu=options.gpu)
+                           gpu=options.gpu, probe=options.probe is not None)
     server = _start_server(sampler, options)
     summary = Summary()
     probe_source: ProbeSource | None = None
