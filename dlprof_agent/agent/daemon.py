@@ -32,7 +32,12 @@ from dlprof_agent.agent.loop import (
     sample_health,
     sigterm_stops,
 )
-from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.channel import (
+    DEFAULT_TIMEOUTS,
+    ChannelTimeouts,
+    ProbeSource,
+    open_probe,
+)
 from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
@@ -60,6 +65,7 @@ class DaemonOptions:
     environment: tuple[tuple[str, str], ...] = ()  # (name, value) every target must have
     probe: ProbeOptions | None = None  # None: never talk to the processes
     gpu: bool = True
+    channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long each probe's channel waits
 
 
 def _read_environment(pid: int, procfs: str = "/proc") -> dict[str, str] | None:
@@ -196,7 +202,8 @@ class Daemon:
         if target.reason == "probe":
             options = replace(options, inject=False)  # it has one: never inject another
         try:
-            source = open_probe(target.pid, options, interval=self.options.interval)
+            source = open_probe(target.pid, options, interval=self.options.interval,
+                                timeouts=self.options.channel)
         except ProbeAlreadyAttached as error:
             log.warning("no in-process metrics for pid %d: %s", target.pid, error.one_line())
             return
