@@ -25,11 +25,14 @@ from dlprof_agent.agent.snapshot_builder import (
     error_log,
     target_snapshot,
 )
+from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
+from dlprof_agent.collectors.nvml import Nvml
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.model.snapshot import AgentSelfSample
+from tests.fake_nvml import FakeDevice, FakeNvml, ProcessInfo
 
 MARKER = "dlprof-snapshot-builder-test"
 
@@ -272,3 +275,27 @@ def test_the_daemon_finds_its_target_and_drops_it_in_the_pass_it_exits(
     assert node.targets == () and daemon.targets == {}
     assert dict(node.collector_errors) == {"process": 0, "host": 0}
     assert daemon.latest is node and node.samples_total == 2
+
+
+def test_a_process_on_a_gpu_becomes_a_daemon_target_with_its_gpu_series(
+        spawn_sleeper: Callable[[], subprocess.Popen[bytes]]) -> None:
+    # NVML (the stand-in: no GPU here) lists a real process as resident on a GPU:
+    # the pass's GPU read tells the daemon's next scan about it.
+    sleeper, bystander = spawn_sleeper(), spawn_sleeper()
+    fake = FakeNvml([FakeDevice(compute_processes=[ProcessInfo(sleeper.pid, 1 << 30)])])
+    errors = error_log(gpu=True, probe=False)
+    options = DaemonOptions(interval=1.0, scan_interval=0.1, gpu=True)
+    daemon = Daemon(options, discovery=Discovery(options, socket_dirs=()),
+                    host=HostCollector(), errors=errors,
+                    gpu=GpuCollector(nvml=Nvml(lib=fake), errors=errors, clock=lambda: 0.0),
+                    clock=SteppingClock(0.0, 0.25))
+    first = daemon.sample_once()
+    assert first.targets == () and first.gpu is not None
+    assert sleeper.pid in first.gpu.resident_pids
+    second = daemon.sample_once()
+    assert [s.target_pid for s in second.targets] == [sleeper.pid]
+    assert daemon.targets[sleeper.pid].reason == "gpu"
+    assert second.gpu is not None
+    assert [(p.pid, p.memory_bytes) for p in second.gpu.processes] == [(sleeper.pid, 1 << 30)]
+    assert bystander.pid not in daemon.targets
+    assert dict(second.collector_errors)["gpu"] == 0
