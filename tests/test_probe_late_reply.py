@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dlprof_agent.agent.reach import channel
-from dlprof_agent.agent.reach.channel import ProbeSource
+from dlprof_agent.agent.reach.channel import ChannelTimeouts, ProbeSource
 from dlprof_agent.agent.reach.connect import ProbeOptions, connect_probe
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.probe.protocol import HEADER, encode, take_frame
@@ -93,15 +92,16 @@ def test_a_probe_silent_past_the_limit_is_dropped(
         monkeypatch: pytest.MonkeyPatch, gil_holding_job: subprocess.Popen[str]) -> None:
     client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False), interval=0.1)
     assert client is not None
-    source = ProbeSource(client, interval=0.1)
+    now = [0.0]
+    source = ProbeSource(client, interval=0.1, timeouts=ChannelTimeouts(late_limit_seconds=0.3),
+                         clock=lambda: now[0])
     assert source.sample() is not None
-    monkeypatch.setattr(channel, "LATE_LIMIT_SECONDS", 0.3)
 
     def never(self: ProbeClient) -> None:
         raise ReplyLate("no reply to snapshot yet")
     monkeypatch.setattr(ProbeClient, "snapshot", never)
     assert source.sample() is not None  # late: the last sample stands
-    time.sleep(0.35)
+    now[0] += 0.35
     assert source.sample() is None and not source.up
 
 

@@ -91,16 +91,17 @@ def test_the_agent_reports_its_own_footprint(sleeper: subprocess.Popen[bytes]) -
     assert 0 < snapshot.agent.rss_bytes <= snapshot.agent.rss_peak_bytes
 
 
-def test_a_stop_signal_landing_in_a_guarded_read_ends_the_loop() -> None:
+def test_a_stop_signal_landing_in_a_guarded_read_ends_the_loop(
+        sleeper: subprocess.Popen[bytes]) -> None:
     # The SIGTERM handler raises its stop exception wherever the main thread is,
     # often inside a collector read whose failures are counted and swallowed.
-    from dlprof_agent.agent.loop import StopRequested, guarded
+    from dlprof_agent.agent.loop import StopRequested
+
+    class StoppedHost(HostCollector):
+        def sample(self) -> HostSample:
+            raise StopRequested
 
     errors = ErrorLog()
-
-    def read() -> None:
-        raise StopRequested
-
     with pytest.raises(StopRequested):
-        guarded(errors, "host", read)
+        make_sampler(sleeper.pid, errors, host=StoppedHost()).sample_once()
     assert errors.counts() == {}

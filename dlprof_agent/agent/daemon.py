@@ -26,28 +26,30 @@ import psutil
 
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.findings.tracker import FindingsTracker
-from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.agent.loop import (
     StopRequested,
-    guarded,
     run_on_deadlines,
     sample_health,
     sigterm_stops,
 )
-from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.channel import (
+    DEFAULT_TIMEOUTS,
+    ChannelTimeouts,
+    ProbeSource,
+    open_probe,
+)
 from dlprof_agent.agent.reach.connect import ProbeOptions
-from dlprof_agent.agent.sampler import GpuReader
+from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
-from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
-from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.procfs import read_environ
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
-from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
+from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
 
 log = logging.getLogger("dlprof_agent")
@@ -64,6 +66,7 @@ class DaemonOptions:
     environment: tuple[tuple[str, str], ...] = ()  # (name, value) every target must have
     probe: ProbeOptions | None = None  # None: never talk to the processes
     gpu: bool = True
+    channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long each probe's channel waits
 
 
 def _read_environment(pid: int) -> dict[str, str] | None:
@@ -138,21 +141,22 @@ class Target:
 
 
 class Daemon:
-    """Finds targets, samples them, and publishes one NodeSnapshot per pass."""
+    """Finds targets and publishes one NodeSnapshot of them per pass (the pass
+    itself is the SnapshotBuilder's)."""
 
     def __init__(self, options: DaemonOptions, *, discovery: Discovery,
-                 host: HostCollector, gpu: GpuReader | None, errors: ErrorLog,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 host: HostReader, gpu: GpuReader | None, errors: ErrorLog,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.options = options
         self.targets: dict[int, Target] = {}
         self._discovery = discovery
-        self._host = host
-        self._gpu = gpu
         self._errors = errors
         self._clock = clock
+        self._builder = SnapshotBuilder(host=host, gpu=gpu, errors=errors, clock=clock,
+                                        wall_clock=wall_clock)
         self._next_scan = float("-inf")
         self._gpu_pids: frozenset[int] = frozenset()
-        self._samples_total = 0
         self._latest: NodeSnapshot | None = None
 
     @property
@@ -193,7 +197,8 @@ class Daemon:
         if target.reason == "probe":
             options = replace(options, inject=False)  # it has one: never inject another
         try:
-            source = open_probe(target.pid, options, interval=self.options.interval)
+            source = open_probe(target.pid, options, interval=self.options.interval,
+                                timeouts=self.options.channel)
         except ProbeAlreadyAttached as error:
             log.warning("no in-process metrics for pid %d: %s", target.pid, error.one_line())
             return
@@ -210,54 +215,19 @@ class Daemon:
     # -- sampling ----------------------------------------------------------------
 
     def sample_once(self) -> NodeSnapshot:
-        started_wall, started = time.time(), self._clock()
-        if started >= self._next_scan:
-            self._next_scan = started + self.options.scan_interval
+        started = self._builder.start()
+        if started.monotonic_seconds >= self._next_scan:
+            self._next_scan = started.monotonic_seconds + self.options.scan_interval
             self.scan()
-        host = guarded(self._errors, "host", self._host.sample)
-        read: list[tuple[Target, tuple[ProcessSample, ...]]] = []
+        node = self._builder.build(list(self.targets.values()), started=started)
+        sampled = {snapshot.target_pid for snapshot in node.targets}
         for target in list(self.targets.values()):
-            try:
-                read.append((target, target.processes.sample()))
-            except TargetGone:
+            if target.pid not in sampled:
                 self._drop(target, "it exited")
-            except Exception as error:
-                self._errors.record("process", error)
-                read.append((target, ()))
-        gpu = self._sample_gpu(frozenset(p.pid for _, samples in read for p in samples))
-        agent = AgentSelfSample.read()
-        snapshots = []
-        for target, processes in read:
-            probe_source = target.probe
-            probe = (guarded(self._errors, "probe", probe_source.sample) if probe_source
-                     else None)
-            limits_source = target.limits
-            limits = (guarded(self._errors, "process", limits_source.sample) if limits_source
-                      else None)
-            snapshot = Snapshot(
-                timestamp_seconds=started_wall, monotonic_seconds=started,
-                target_pid=target.pid, target_up=True, processes=processes,
-                probe=probe, probe_up=probe is not None, limits=limits, agent=agent)
-            findings = target.findings.update(point_of(snapshot, host=host, gpu=gpu))
-            snapshots.append(replace(snapshot, findings=findings))
-        self._samples_total += 1
-        node = NodeSnapshot(
-            timestamp_seconds=started_wall, monotonic_seconds=started, host=host, gpu=gpu,
-            targets=tuple(snapshots),
-            collector_errors=tuple(sorted(self._errors.counts().items())),
-            sample_duration_seconds=self._clock() - started,
-            samples_total=self._samples_total, agent=agent)
+        if node.gpu is not None:
+            self._gpu_pids = node.gpu.resident_pids
         self._latest = node
         return node
-
-    def _sample_gpu(self, pids: frozenset[int]) -> GpuSample | None:
-        gpu_source = self._gpu
-        if gpu_source is None:
-            return None
-        gpu = guarded(self._errors, "gpu", lambda: gpu_source.sample(pids))
-        if gpu is not None:
-            self._gpu_pids = gpu.resident_pids
-        return gpu
 
     def run(self, stop: threading.Event) -> None:
         """Sample every interval until ``stop`` is set, on fixed deadlines."""
@@ -283,7 +253,7 @@ def _name(pid: int) -> str:
 def make_daemon(options: DaemonOptions) -> Daemon:
     from dlprof_agent.collectors.gpu import GpuCollector
 
-    errors = ErrorLog(("process", "host", "probe", *(("gpu",) if options.gpu else ())))
+    errors = error_log(gpu=options.gpu, probe=options.probe is not None)
     return Daemon(options, discovery=Discovery(options), host=HostCollector(),
                   gpu=GpuCollector(errors=errors) if options.gpu else None, errors=errors)
 

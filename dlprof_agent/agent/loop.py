@@ -1,6 +1,6 @@
-"""What the one-target sampler and the node daemon share: a collector read that
-counts its failure instead of raising, passes on fixed deadlines, SIGTERM as a
-stop, and the /healthz verdict on the age of the latest sample."""
+"""What the one-target sampler and the node daemon share besides their pass
+(snapshot_builder): passes on fixed deadlines, SIGTERM as a stop, and the
+/healthz verdict on the age of the latest sample."""
 
 from __future__ import annotations
 
@@ -12,23 +12,11 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, TypeVar
 
-from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 
-_T = TypeVar("_T")
 _Published = TypeVar("_Published", Snapshot, NodeSnapshot)
 
 Health = Callable[[], tuple[bool, dict[str, Any]]]
-
-
-def guarded(errors: ErrorLog, collector: str, read: Callable[[], _T]) -> _T | None:
-    """``read()``, or None with the failure counted under ``collector``: the other
-    collectors still publish."""
-    try:
-        return read()
-    except Exception as error:
-        errors.record(collector, error)
-        return None
 
 
 def run_on_deadlines(stop: threading.Event, interval_seconds: float,

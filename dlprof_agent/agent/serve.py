@@ -15,12 +15,17 @@ from typing import Any, TextIO
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
-from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.agent.reach.channel import (
+    DEFAULT_TIMEOUTS,
+    ChannelTimeouts,
+    ProbeSource,
+    open_probe,
+)
 from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.reach.target import open_target
 from dlprof_agent.agent.sampler import Sampler
+from dlprof_agent.agent.snapshot_builder import error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
-from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
@@ -53,10 +58,12 @@ class ServeOptions:
     probe: ProbeOptions | None = None  # None: never talk to the process
     probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
     web_config: WebConfig | None = None  # --web.config.file, loaded
+    channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long the probe's channel waits
 
 
-def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
-    errors = ErrorLog(("process", "host", *(("gpu",) if gpu else ())))
+def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
+                 probe: bool = False) -> Sampler:
+    errors = error_log(gpu=gpu, probe=probe)
     gpu_collector = None
     if gpu:
         gpu_collector = GpuCollector(errors=errors)
@@ -118,7 +125,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     configure_logging(status)
     sampler = make_sampler(pid, interval=options.interval, children=options.children,
-                           gpu=options.gpu)
+                           gpu=options.gpu, probe=options.probe is not None)
     server = _start_server(sampler, options)
     summary = Summary()
     probe_source: ProbeSource | None = None
@@ -126,7 +133,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         if options.probe is not None:
             probe_source = sampler.probe = open_probe(
                 pid, options.probe, interval=options.interval,
-                wait_seconds=options.probe_wait_seconds)
+                wait_seconds=options.probe_wait_seconds, timeouts=options.channel)
             if (client := probe_source.client) is not None:
                 log.info("probe active in pid %d (%s)", pid,
                          ", ".join(client.hello.get("frameworks", [])) or

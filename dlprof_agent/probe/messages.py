@@ -48,6 +48,7 @@ class StartArgs(TypedDict, total=False):
     kernels: bool  # sent only when False: an older probe refuses keys it does not know
     layers_budget: float  # fraction of step time layer timing may add
     layers_every: int  # time one step in this many; 0: as the budget allows
+    lease_seconds: float  # sent only when set; 0: three intervals and a second, at least 2 s
 
 
 class SessionOptions(TypedDict):
@@ -61,6 +62,7 @@ class SessionOptions(TypedDict):
     kernels: bool
     layers_budget: float
     layers_every: int
+    lease_seconds: float
 
 
 class TraceArgs(TypedDict, total=False):

@@ -22,17 +22,18 @@ from dlprof_agent.probe.recorder import (
 )
 
 MIN_LEASE_SECONDS = 2.0
+MAX_LEASE_SECONDS = 3600.0
 MAX_TRACE_STEPS = 100_000
 
 DEFAULT_OPTIONS: SessionOptions = {"interval_seconds": 1.0, "layers": False,
                                    "warmup_steps": DEFAULT_WARMUP_STEPS,
                                    "max_layers": DEFAULT_MAX_LAYERS, "agent_pid": 0,
                                    "kernels": True, "layers_budget": DEFAULT_LAYER_BUDGET,
-                                   "layers_every": 0}
+                                   "layers_every": 0, "lease_seconds": 0.0}
 _OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "interval_seconds": (int, float), "layers": (bool,), "warmup_steps": (int,),
     "max_layers": (int,), "agent_pid": (int,), "kernels": (bool,),
-    "layers_budget": (int, float), "layers_every": (int,)}
+    "layers_budget": (int, float), "layers_every": (int,), "lease_seconds": (int, float)}
 
 
 class FrameworkHooks(Protocol):
@@ -77,6 +78,8 @@ def checked_options(args: object, current: SessionOptions) -> SessionOptions:
         raise ValueError("layers_budget out of range")
     if not 0 <= options["layers_every"] <= MAX_SAMPLE_INTERVAL:
         raise ValueError("layers_every out of range")
+    if not 0 <= options["lease_seconds"] <= MAX_LEASE_SECONDS:
+        raise ValueError("lease_seconds out of range")
     return options
 
 
@@ -89,6 +92,7 @@ class Session:
         self.peer_pid = peer_pid
         self.peer_uid = peer_uid
         self.interval = float(options["interval_seconds"])
+        self.lease_override = float(options["lease_seconds"])  # 0: from the interval
         self.layers = bool(options["layers"])
         self.recorder = Recorder(warmup_steps=int(options["warmup_steps"]),
                                  max_layers=int(options["max_layers"]))
@@ -102,7 +106,9 @@ class Session:
 
     @property
     def lease_seconds(self) -> float:
-        return max(MIN_LEASE_SECONDS, 3 * self.interval + 1)
+        """Silence past this ends the session: the agent asked for it (tests shorten
+        it), or three intervals and a second."""
+        return self.lease_override or max(MIN_LEASE_SECONDS, 3 * self.interval + 1)
 
     def options(self) -> SessionOptions:
         """What this session runs with now, as ``configure`` starts from."""
@@ -111,10 +117,12 @@ class Session:
                 "max_layers": self.recorder.max_layers, "agent_pid": 0,
                 "kernels": self.tracer.continuous,
                 "layers_budget": self.layer_sampling[0],
-                "layers_every": self.layer_sampling[1]}
+                "layers_every": self.layer_sampling[1],
+                "lease_seconds": self.lease_override}
 
     def reconfigure(self, options: SessionOptions, errors: dict[str, int]) -> None:
         self.interval = float(options["interval_seconds"])
+        self.lease_override = float(options["lease_seconds"])
         self.recorder.set_warmup_steps(int(options["warmup_steps"]))
         self.recorder.max_layers = int(options["max_layers"])
         sampling = (float(options["layers_budget"]), int(options["layers_every"]))

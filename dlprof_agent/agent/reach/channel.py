@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from dlprof_agent.agent.reach.connect import NoProbe, ProbeOptions, say_missing, try_connect
 from dlprof_agent.agent.reach.procfs import running
@@ -29,6 +31,27 @@ SILENT_LIMIT_SECONDS = 120.0
 # Between tries to reach a lost probe: a failed injection costs seconds of gdb.
 # Each try may attach gdb to the job: the pause grows to minutes.
 RETRY_SECONDS = (2.0, 4.0, 8.0, 16.0, 30.0, 60.0, 120.0, 300.0)
+# A reply's wait on the sampling pass: half an interval, within these bounds.
+REPLY_WAIT_BOUNDS_SECONDS = (0.25, REPLY_SECONDS)
+
+
+@dataclass(frozen=True)
+class ChannelTimeouts:
+    """How long the channel waits on the probe, each at its production value above;
+    tests shorten them."""
+
+    exit_grace_seconds: float = EXIT_GRACE_SECONDS
+    late_limit_seconds: float = LATE_LIMIT_SECONDS
+    silent_limit_seconds: float = SILENT_LIMIT_SECONDS
+    retry_seconds: tuple[float, ...] = RETRY_SECONDS
+    reply_wait_bounds_seconds: tuple[float, float] = REPLY_WAIT_BOUNDS_SECONDS
+
+    def reply_wait(self, interval: float) -> float:
+        low, high = self.reply_wait_bounds_seconds
+        return max(low, min(high, interval / 2))
+
+
+DEFAULT_TIMEOUTS = ChannelTimeouts()
 
 
 class ProbeSource:
@@ -45,13 +68,17 @@ class ProbeSource:
 
     def __init__(self, client: ProbeClient | None, *, interval: float, pid: int | None = None,
                  options: ProbeOptions | None = None,
-                 identity: ProgramIdentity | None = None, waiting: str = "") -> None:
+                 identity: ProgramIdentity | None = None, waiting: str = "",
+                 timeouts: ChannelTimeouts = DEFAULT_TIMEOUTS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if pid is None:
             assert client is not None, "a ProbeSource without a client needs its pid"
             pid = client.pid
         self.pid = pid
         self.client: ProbeClient | None = None
         self._interval = interval
+        self._timeouts = timeouts
+        self._clock = clock
         self._options = options  # None: never reach the probe again once lost
         self._identity = identity if identity is not None else program_identity(pid)
         self._lost: tuple[float, str] | None = None  # when, and why
@@ -61,7 +88,7 @@ class ProbeSource:
         self._answering = False
         self._waiting = waiting  # why there is no probe, once said
         self._tries = 0
-        self._next_try = time.monotonic() + RETRY_SECONDS[0]
+        self._next_try = clock() + timeouts.retry_seconds[0]
         self._lock = threading.Lock()
         self._connecting: threading.Thread | None = None
         self._reached: ProbeClient | None = None  # from the connecting thread
@@ -76,7 +103,7 @@ class ProbeSource:
         return self.client is not None and self._answering
 
     def _adopt(self, client: ProbeClient) -> None:
-        client.set_timeout(max(0.25, min(REPLY_SECONDS, self._interval / 2)))
+        client.set_timeout(self._timeouts.reply_wait(self._interval))
         self.client, self._answering, self._late_since = client, True, None
         self._tries, self._lost = 0, None
 
@@ -89,16 +116,17 @@ class ProbeSource:
                 self._report_loss()
                 self._try_again()
                 return None
-        now = time.monotonic()
+        now = self._clock()
         try:
             sample = client.snapshot()
         except ReplyLate:
             self._check_program(probe_answers=False)
-            self._late_since = self._late_since or now
+            if self._late_since is None:
+                self._late_since = now
             silent = now - self._late_since
-            if silent < LATE_LIMIT_SECONDS:
+            if silent < self._timeouts.late_limit_seconds:
                 return self._last
-            if silent >= SILENT_LIMIT_SECONDS:
+            if silent >= self._timeouts.silent_limit_seconds:
                 self._drop(client, f"no reply for {silent:.0f} s")
                 return None
             if self._answering:
@@ -156,7 +184,7 @@ class ProbeSource:
             self._drop(client, "the process exec'd a new program")
         self._lost = None  # said just now
         self._waiting = "the process exec'd a new program"
-        self._next_try = time.monotonic()  # reach the new program's probe at once
+        self._next_try = self._clock()  # reach the new program's probe at once
         self._tries = 0
 
     def _try_again(self) -> None:
@@ -164,10 +192,10 @@ class ProbeSource:
         if options is None or self._stopped or not running(self.pid):
             return
         with self._lock:
-            if self._connecting is not None or time.monotonic() < self._next_try:
+            if self._connecting is not None or self._clock() < self._next_try:
                 return
-            self._next_try = time.monotonic() + RETRY_SECONDS[
-                min(self._tries, len(RETRY_SECONDS) - 1)]
+            retry = self._timeouts.retry_seconds
+            self._next_try = self._clock() + retry[min(self._tries, len(retry) - 1)]
             self._tries += 1
             self._connecting = threading.Thread(
                 target=self._reach, args=(options,), name=f"dlprof-probe-{self.pid}",
@@ -228,9 +256,9 @@ class ProbeSource:
     def _drop(self, client: ProbeClient, why: str) -> None:
         self.client, self._answering, self._late_since = None, False, None
         client.close()
-        self._lost = (time.monotonic(), why)
+        self._lost = (self._clock(), why)
         self._kernel_state = None
-        self._next_try = time.monotonic()  # the first try comes after the exit grace
+        self._next_try = self._clock()  # the first try comes after the exit grace
 
     def _report_loss(self) -> None:
         if self._lost is None:
@@ -239,14 +267,14 @@ class ProbeSource:
         if not running(self.pid):
             self._lost = None  # the job ended: nothing to report
             self._next_try = float("inf")
-        elif time.monotonic() - since >= EXIT_GRACE_SECONDS:
+        elif self._clock() - since >= self._timeouts.exit_grace_seconds:
             self._lost = None
             again = "; trying to reach it again" if self._options is not None else (
                 "; in-process metrics stop here")
             log.warning("lost the probe in pid %d (%s)%s", self.pid, why, again)
             self._waiting = why
         else:
-            self._next_try = max(self._next_try, since + EXIT_GRACE_SECONDS)
+            self._next_try = max(self._next_try, since + self._timeouts.exit_grace_seconds)
 
     def stop(self) -> None:
         with self._lock:
@@ -259,7 +287,8 @@ class ProbeSource:
 
 
 def open_probe(pid: int, options: ProbeOptions, *, interval: float,
-               wait_seconds: float = 0.0) -> ProbeSource:
+               wait_seconds: float = 0.0,
+               timeouts: ChannelTimeouts = DEFAULT_TIMEOUTS) -> ProbeSource:
     """The probe channel for ``pid``: connected now, or waiting for a probe that
     later passes keep trying to reach. Raises ProbeAlreadyAttached."""
     identity = program_identity(pid)
@@ -271,7 +300,7 @@ def open_probe(pid: int, options: ProbeOptions, *, interval: float,
         client, why, final = None, str(error), error.final
         say_missing(pid, why, trying_again=not final)
     source = ProbeSource(client, interval=interval, pid=pid, options=options,
-                         identity=identity, waiting=why)
+                         identity=identity, waiting=why, timeouts=timeouts)
     if final:
         source.give_up_until_exec()
     return source

@@ -42,6 +42,9 @@ class ProbeOptions:
     kernels: bool = True  # continuous CUPTI kernel tracing while the job uses CUDA
     layers_budget: float = 0.01  # share of step time layer timing may add
     layers_every: int = 0  # > 0: time one step in this many, whatever the budget
+    # Silence after which the probe ends the session; None: the probe's own rule
+    # (three intervals and a second, at least 2 s). Tests shorten it.
+    lease_seconds: float | None = None
 
 
 def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
@@ -55,6 +58,8 @@ def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
         started["layers_budget"] = options.layers_budget  # likewise: only when not default
     if options.layers and options.layers_every:
         started["layers_every"] = options.layers_every
+    if options.lease_seconds is not None:
+        started["lease_seconds"] = options.lease_seconds  # likewise: only when set
     return started
 
 

@@ -1,0 +1,203 @@
+"""One sampling pass, the same for `attach` and `daemon`: a list of targets goes
+in, one NodeSnapshot comes out.
+
+The builder reads the host and the GPUs once, each target's process tree, limits
+and probe, judges its findings, and times the pass on an injected clock. A
+collector that fails is counted in the agent's one ErrorLog and its series are
+left out of this pass; the others still publish. A target whose process has
+exited is left out of the pass: the daemon stops watching it, `attach` reports
+its target down. How targets are found is the callers' business (`Sampler`: one
+pid; `Daemon`: discovery)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol, TypeVar
+
+from dlprof_agent.agent.findings.tracker import FindingsTracker
+from dlprof_agent.agent.findings.window import point_of
+from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.gpu_samples import GpuSample
+from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.limits import LimitsSample
+from dlprof_agent.collectors.probe_samples import ProbeSample
+from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.errors import TargetGone
+from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
+
+_T = TypeVar("_T")
+
+
+class HostReader(Protocol):
+    def sample(self) -> HostSample: ...
+
+
+class GpuReader(Protocol):
+    """What a pass needs from the GPU collector."""
+
+    def sample(self, pids: frozenset[int]) -> GpuSample: ...
+
+
+class ProcessReader(Protocol):
+    """A target's process tree; raises TargetGone once the target has exited."""
+
+    def sample(self) -> tuple[ProcessSample, ...]: ...
+
+
+class LimitsReader(Protocol):
+    def sample(self) -> LimitsSample: ...
+
+
+class ProbeReader(Protocol):
+    """What a pass needs from the in-process probe's channel."""
+
+    @property
+    def up(self) -> bool: ...
+
+    def sample(self) -> ProbeSample | None: ...
+
+
+class Watched(Protocol):
+    """A target as a pass reads it. `daemon.Target` is one; so is TargetReaders."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def processes(self) -> ProcessReader: ...
+
+    @property
+    def limits(self) -> LimitsReader | None: ...
+
+    @property
+    def probe(self) -> ProbeReader | None: ...
+
+    @property
+    def findings(self) -> FindingsTracker | None: ...
+
+
+@dataclass(frozen=True)
+class TargetReaders:
+    """The readers of one target, for callers that keep no target record of their own."""
+
+    pid: int
+    processes: ProcessReader
+    limits: LimitsReader | None = None
+    probe: ProbeReader | None = None
+    findings: FindingsTracker | None = None
+
+
+class PassStart(NamedTuple):
+    wall_seconds: float  # unix time
+    monotonic_seconds: float
+
+
+def error_log(*, gpu: bool, probe: bool) -> ErrorLog:
+    """The agent's one error counter, with every collector a pass runs at 0, so
+    that a rate() over dlprof_collector_errors_total exists before any failure."""
+    return ErrorLog(("process", "host", *(("gpu",) if gpu else ()),
+                     *(("probe",) if probe else ())))
+
+
+class SnapshotBuilder:
+    """Builds one NodeSnapshot per call from the targets it is given."""
+
+    def __init__(self, *, host: HostReader, gpu: GpuReader | None, errors: ErrorLog,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
+                 agent_self: Callable[[], AgentSelfSample] = AgentSelfSample.read) -> None:
+        self.errors = errors
+        self.clock = clock
+        self._host = host
+        self._gpu = gpu
+        self._wall_clock = wall_clock
+        self._agent_self = agent_self
+        self.samples_total = 0
+
+    def start(self) -> PassStart:
+        """When a pass starts; a caller that finds targets first passes it to build(),
+        so that the pass's duration includes finding them."""
+        return PassStart(self._wall_clock(), self.clock())
+
+    def build(self, targets: Iterable[Watched], *, started: PassStart | None = None
+              ) -> NodeSnapshot:
+        started = started or self.start()
+        read: list[tuple[Watched, tuple[ProcessSample, ...]]] = []
+        for target in targets:
+            try:
+                read.append((target, target.processes.sample()))
+            except TargetGone:
+                continue  # left out of the pass
+            except Exception as error:
+                self._record("process", error, target.pid)
+                read.append((target, ()))
+        host = self._guarded("host", self._host.sample)
+        gpu = self._sample_gpu(frozenset(p.pid for _, samples in read for p in samples))
+        agent = self._agent_self()
+        snapshots = tuple(
+            self._target_snapshot(target, processes, started, agent, (host, gpu))
+            for target, processes in read)
+        self.samples_total += 1
+        return NodeSnapshot(
+            timestamp_seconds=started.wall_seconds,
+            monotonic_seconds=started.monotonic_seconds, host=host, gpu=gpu,
+            targets=snapshots, collector_errors=tuple(sorted(self.errors.counts().items())),
+            sample_duration_seconds=self.clock() - started.monotonic_seconds,
+            samples_total=self.samples_total, agent=agent)
+
+    def _target_snapshot(self, target: Watched, processes: tuple[ProcessSample, ...],
+                         started: PassStart, agent: AgentSelfSample,
+                         node: tuple[HostSample | None, GpuSample | None]) -> Snapshot:
+        probe_reader, limits_reader = target.probe, target.limits
+        probe = (None if probe_reader is None
+                 else self._guarded("probe", probe_reader.sample, target.pid))
+        # Limits come from the same /proc tree as the processes: counted with them.
+        limits = (None if limits_reader is None
+                  else self._guarded("process", limits_reader.sample, target.pid))
+        snapshot = Snapshot(
+            timestamp_seconds=started.wall_seconds,
+            monotonic_seconds=started.monotonic_seconds, target_pid=target.pid,
+            target_up=True, processes=processes, probe=probe, probe_up=probe is not None,
+            limits=limits, agent=agent)
+        tracker = target.findings
+        if tracker is None:
+            return snapshot
+        host, gpu = node  # the findings judge the target against the node it runs on
+        return replace(snapshot, findings=tracker.update(point_of(snapshot, host=host, gpu=gpu)))
+
+    def _sample_gpu(self, pids: frozenset[int]) -> GpuSample | None:
+        gpu_source = self._gpu
+        if gpu_source is None:
+            return None
+        return self._guarded("gpu", lambda: gpu_source.sample(pids))
+
+    def _guarded(self, collector: str, read: Callable[[], _T], pid: int | None = None
+                 ) -> _T | None:
+        """``read()``, or None with the failure counted. Exception only: a stop
+        request (a BaseException) raised inside a read must still end the loop."""
+        try:
+            return read()
+        except Exception as error:
+            self._record(collector, error, pid)
+            return None
+
+    def _record(self, collector: str, error: Exception, pid: int | None) -> None:
+        # The pid in the message: the same failure in two targets is logged for each.
+        message = f"{type(error).__name__}: {error}"
+        self.errors.record(collector, message if pid is None else f"pid {pid}: {message}")
+
+
+def target_snapshot(node: NodeSnapshot, pid: int) -> Snapshot:
+    """``pid``'s part of the pass with the node's host, GPUs and agent figures, as
+    `attach` publishes it; target down when the pass left it out (it exited)."""
+    own = next((s for s in node.targets if s.target_pid == pid), None)
+    if own is None:
+        own = Snapshot(timestamp_seconds=node.timestamp_seconds,
+                       monotonic_seconds=node.monotonic_seconds, target_pid=pid,
+                       target_up=False, agent=node.agent)
+    return replace(own, host=node.host, gpu=node.gpu,
+                   collector_errors=node.collector_errors,
+                   sample_duration_seconds=node.sample_duration_seconds,
+                   samples_total=node.samples_total)
