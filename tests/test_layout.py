@@ -24,11 +24,13 @@ FLOORS = {
     "dlprof_agent.probe": 1,
     "dlprof_agent.collectors": 2,
     "dlprof_agent.model": 3,
+    "dlprof_agent.reach": 3,
     "dlprof_agent.exporters": 4,
     "dlprof_agent.grafana": 4,
     "dlprof_agent.workloads": 4,
     "dlprof_agent.agent": 5,
-    "dlprof_agent.__main__": 6,
+    "dlprof_agent.cli": 6,
+    "dlprof_agent.__main__": 7,
 }
 
 # Each vendor library is imported by one module (or, for prometheus_client, one

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from dlprof_agent.agent.endpoint import start_metrics_server
-from dlprof_agent.agent.findings.tracker import FindingsTracker
-from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.agent.loop import (
     StopRequested,
     guarded,
@@ -34,8 +32,6 @@ from dlprof_agent.agent.loop import (
     sample_health,
     sigterm_stops,
 )
-from dlprof_agent.agent.reach.channel import ProbeSource, open_probe
-from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.sampler import GpuReader
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
@@ -46,8 +42,12 @@ from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
+from dlprof_agent.model.findings.tracker import FindingsTracker
+from dlprof_agent.model.findings.window import point_of
 from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
+from dlprof_agent.reach.channel import ProbeSource, open_probe
+from dlprof_agent.reach.connect import ProbeOptions
 
 log = logging.getLogger("dlprof_agent")
 

@@ -9,8 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from dlprof_agent.agent.findings.tracker import FindingsTracker
-from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.agent.loop import guarded, run_on_deadlines
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
@@ -19,6 +17,8 @@ from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import TargetGone
+from dlprof_agent.model.findings.tracker import FindingsTracker
+from dlprof_agent.model.findings.window import point_of
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
 

@@ -13,7 +13,7 @@ from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
-from dlprof_agent.model.findings import Finding
+from dlprof_agent.model.findings.catalogue import Finding
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 

@@ -14,9 +14,9 @@ import urllib.request
 from dataclasses import replace
 from typing import TextIO
 
-from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.serve import DEFAULT_WARMUP_STEPS, ServeOptions, serve
 from dlprof_agent.errors import PortUnavailable
+from dlprof_agent.reach.connect import ProbeOptions
 
 DEMO_SERIES = ("dlprof_target_up", "dlprof_process_cpu_seconds_total",
                "dlprof_process_threads", "dlprof_thread_group_threads",

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TextIO
 
-from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.serve import ServeOptions, serve
 from dlprof_agent.errors import TargetNotFound, UsageError
+from dlprof_agent.reach.connect import ProbeOptions
 
 # How long the started command has to load its probe (Python's start-up and the
 # script's first imports) before it is measured from outside only.

@@ -8,7 +8,7 @@ import os
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from dlprof_agent.agent.arguments import paragraph, seconds
+from dlprof_agent.cli.arguments import paragraph, seconds
 from dlprof_agent.errors import ExitCode, UsageError, exit_codes_help
 from dlprof_agent.grafana.provision import (
     DATASOURCE_UID,

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from dlprof_agent.agent import workload_run
-from dlprof_agent.agent.arguments import seconds, whole_number
+from dlprof_agent.cli import workload_run
+from dlprof_agent.cli.arguments import seconds, whole_number
 from dlprof_agent.errors import ExitCode, UsageError
 from dlprof_agent.workloads.models import MODELS
 from dlprof_agent.workloads.sweep import PARAMETERS as SWEEP_PARAMETERS

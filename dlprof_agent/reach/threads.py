@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
-from dlprof_agent.agent.reach.procfs import running, start_ticks
-from dlprof_agent.agent.reach.refusal import refused
 from dlprof_agent.errors import InjectionNotNow, TargetNotFound
+from dlprof_agent.reach.procfs import running, start_ticks
+from dlprof_agent.reach.refusal import refused
 
 POLL_SECONDS = 0.005  # between looks at the threads' states
 

@@ -11,22 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from dlprof_agent import __version__
-from dlprof_agent.agent import grafana_cli, trace_cli, workload_cli
-from dlprof_agent.agent.arguments import (
-    OneLineErrorParser,
-    budget_fraction,
-    environment_pair,
-    pid,
-    port,
-    regex,
-    seconds,
-    whole_number,
-)
-from dlprof_agent.agent.arguments import paragraph as _para
-from dlprof_agent.agent.demo import demo_command
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, load_web_config
-from dlprof_agent.agent.reach.connect import ProbeOptions
-from dlprof_agent.agent.run import run_command
 from dlprof_agent.agent.serve import (
     DEFAULT_GRACE_SECONDS,
     DEFAULT_INTERVAL_SECONDS,
@@ -37,7 +22,24 @@ from dlprof_agent.agent.serve import (
     snapshot_command,
 )
 from dlprof_agent.agent.status import configure_logging
+from dlprof_agent.cli import grafana as grafana_cli
+from dlprof_agent.cli import trace as trace_cli
+from dlprof_agent.cli import workload as workload_cli
+from dlprof_agent.cli.arguments import (
+    OneLineErrorParser,
+    budget_fraction,
+    environment_pair,
+    pid,
+    port,
+    regex,
+    seconds,
+    whole_number,
+)
+from dlprof_agent.cli.arguments import paragraph as _para
+from dlprof_agent.cli.demo import demo_command
+from dlprof_agent.cli.run import run_command
 from dlprof_agent.errors import EXIT_CODES_HELP, DlprofError, ExitCode
+from dlprof_agent.reach.connect import ProbeOptions
 
 # What a shell reports for a command ended by Ctrl-C (SIGINT).
 EXIT_INTERRUPTED = 128 + signal.SIGINT

@@ -19,9 +19,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from dlprof_agent import __version__
-from dlprof_agent.agent.arguments import seconds, whole_number
-from dlprof_agent.agent.reach.connect import ProbeOptions, open_trace_channel
-from dlprof_agent.agent.reach.target import open_target
+from dlprof_agent.cli.arguments import seconds, whole_number
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.errors import (
     EXIT_CODES_HELP,
@@ -32,6 +30,8 @@ from dlprof_agent.errors import (
     UsageError,
 )
 from dlprof_agent.exporters import chrome_trace as trace_writer
+from dlprof_agent.reach.connect import ProbeOptions, open_trace_channel
+from dlprof_agent.reach.target import open_target
 
 POLL_SECONDS = 0.5
 DEFAULT_STEPS = 10

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 
-from dlprof_agent.agent.reach.procfs import (
+from dlprof_agent.errors import InjectionRefused
+from dlprof_agent.reach.procfs import (
     hex_status_field,
     owner,
     read_text,
     status_field,
     user_name,
 )
-from dlprof_agent.errors import InjectionRefused
 
 CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
 
