@@ -1,6 +1,6 @@
 """`dlprof-agent workload`: its options, and `list`: the papers' reference models
 with their real parameter counts in each installed framework beside the papers'
-figures. `run` and `sweep` are agent/workload_run.py's."""
+figures. `run` and `sweep` are workload_run.py's."""
 
 from __future__ import annotations
 
