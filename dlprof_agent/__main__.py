@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from dlprof_agent.agent.cli import main
+from dlprof_agent.cli.main import main
 
 sys.exit(main())

@@ -18,7 +18,7 @@ from dlprof_agent.collectors.probe_samples import (
 )
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
-from dlprof_agent.model.findings import KINDS_BY_ID, Finding
+from dlprof_agent.model.findings.catalogue import KINDS_BY_ID, Finding
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dlprof_agent.agent import cli
+from dlprof_agent.cli import main as cli
 from tests.conftest import agent_env, http_get, wait_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,10 +28,10 @@ PACKAGE = Path(errors.__file__).parent
 SIGNALS_NOT_ERRORS = {
     "StopRequested",  # agent/loop.py: SIGTERM, a BaseException like KeyboardInterrupt
     "ReplyLate",  # collectors/probe.py: "no reply yet", a TimeoutError the channel retries
-    "NoProbe",  # agent/reach/connect.py: why there is no probe, turned into a message there
+    "NoProbe",  # reach/connect.py: why there is no probe, turned into a message there
     "_NeverRaised",  # collectors/nvml.py: a placeholder for an optional pynvml class
     # The reference workloads run as jobs without the agent; the CLI turns these into
-    # UsageError (agent/workload_run.py).
+    # UsageError (cli/workload_run.py).
     "DatasetError",
     "SweepError",
 }

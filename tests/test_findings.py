@@ -19,13 +19,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlprof_agent.agent.findings import rules
-from dlprof_agent.agent.findings.tracker import (
-    CLEAR_AFTER_SECONDS,
-    RAISE_AFTER_SECONDS,
-    FindingsTracker,
-)
-from dlprof_agent.agent.findings.window import MIN_WINDOW_SECONDS, WINDOW_SECONDS, Point, Window
 from dlprof_agent.agent.status import LiveStatus, Summary
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
@@ -34,7 +27,14 @@ from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.probe_samples import KernelRow, KernelSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.exporters.prometheus import SnapshotCollector
-from dlprof_agent.model.findings import KINDS, KINDS_BY_ID, SEVERITIES, Finding
+from dlprof_agent.model.findings import rules
+from dlprof_agent.model.findings.catalogue import KINDS, KINDS_BY_ID, SEVERITIES, Finding
+from dlprof_agent.model.findings.tracker import (
+    CLEAR_AFTER_SECONDS,
+    RAISE_AFTER_SECONDS,
+    FindingsTracker,
+)
+from dlprof_agent.model.findings.window import MIN_WINDOW_SECONDS, WINDOW_SECONDS, Point, Window
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 from tests.conftest import agent_env
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlprof_agent.agent.findings.tracker import RAISE_AFTER_SECONDS
-from dlprof_agent.agent.findings.window import MIN_WINDOW_SECONDS
 from dlprof_agent.collectors.limits import LimitsCollector
+from dlprof_agent.model.findings.tracker import RAISE_AFTER_SECONDS
+from dlprof_agent.model.findings.window import MIN_WINDOW_SECONDS
 from tests.conftest import agent_env, free_port, http_get
 
 pytestmark = pytest.mark.e2e

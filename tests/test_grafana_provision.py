@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from dlprof_agent.agent.grafana_cli import (
+from dlprof_agent.cli.grafana import (
     DEFAULT_DATASOURCE_NAME,
     DEFAULT_FOLDER,
     DEFAULT_PROMETHEUS_URL,
@@ -412,7 +412,7 @@ def test_a_grafana_under_a_sub_path() -> None:
 def test_help_teaches_and_needs_no_grafana_client() -> None:
     # --help must work where grafana-client is not installed: block its import.
     code = ("import sys; sys.modules['grafana_client'] = None\n"
-            "from dlprof_agent.agent.cli import main\n"
+            "from dlprof_agent.cli.main import main\n"
             "try:\n    main(['grafana', 'provision', '--help'])\n"
             "except SystemExit as stop:\n    sys.exit(stop.code)\n")
     result = subprocess.run([sys.executable, "-c", code], env=agent_env(),
@@ -503,7 +503,7 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], says: str) -> No
 
 def test_without_grafana_client_it_says_what_to_install(grafana: FakeGrafana) -> None:
     code = ("import sys; sys.modules['grafana_client'] = None\n"
-            "from dlprof_agent.agent.cli import main\n"
+            "from dlprof_agent.cli.main import main\n"
             f"sys.exit(main(['grafana', 'provision', '--url', {grafana.url!r}, "
             f"'--token', {TOKEN!r}]))\n")
     result = subprocess.run([sys.executable, "-c", code], env=agent_env(),

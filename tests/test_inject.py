@@ -23,13 +23,13 @@ from typing import Protocol
 import pytest
 
 import dlprof_agent
-from dlprof_agent.agent.reach.bootstrap_files import remove_later, write_bootstrap
-from dlprof_agent.agent.reach.elf import elf_defined_symbols
-from dlprof_agent.agent.reach.inject import inject
-from dlprof_agent.agent.reach.refusal import refused
-from dlprof_agent.agent.reach.remote_exec import inject_with_remote_exec
-from dlprof_agent.agent.reach.runtime import REQUIRED_SYMBOLS, PythonRuntime, find_python_runtime
 from dlprof_agent.errors import InjectionFailed, InjectionRefused, NotPython, TargetNotFound
+from dlprof_agent.reach.bootstrap_files import remove_later, write_bootstrap
+from dlprof_agent.reach.elf import elf_defined_symbols
+from dlprof_agent.reach.inject import inject
+from dlprof_agent.reach.refusal import refused
+from dlprof_agent.reach.remote_exec import inject_with_remote_exec
+from dlprof_agent.reach.runtime import REQUIRED_SYMBOLS, PythonRuntime, find_python_runtime
 
 HAS_GDB = shutil.which("gdb") is not None
 # Tests of what only the gdb path meets; 3.14+ uses sys.remote_exec.
@@ -220,7 +220,7 @@ def test_a_refusal_says_what_is_needed(spawn: Spawn, tmp_path: Path, how: list[s
     attempt = (
         "import sys\n"
         "from dlprof_agent.errors import DlprofError\n"
-        "from dlprof_agent.agent.reach.inject import inject\n"
+        "from dlprof_agent.reach.inject import inject\n"
         "try:\n"
         "    inject(int(sys.argv[1]), 'open(\"/dev/null\")')\n"
         "except DlprofError as error:\n"
@@ -282,7 +282,7 @@ def test_a_target_with_another_tmp(spawn: Spawn) -> None:
 def test_a_job_that_never_releases_the_gil_is_left_running(
         spawn: Spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No safe point within the wait: gdb detaches without calling in."""
-    monkeypatch.setattr("dlprof_agent.agent.reach.inject.SAFE_POINT_WAIT_SECONDS", 2.0)
+    monkeypatch.setattr("dlprof_agent.reach.inject.SAFE_POINT_WAIT_SECONDS", 2.0)
     # Checking for a file would release the GIL around stat(): spin on the clock alone.
     spin = ("import time\nprint('ready', flush=True)\n"
             "end = time.monotonic() + 5\nwhile time.monotonic() < end: pass\n")

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from dlprof_agent.agent.reach import bootstrap_files, pending
-from dlprof_agent.agent.reach import inject as inject_module
-from dlprof_agent.agent.reach.inject import inject
-from dlprof_agent.agent.reach.runtime import find_python_runtime
 from dlprof_agent.errors import InjectionFailed, TargetNotFound
 from dlprof_agent.probe.bootstrap import injection_code
+from dlprof_agent.reach import bootstrap_files, pending
+from dlprof_agent.reach import inject as inject_module
+from dlprof_agent.reach.inject import inject
+from dlprof_agent.reach.runtime import find_python_runtime
 from tests.conftest import agent_env
 
 pytestmark = pytest.mark.skipif(
@@ -171,7 +171,7 @@ def test_killing_the_agent_and_gdb_at_any_moment_leaves_the_job_training(
     marker = tmp_path / "injected"
     code = f"open({str(marker)!r}, 'a').write({token!r})"
     attempt = ("import sys\n"
-               "from dlprof_agent.agent.reach.inject import inject\n"
+               "from dlprof_agent.reach.inject import inject\n"
                "inject(int(sys.argv[1]), sys.argv[2])\n"
                "print('injected', flush=True)\n")
     env = {**agent_env(), "TMPDIR": str(agent_tmp)}
@@ -318,7 +318,7 @@ def test_two_bootstraps_queued_before_either_ran_start_one_probe(
     queued = inject(job.pid, injection_code())
     assert queued is not None and queued.state() == "queued"
     other_agent = ("import sys\n"
-                   "from dlprof_agent.agent.reach.inject import inject\n"
+                   "from dlprof_agent.reach.inject import inject\n"
                    "from dlprof_agent.probe.bootstrap import injection_code\n"
                    "print(inject(int(sys.argv[1]), injection_code()).state())\n")
     second = subprocess.run([sys.executable, "-c", other_agent, str(job.pid)], env=agent_env(),

@@ -3,8 +3,10 @@ including those inside functions and under TYPE_CHECKING: a lazy import is
 still a dependency).
 
 Floors, bottom up: errors; the probe (runs inside the job); collectors; the
-data model; exporters, dashboards and workloads; the agent; the entry point.
-An import may go down or stay on its floor, never up, and never round in a circle.
+data model with the findings' rules, and reaching a process (reach/), side by
+side; exporters, dashboards and workloads; the agent (sampling loops and
+serving); the commands (cli/); the entry point. An import may go down or stay
+on its floor, never up, and never round in a circle.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ FLOORS = {
     "dlprof_agent.probe": 1,
     "dlprof_agent.collectors": 2,
     "dlprof_agent.model": 3,
+    "dlprof_agent.reach": 3,
     "dlprof_agent.exporters": 4,
     "dlprof_agent.grafana": 4,
     "dlprof_agent.workloads": 4,
     "dlprof_agent.agent": 5,
-    "dlprof_agent.__main__": 6,
+    "dlprof_agent.cli": 6,
+    "dlprof_agent.__main__": 7,
 }
 
 # Each vendor library is imported by one module (or, for prometheus_client, one
@@ -124,14 +128,29 @@ def test_the_import_graph_has_no_circles() -> None:
         assert circle is None, " -> ".join(circle)
 
 
-@pytest.mark.parametrize("lower", ["dlprof_agent.collectors", "dlprof_agent.model",
-                                   "dlprof_agent.probe", "dlprof_agent.exporters"])
-def test_lower_floors_import_neither_the_agent_nor_the_exporters(lower: str) -> None:
-    forbidden = ("dlprof_agent.agent",) + (
-        () if lower == "dlprof_agent.exporters" else ("dlprof_agent.exporters",))
+# What each room below the agent must not know, floors aside: none knows the
+# commands or the sampling loops; only the exporters render; and the data model
+# and reaching a process, side by side on one floor, know nothing of each other.
+UNKNOWN_BELOW = {
+    "dlprof_agent.probe": ("dlprof_agent.exporters", "dlprof_agent.reach"),
+    "dlprof_agent.collectors": ("dlprof_agent.exporters", "dlprof_agent.reach"),
+    "dlprof_agent.model": ("dlprof_agent.exporters", "dlprof_agent.reach"),
+    "dlprof_agent.reach": ("dlprof_agent.exporters", "dlprof_agent.model"),
+    "dlprof_agent.exporters": ("dlprof_agent.reach",),
+}
+
+
+@pytest.mark.parametrize("lower", sorted(UNKNOWN_BELOW))
+def test_lower_floors_know_neither_the_agent_nor_the_commands(lower: str) -> None:
+    forbidden = ("dlprof_agent.agent", "dlprof_agent.cli", *UNKNOWN_BELOW[lower])
     for module, deps in GRAPH.items():
-        if module.startswith(lower):
+        if module.startswith(lower + ".") or module == lower:
             assert not [d for d in deps if d.startswith(forbidden)], module
+
+
+def test_the_entry_point_only_dispatches() -> None:
+    # `python -m dlprof_agent` and the console script both go through cli/main.py.
+    assert GRAPH["dlprof_agent.__main__"] == {"dlprof_agent.cli.main"}
 
 
 def test_the_probe_imports_only_itself_and_the_errors() -> None:

@@ -38,7 +38,7 @@ def test_wheel_holds_only_the_dlprof_agent_package(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"dlprof_agent"}
-    for module in ("agent/cli.py", "collectors/process.py", "collectors/nvml.py",
+    for module in ("cli/main.py", "collectors/process.py", "collectors/nvml.py",
                    "exporters/prometheus.py", "workloads/busy.py", "py.typed",
                    "grafana/dashboards/overview.json"):
         assert f"dlprof_agent/{module}" in names

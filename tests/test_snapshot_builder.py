@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from dlprof_agent.agent.daemon import Daemon, DaemonOptions, Discovery
-from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.loop import StopRequested
 from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.snapshot_builder import (
@@ -31,6 +30,7 @@ from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.nvml import Nvml
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import AgentSelfSample
 from tests.fake_nvml import FakeDevice, FakeNvml, ProcessInfo
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dlprof_agent.agent import trace_cli
+from dlprof_agent.cli import trace as trace_cli
 from dlprof_agent.errors import TraceUnavailable
 
 PAYLOAD = {"steps": [1, 2, 3], "kernels": {}, "memcpy": {}, "layers": [],

@@ -215,7 +215,7 @@ def test_a_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
 def test_without_bcrypt_the_error_names_the_pip_command(tmp_path: Path) -> None:
     config = write_config(tmp_path, tls=False, users=True)
     # The agent as it runs where bcrypt is not installed.
-    code = ("import sys; sys.modules['bcrypt'] = None; from dlprof_agent.agent.cli import main; "
+    code = ("import sys; sys.modules['bcrypt'] = None; from dlprof_agent.cli.main import main; "
             f"sys.exit(main(['attach', '1', '--web.config.file', {str(config)!r}]))")
     result = subprocess.run([sys.executable, "-c", code], env=agent_env(),
                             capture_output=True, text=True, timeout=60, check=False)
@@ -227,7 +227,7 @@ def test_without_bcrypt_the_error_names_the_pip_command(tmp_path: Path) -> None:
 def test_the_agent_starts_without_the_libraries_when_no_file_is_given(
         sleeper: subprocess.Popen[bytes]) -> None:
     code = ("import sys; sys.modules['bcrypt'] = sys.modules['yaml'] = None; "
-            "from dlprof_agent.agent.cli import main; "
+            "from dlprof_agent.cli.main import main; "
             f"sys.exit(main(['attach', '{sleeper.pid}', '--port', '0', '--duration', '0.3', "
             "'--quiet', '--no-probe']))")
     result = subprocess.run([sys.executable, "-c", code], env=agent_env(),

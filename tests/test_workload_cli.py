@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlprof_agent.agent.cli import build_parser
-from dlprof_agent.agent.workload_run import refusal
+from dlprof_agent.cli.main import build_parser
+from dlprof_agent.cli.workload_run import refusal
 from dlprof_agent.workloads.models import MODELS
 from tests.conftest import agent_env
 

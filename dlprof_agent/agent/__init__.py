@@ -1,1 +1,1 @@
-"""The agent: command line, target checks, the sampling loop and the live status."""
+"""The agent: the sampling loops, serving /metrics, and the live status."""

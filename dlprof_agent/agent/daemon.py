@@ -25,20 +25,12 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from dlprof_agent.agent.endpoint import start_metrics_server
-from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.loop import (
     StopRequested,
     run_on_deadlines,
     sample_health,
     sigterm_stops,
 )
-from dlprof_agent.agent.reach.channel import (
-    DEFAULT_TIMEOUTS,
-    ChannelTimeouts,
-    ProbeSource,
-    open_probe,
-)
-from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
@@ -49,8 +41,16 @@ from dlprof_agent.collectors.procfs import read_environ
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
+from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
+from dlprof_agent.reach.channel import (
+    DEFAULT_TIMEOUTS,
+    ChannelTimeouts,
+    ProbeSource,
+    open_probe,
+)
+from dlprof_agent.reach.connect import ProbeOptions
 
 log = logging.getLogger("dlprof_agent")
 

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.loop import run_on_deadlines
 from dlprof_agent.agent.snapshot_builder import (
     GpuReader,
@@ -22,6 +21,7 @@ from dlprof_agent.agent.snapshot_builder import (
     target_snapshot,
 )
 from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import Snapshot
 
 

@@ -13,16 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from dlprof_agent.agent.endpoint import start_metrics_server
-from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
-from dlprof_agent.agent.reach.channel import (
-    DEFAULT_TIMEOUTS,
-    ChannelTimeouts,
-    ProbeSource,
-    open_probe,
-)
-from dlprof_agent.agent.reach.connect import ProbeOptions
-from dlprof_agent.agent.reach.target import open_target
 from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.snapshot_builder import error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
@@ -35,7 +26,16 @@ from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
+from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.reach.channel import (
+    DEFAULT_TIMEOUTS,
+    ChannelTimeouts,
+    ProbeSource,
+    open_probe,
+)
+from dlprof_agent.reach.connect import ProbeOptions
+from dlprof_agent.reach.target import open_target
 
 DEFAULT_INTERVAL_SECONDS = 1.0
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval

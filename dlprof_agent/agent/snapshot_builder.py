@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol, TypeVar
 
-from dlprof_agent.agent.findings.tracker import FindingsTracker
-from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
@@ -25,6 +23,8 @@ from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.errors import TargetGone
+from dlprof_agent.model.findings.tracker import FindingsTracker
+from dlprof_agent.model.findings.window import point_of
 from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
 
 _T = TypeVar("_T")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
-from dlprof_agent.model.findings import SEVERITIES, Finding, active
+from dlprof_agent.model.findings.catalogue import SEVERITIES, Finding, active
 from dlprof_agent.model.snapshot import Snapshot
 
 

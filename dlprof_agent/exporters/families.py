@@ -16,7 +16,7 @@ from dlprof_agent import __version__
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.process import ProcessSample
-from dlprof_agent.model.findings import Finding
+from dlprof_agent.model.findings.catalogue import Finding
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 
 CPU_MODES = ("user", "system", "iowait")

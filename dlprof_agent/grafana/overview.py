@@ -33,7 +33,7 @@ from dlprof_agent.grafana.panels import (
     time_series,
     value_states,
 )
-from dlprof_agent.model.findings import KINDS
+from dlprof_agent.model.findings.catalogue import KINDS
 
 # ---- Overview: where the time goes --------------------------------------------------
 

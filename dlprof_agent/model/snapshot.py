@@ -14,7 +14,7 @@ from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.procfs import read_self_statm_rss_bytes
-from dlprof_agent.model.findings import Finding
+from dlprof_agent.model.findings.catalogue import Finding
 
 
 @dataclass(frozen=True, slots=True)

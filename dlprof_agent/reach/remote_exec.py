@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dlprof_agent.agent.reach.bootstrap_files import (
+from dlprof_agent.collectors.procfs import PROC_ROOT
+from dlprof_agent.errors import InjectionFailed, TargetNotFound
+from dlprof_agent.reach.bootstrap_files import (
     BOOTSTRAP_FILE_SECONDS,
     remove_later,
     write_bootstrap,
 )
-from dlprof_agent.agent.reach.refusal import refused
-from dlprof_agent.collectors.procfs import PROC_ROOT
-from dlprof_agent.errors import InjectionFailed, TargetNotFound
+from dlprof_agent.reach.refusal import refused
 
 
 def inject_with_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str], object]

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dlprof_agent.agent.reach.procfs import running
 from dlprof_agent.collectors.probe import ProbeClient, find_probe_socket
 from dlprof_agent.errors import (
     InjectionError,
@@ -26,6 +25,7 @@ from dlprof_agent.errors import (
     ProbeUnavailable,
     TraceUnavailable,
 )
+from dlprof_agent.reach.procfs import running
 
 log = logging.getLogger("dlprof_agent")
 _T = TypeVar("_T")
@@ -117,8 +117,8 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
     if not options.inject:
         raise NoProbe("it has no probe and --no-inject was given; start the job with "
                        "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
-    from dlprof_agent.agent.reach import inject
     from dlprof_agent.probe.bootstrap import injection_code
+    from dlprof_agent.reach import inject
 
     try:
         queued = inject.inject(pid, injection_code())

@@ -13,7 +13,9 @@ import signal
 import subprocess
 import time
 
-from dlprof_agent.agent.reach.pending import (
+from dlprof_agent.collectors.procfs import PROC_ROOT
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow
+from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
     QueuedBootstrap,
@@ -21,9 +23,9 @@ from dlprof_agent.agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.agent.reach.procfs import raise_if_gone, running, start_ticks
-from dlprof_agent.agent.reach.refusal import refused
-from dlprof_agent.agent.reach.threads import (
+from dlprof_agent.reach.procfs import raise_if_gone, running, start_ticks
+from dlprof_agent.reach.refusal import refused
+from dlprof_agent.reach.threads import (
     POLL_SECONDS,
     exited_during_injection,
     in_kernel,
@@ -31,8 +33,6 @@ from dlprof_agent.agent.reach.threads import (
     same_process,
     thread_syscalls,
 )
-from dlprof_agent.collectors.procfs import PROC_ROOT
-from dlprof_agent.errors import InjectionFailed, InjectionNotNow
 
 GDB_SESSION_SECONDS = 30.0  # a session takes milliseconds; this only bounds a stuck gdb
 GDB_MARK = "dlprof-agent:"

@@ -1,6 +1,6 @@
 """The findings' catalogue and records: what each finding means and advises, and
-one rule's state for one target at one pass. The rules that judge them run in the
-agent (``agent/findings/``); exporters and dashboards read only this."""
+one rule's state for one target at one pass. The rules that judge them are this
+package's ``window``, ``rules`` and ``tracker``; exporters and dashboards read only this."""
 
 from __future__ import annotations
 

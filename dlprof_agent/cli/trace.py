@@ -19,9 +19,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from dlprof_agent import __version__
-from dlprof_agent.agent.arguments import seconds, whole_number
-from dlprof_agent.agent.reach.connect import ProbeOptions, open_trace_channel
-from dlprof_agent.agent.reach.target import open_target
+from dlprof_agent.cli.arguments import pid, seconds, whole_number
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.errors import (
     EXIT_CODES_HELP,
@@ -32,6 +30,8 @@ from dlprof_agent.errors import (
     UsageError,
 )
 from dlprof_agent.exporters import chrome_trace as trace_writer
+from dlprof_agent.reach.connect import ProbeOptions, open_trace_channel
+from dlprof_agent.reach.target import open_target
 
 POLL_SECONDS = 0.5
 DEFAULT_STEPS = 10
@@ -54,7 +54,7 @@ HINTS = (
 )
 
 
-def add_parser(commands: Any, pid_type: Callable[[str], int]) -> None:
+def add_parser(commands: Any, pid_type: Callable[[str], int] = pid) -> None:
     trace = commands.add_parser(
         "trace", help="capture N steps of a GPU job's kernels and layers as a timeline",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -223,3 +223,7 @@ def trace_command(args: argparse.Namespace, out: TextIO = sys.stdout,
           f"{counts.get('layer', 0)} layer ranges{note}; open it in https://ui.perfetto.dev",
           file=out)
     return ExitCode.FINISHED
+
+
+def run(args: argparse.Namespace) -> int:
+    return trace_command(args, sys.stdout, sys.stderr)

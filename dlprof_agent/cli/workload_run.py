@@ -95,9 +95,9 @@ def _distributed_command(args: argparse.Namespace, out: TextIO) -> int:
 def _attached(args: argparse.Namespace) -> int:
     """The same `workload run`, minus --attach, as a child the agent attaches to."""
     from dlprof_agent.agent.endpoint import DEFAULT_LISTEN
-    from dlprof_agent.agent.reach.connect import ProbeOptions
-    from dlprof_agent.agent.run import run_command as run_under_agent
     from dlprof_agent.agent.serve import ServeOptions
+    from dlprof_agent.cli.run import run_command as run_under_agent
+    from dlprof_agent.reach.connect import ProbeOptions
 
     child = [sys.executable, "-m", "dlprof_agent", "workload", "run",
              *_base_run_args(args), "--ranks", str(args.ranks), "--no-progress"]

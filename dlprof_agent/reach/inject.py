@@ -36,19 +36,19 @@ import os
 import platform
 import sys
 
-from dlprof_agent.agent.reach.bootstrap_files import remove_stale_files
-from dlprof_agent.agent.reach.gdb import inject_with_gdb
-from dlprof_agent.agent.reach.pending import QueuedBootstrap, pending_bootstrap
-from dlprof_agent.agent.reach.procfs import comm
-from dlprof_agent.agent.reach.ptrace import inject_with_ptrace, plan_calls
-from dlprof_agent.agent.reach.remote_exec import inject_with_remote_exec
-from dlprof_agent.agent.reach.runtime import (
+from dlprof_agent.errors import InjectionFailed, NotPython, TargetNotFound
+from dlprof_agent.reach.bootstrap_files import remove_stale_files
+from dlprof_agent.reach.gdb import inject_with_gdb
+from dlprof_agent.reach.pending import QueuedBootstrap, pending_bootstrap
+from dlprof_agent.reach.procfs import comm
+from dlprof_agent.reach.ptrace import inject_with_ptrace, plan_calls
+from dlprof_agent.reach.remote_exec import inject_with_remote_exec
+from dlprof_agent.reach.runtime import (
     MIN_TARGET_VERSION,
     PythonRuntime,
     find_python_runtime,
 )
-from dlprof_agent.agent.reach.threads import exited_during_injection
-from dlprof_agent.errors import InjectionFailed, NotPython, TargetNotFound
+from dlprof_agent.reach.threads import exited_during_injection
 
 # For a thread of the job to be seen waiting in the kernel, where the code is queued from.
 SAFE_POINT_WAIT_SECONDS = 10.0

@@ -9,9 +9,6 @@ import os
 import re
 from dataclasses import dataclass
 
-from dlprof_agent.agent.reach.elf import ElfScan, scan_elf_file
-from dlprof_agent.agent.reach.procfs import raise_if_gone
-from dlprof_agent.agent.reach.refusal import refused
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
@@ -22,6 +19,9 @@ from dlprof_agent.collectors.procfs import (
     read_memory_map,
 )
 from dlprof_agent.errors import TargetGone
+from dlprof_agent.reach.elf import ElfScan, scan_elf_file
+from dlprof_agent.reach.procfs import raise_if_gone
+from dlprof_agent.reach.refusal import refused
 
 # What the injectors call in the job (besides libc's mmap); both must be defined in the
 # target (readelf --dyn-syms).

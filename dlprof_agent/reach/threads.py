@@ -6,10 +6,10 @@ went away under them."""
 
 from __future__ import annotations
 
-from dlprof_agent.agent.reach.procfs import running, start_ticks
-from dlprof_agent.agent.reach.refusal import refused
 from dlprof_agent.collectors.procfs import PROC_ROOT, list_tasks, read_task_syscall
 from dlprof_agent.errors import InjectionNotNow, TargetGone, TargetNotFound
+from dlprof_agent.reach.procfs import running, start_ticks
+from dlprof_agent.reach.refusal import refused
 
 POLL_SECONDS = 0.005  # between looks at the threads' states
 

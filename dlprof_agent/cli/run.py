@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -11,9 +12,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TextIO
 
-from dlprof_agent.agent.reach.connect import ProbeOptions
 from dlprof_agent.agent.serve import ServeOptions, serve
-from dlprof_agent.errors import TargetNotFound, UsageError
+from dlprof_agent.cli.arguments import paragraph
+from dlprof_agent.cli.options import (
+    add_probe_options,
+    add_sampling_options,
+    add_serving_options,
+    probe_options,
+    serve_options,
+)
+from dlprof_agent.errors import EXIT_CODES_HELP, TargetNotFound, UsageError
+from dlprof_agent.reach.connect import ProbeOptions
 
 # How long the started command has to load its probe (Python's start-up and the
 # script's first imports) before it is measured from outside only.
@@ -88,3 +97,26 @@ def _wait_for_probe_or_exit(job: subprocess.Popen[bytes], options: ServeOptions
             return None
         time.sleep(0.05)
     return None
+
+
+def add_parser(commands: Any) -> None:
+    run = commands.add_parser(
+        "run", help="start a training command with the probe loaded, and attach to it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=paragraph("Start COMMAND with the in-process probe loaded before the "
+                    "script's own code (through a sitecustomize on PYTHONPATH, which chains "
+                    "to any of the job's own; the script is not changed), then attach to "
+                    "it as `attach` does. Exits with the command's exit code."),
+        epilog="examples:\n"
+               "  dlprof-agent run -- python train.py --epochs 3\n"
+               "  dlprof-agent run --layers --port 9946 -- python train.py\n\n"
+               + EXIT_CODES_HELP)
+    run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                     help="the training command, after --")
+    add_serving_options(run, duration_default=None)
+    add_sampling_options(run)
+    add_probe_options(run, injects=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_command(args.command_line, serve_options(args, probe_options(args)))

@@ -1,6 +1,6 @@
 """`dlprof-agent workload`: its options, and `list`: the papers' reference models
 with their real parameter counts in each installed framework beside the papers'
-figures. `run` and `sweep` are agent/workload_run.py's."""
+figures. `run` and `sweep` are workload_run.py's."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from dlprof_agent.agent import workload_run
-from dlprof_agent.agent.arguments import seconds, whole_number
+from dlprof_agent.cli import workload_run
+from dlprof_agent.cli.arguments import OneLineErrorParser, seconds, whole_number
 from dlprof_agent.errors import ExitCode, UsageError
 from dlprof_agent.workloads.models import MODELS
 from dlprof_agent.workloads.sweep import PARAMETERS as SWEEP_PARAMETERS
@@ -21,7 +21,9 @@ from dlprof_agent.workloads.sweep import PARAMETERS as SWEEP_PARAMETERS
 FRAMEWORKS = ("pytorch", "tensorflow")
 
 
-def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+def add_parser(commands: Any,
+               parser_class: type[argparse.ArgumentParser] = OneLineErrorParser
+               ) -> None:
     workload = commands.add_parser(
         "workload", help="the papers' reference models",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -235,3 +237,7 @@ def workload_command(args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"({', '.join(missing)} not installed: no count)\n")
     return ExitCode.FINISHED
 
+
+
+def run(args: argparse.Namespace) -> int:
+    return workload_command(args, sys.stdout)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from dlprof_agent.agent.reach.procfs import start_ticks
 from dlprof_agent.collectors.procfs import open_memory
+from dlprof_agent.reach.procfs import start_ticks
 
 FLAG_BYTES = 16  # at the start of the page: the job writes b"ran" there; the code follows
 ADDRESS_PLACEHOLDER = "0xDLPROFAGENTADDR0"  # as wide as "%#018x" of a 64-bit address

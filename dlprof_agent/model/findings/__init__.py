@@ -8,4 +8,8 @@ raised once its cause has held for ``RAISE_AFTER_SECONDS`` and cleared once it
 has been gone for ``CLEAR_AFTER_SECONDS``, so one odd sample neither raises nor
 clears one. Everything runs on the agent's sampling clock; scrapes only render
 the result. docs/findings.md lists the rules with their sources.
+
+``catalogue``: what each finding means and advises, and its records (what
+exporters and dashboards read); ``window``: the recent samples a rule sees;
+``rules``: the rules; ``tracker``: raising and clearing, per target.
 """

@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from dlprof_agent.agent.findings.window import Point, Window
+from dlprof_agent.model.findings.window import Point, Window
 
 # ---- Thresholds ----------------------------------------------------------------------
 # Oversubscription. Wu et al. (Table XII) and Shi et al. (Table 7) saw step time

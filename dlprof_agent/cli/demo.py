@@ -12,11 +12,14 @@ import sys
 import time
 import urllib.request
 from dataclasses import replace
-from typing import TextIO
+from typing import Any, TextIO
 
-from dlprof_agent.agent.reach.connect import ProbeOptions
+from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT
 from dlprof_agent.agent.serve import DEFAULT_WARMUP_STEPS, ServeOptions, serve
-from dlprof_agent.errors import PortUnavailable
+from dlprof_agent.cli.arguments import paragraph
+from dlprof_agent.cli.options import add_sampling_options, add_serving_options, serve_options
+from dlprof_agent.errors import EXIT_CODES_HELP, PortUnavailable
+from dlprof_agent.reach.connect import ProbeOptions
 
 DEMO_SERIES = ("dlprof_target_up", "dlprof_process_cpu_seconds_total",
                "dlprof_process_threads", "dlprof_thread_group_threads",
@@ -104,3 +107,28 @@ def demo_command(args: argparse.Namespace, options: ServeOptions, out: TextIO) -
 def _demo_lines(exposition: str) -> list[str]:
     return [line for line in exposition.splitlines()
             if line.startswith(DEMO_SERIES)][:32]
+
+
+def add_parser(commands: Any) -> None:
+    demo = commands.add_parser(
+        "demo", help="start a demo training job, attach to it, and show what the agent sees",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=paragraph("Start a small PyTorch training job (a CNN on synthetic data; "
+                    "without torch, a synthetic busy process with named threads and a "
+                    "child), attach to it as `attach` would, injecting the probe with layer "
+                    "timing, and after --duration print the summary and some of the series "
+                    "a Prometheus scrape gets."),
+        epilog="examples:\n"
+               "  dlprof-agent demo\n"
+               "  dlprof-agent demo --duration 60 --threads 8   (then scrape "
+               f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics)\n\n" + EXIT_CODES_HELP)
+    demo.add_argument("--threads", type=int, default=3,
+                      help="the job's threads: PyTorch intra-op threads (at most the CPU "
+                           "count), or busy worker threads (default 3)")
+    add_serving_options(demo, duration_default=10.0)
+    add_sampling_options(demo)
+
+
+def run(args: argparse.Namespace) -> int:
+    # The probe is chosen once the demo knows what it started.
+    return demo_command(args, serve_options(args, None), sys.stdout)

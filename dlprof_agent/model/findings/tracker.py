@@ -8,9 +8,9 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from dlprof_agent.agent.findings.rules import RULES, Rule
-from dlprof_agent.agent.findings.window import MIN_WINDOW_SECONDS, WINDOW_SECONDS, Point, Window
-from dlprof_agent.model.findings import KINDS, Finding, Kind
+from dlprof_agent.model.findings.catalogue import KINDS, Finding, Kind
+from dlprof_agent.model.findings.rules import RULES, Rule
+from dlprof_agent.model.findings.window import MIN_WINDOW_SECONDS, WINDOW_SECONDS, Point, Window
 
 # A cause must hold on every pass for this long before it is reported, and be
 # gone for twice that before the finding clears: a single slow step, a garbage

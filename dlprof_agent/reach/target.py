@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import psutil
 
-from dlprof_agent.agent.reach.procfs import start_ticks, user_name
 from dlprof_agent.collectors.process import check_access
 from dlprof_agent.collectors.procfs import PROC_ROOT, read_cmdline, read_executable
 from dlprof_agent.errors import TargetAccessDenied, TargetGone, TargetNotFound, UsageError
+from dlprof_agent.reach.procfs import start_ticks, user_name
 
 PRIVILEGE_HINT = ("run the agent as the same user as the job, or as root, or grant it "
                   "CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE)")

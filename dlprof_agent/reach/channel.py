@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dlprof_agent.agent.reach.connect import NoProbe, ProbeOptions, say_missing, try_connect
-from dlprof_agent.agent.reach.procfs import running
-from dlprof_agent.agent.reach.target import ProgramIdentity, program_identity
 from dlprof_agent.collectors.probe import REPLY_SECONDS, ProbeClient, ReplyLate
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.errors import ProbeAlreadyAttached, ProtocolError
+from dlprof_agent.reach.connect import NoProbe, ProbeOptions, say_missing, try_connect
+from dlprof_agent.reach.procfs import running
+from dlprof_agent.reach.target import ProgramIdentity, program_identity
 
 log = logging.getLogger("dlprof_agent")
 

@@ -35,24 +35,6 @@ import struct
 import time
 from typing import NamedTuple
 
-from dlprof_agent.agent.reach.elf import scan_elf_file
-from dlprof_agent.agent.reach.pending import (
-    ADDRESS_PLACEHOLDER,
-    FLAG_BYTES,
-    QueuedBootstrap,
-    pending_payload,
-    remember,
-)
-from dlprof_agent.agent.reach.procfs import memory_map, start_ticks, status_of, thread_state
-from dlprof_agent.agent.reach.refusal import refused
-from dlprof_agent.agent.reach.runtime import PythonRuntime
-from dlprof_agent.agent.reach.threads import (
-    POLL_SECONDS,
-    exited_during_injection,
-    no_safe_point,
-    same_process,
-    thread_syscalls,
-)
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
@@ -62,6 +44,24 @@ from dlprof_agent.collectors.procfs import (
     read_executable,
 )
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
+from dlprof_agent.reach.elf import scan_elf_file
+from dlprof_agent.reach.pending import (
+    ADDRESS_PLACEHOLDER,
+    FLAG_BYTES,
+    QueuedBootstrap,
+    pending_payload,
+    remember,
+)
+from dlprof_agent.reach.procfs import memory_map, start_ticks, status_of, thread_state
+from dlprof_agent.reach.refusal import refused
+from dlprof_agent.reach.runtime import PythonRuntime
+from dlprof_agent.reach.threads import (
+    POLL_SECONDS,
+    exited_during_injection,
+    no_safe_point,
+    same_process,
+    thread_syscalls,
+)
 
 _PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
 _PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from dlprof_agent.agent.arguments import paragraph, seconds
+from dlprof_agent.cli.arguments import OneLineErrorParser, paragraph, seconds
 from dlprof_agent.errors import ExitCode, UsageError, exit_codes_help
 from dlprof_agent.grafana.provision import (
     DATASOURCE_UID,
@@ -32,7 +33,9 @@ EXIT_CODES = exit_codes_help(
      ExitCode.GRAFANA: "cannot reach Grafana, or it refused the credentials or a change"})
 
 
-def add_parser(commands: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+def add_parser(commands: Any,
+               parser_class: type[argparse.ArgumentParser] = OneLineErrorParser
+               ) -> None:
     grafana = commands.add_parser(
         "grafana", help="put the shipped dashboards into a running Grafana",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -163,3 +166,7 @@ def grafana_command(args: argparse.Namespace, out: TextIO) -> int:
                          prometheus_url=prometheus.base, out=out)
     out.write(f"overview: {overview}\n")
     return ExitCode.FINISHED
+
+
+def run(args: argparse.Namespace) -> int:
+    return grafana_command(args, sys.stdout)

@@ -1,0 +1,109 @@
+"""The options that several commands share (what to sample, the probe, where to
+serve), and the agent's options built from them."""
+
+from __future__ import annotations
+
+import argparse
+
+from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, load_web_config
+from dlprof_agent.agent.serve import (
+    DEFAULT_GRACE_SECONDS,
+    DEFAULT_INTERVAL_SECONDS,
+    DEFAULT_WARMUP_STEPS,
+    MIN_INTERVAL_SECONDS,
+    ServeOptions,
+)
+from dlprof_agent.cli.arguments import budget_fraction, port, seconds, whole_number
+from dlprof_agent.reach.connect import ProbeOptions
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--children", action=argparse.BooleanOptionalAction, default=True,
+                        help="also read the target's descendants (launcher ranks, data-loader "
+                             "workers), each as its own pid (default: on)")
+    parser.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=True,
+                        help="read GPUs through NVML when a driver is present (default: on)")
+
+
+def add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> None:
+    group = parser.add_argument_group(
+        "in-process probe", "step time, samples per second, per-layer time and framework "
+        "settings, measured inside the job")
+    group.add_argument("--layers", action="store_true",
+                       help="also time each layer's forward and backward, in a share of the "
+                            "steps chosen to stay within --layers-budget; the other steps run "
+                            "without hooks (off by default)")
+    group.add_argument("--layers-budget", type=budget_fraction, default=0.01,
+                       metavar="SHARE",
+                       help="step time --layers may add, as a percentage (1%%) or a fraction "
+                            "(0.01): the probe measures what a timed step costs and times one "
+                            "step in as many as that allows (default 1%%)")
+    group.add_argument("--layers-every", type=whole_number(1, 1000, unit="steps"),
+                       metavar="N",
+                       help="time the layers of one step in N, whatever it costs (1: every "
+                            "step); overrides --layers-budget")
+    group.add_argument("--warmup-steps", type=whole_number(0, unit="steps"),
+                       default=DEFAULT_WARMUP_STEPS, metavar="N",
+                       help="steps counted as warm-up and kept out of the steady-state "
+                            f"figures (default {DEFAULT_WARMUP_STEPS})")
+    group.add_argument("--no-kernels", dest="kernels", action="store_false",
+                       help="no continuous CUPTI kernel and memcpy tracing in GPU jobs (on by "
+                            "default when the job has cupti-python; `trace` still works)")
+    if injects:
+        group.add_argument("--no-inject", dest="inject", action="store_false",
+                           help="never inject the probe; use one only if the job started "
+                                "it (run, or dlprof_agent.probe.enable())")
+        group.add_argument("--no-probe", dest="probe", action="store_false",
+                           help="out-of-process metrics only: do not talk to the job at all")
+
+
+def add_serving_options(parser: argparse.ArgumentParser, *, duration_default: float | None,
+                        one_target: bool = True) -> None:
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="ADDRESS",
+                        help=f"address to serve /metrics on (default {DEFAULT_LISTEN}; "
+                             "0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT,
+                        help=f"port to serve /metrics on (default {DEFAULT_PORT}; 0 picks a "
+                             "free one)")
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                        help="TLS and basic authentication for /metrics, in the web "
+                             "configuration format of node_exporter and the other Prometheus "
+                             "exporters (tls_server_config, basic_auth_users with bcrypt "
+                             "hashes); see docs/deploy.md. Needs pip install "
+                             "'dlprof-agent[web]'")
+    parser.add_argument("--interval", type=seconds(MIN_INTERVAL_SECONDS),
+                        default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
+                        help="time between samples (default 1). Scrapes read the latest "
+                             "sample and never trigger one")
+    if not one_target:
+        parser.add_argument("--quiet", action="store_true", help="log warnings only")
+        return
+    parser.add_argument("--duration", type=seconds(MIN_INTERVAL_SECONDS),
+                        default=duration_default, metavar="SECONDS",
+                        help="stop after this long" + (
+                            f" (default {duration_default:g})" if duration_default
+                            else " (default: until Ctrl-C or the target exits)"))
+    parser.add_argument("--grace", type=seconds(0), default=DEFAULT_GRACE_SECONDS,
+                        metavar="SECONDS",
+                        help="after the target exits, keep serving dlprof_target_up 0 this "
+                             f"long so the last scrape sees it (default {DEFAULT_GRACE_SECONDS:g})")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no live status line and no summary")
+
+
+def probe_options(args: argparse.Namespace) -> ProbeOptions | None:
+    """The probe a command asked for; None for --no-probe. A command without
+    --no-inject (`run`) uses only a probe the job started."""
+    if not getattr(args, "probe", True):
+        return None
+    return ProbeOptions(inject=getattr(args, "inject", False), layers=args.layers,
+                        warmup_steps=args.warmup_steps, kernels=args.kernels,
+                        layers_budget=args.layers_budget, layers_every=args.layers_every or 0)
+
+
+def serve_options(args: argparse.Namespace, probe: ProbeOptions | None) -> ServeOptions:
+    """How a one-target command (attach, run, demo) samples and serves."""
+    return ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
+                        duration=args.duration, grace=args.grace, quiet=args.quiet,
+                        children=args.children, gpu=args.gpu, probe=probe,
+                        web_config=load_web_config(args.web_config_file))
