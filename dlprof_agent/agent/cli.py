@@ -37,6 +37,8 @@ from dlprof_agent.agent.serve import (
     snapshot_command,
 )
 from dlprof_agent.agent.status import configure_logging
+from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS
+from dlprof_agent.collectors.series_budget import DEFAULT_AGENT_SERIES, DEFAULT_TARGET_SERIES
 from dlprof_agent.errors import EXIT_CODES_HELP, DlprofError, ExitCode
 
 # What a shell reports for a command ended by Ctrl-C (SIGINT).
@@ -103,6 +105,15 @@ def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: f
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
                              "sample and never trigger one")
+    parser.add_argument("--max-series-per-target", type=whole_number(100, unit="series"),
+                        default=DEFAULT_TARGET_SERIES, metavar="N",
+                        help="series one job may add (default "
+                             f"{DEFAULT_TARGET_SERIES:,}); past it its layers and kernels "
+                             "beyond the top ones by time fold into one 'other' row per "
+                             "family, counted in dlprof_agent_series_dropped_total and "
+                             "reported by the series_capped finding. Layer and kernel names "
+                             f"are cut to {MAX_LABEL_CHARS} characters (with a hash of the "
+                             "whole name)")
     if not one_target:
         parser.add_argument("--quiet", action="store_true", help="log warnings only")
         return
@@ -242,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
                "Kubernetes, systemd and SLURM.\n\n"
                + EXIT_CODES_HELP)
     _add_serving_options(daemon, duration_default=None, one_target=False)
+    daemon.add_argument("--max-series", type=whole_number(1000, unit="series"),
+                        default=DEFAULT_AGENT_SERIES, metavar="N",
+                        help=f"series all jobs together may add (default {DEFAULT_AGENT_SERIES:,}"
+                             "); past it the widest jobs are folded first, down to an equal "
+                             "share")
     daemon.add_argument("--scan-interval", type=seconds(0.1), default=2.0, metavar="SECONDS",
                         help="how often to look for new jobs (default 2)")
     daemon.add_argument("--match", action="append", type=regex, default=[], metavar="REGEX",
@@ -278,7 +294,9 @@ def daemon_command(args: argparse.Namespace) -> int:
     web = load_web_config(args.web_config_file)
     options = DaemonOptions(interval=args.interval, scan_interval=args.scan_interval,
                             matches=tuple(args.match), environment=tuple(args.env),
-                            probe=_probe_options(args), gpu=args.gpu)
+                            probe=_probe_options(args), gpu=args.gpu,
+                            max_series_per_target=args.max_series_per_target,
+                            max_series=args.max_series)
     return serve_node(options, args.listen, args.port, web)
 
 
@@ -297,7 +315,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                            duration=args.duration, grace=args.grace, quiet=args.quiet,
                            children=args.children, gpu=args.gpu, probe=_probe_options(args),
-                           web_config=load_web_config(args.web_config_file))
+                           web_config=load_web_config(args.web_config_file),
+                           max_series_per_target=args.max_series_per_target)
     if args.command == "run":
         return run_command(args.command_line, options)
     if args.command == "demo":

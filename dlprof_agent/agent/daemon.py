@@ -43,6 +43,12 @@ from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.collectors.series_budget import (
+    DEFAULT_AGENT_SERIES,
+    DEFAULT_TARGET_SERIES,
+    SeriesBudget,
+    process_series,
+)
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
@@ -63,6 +69,8 @@ class DaemonOptions:
     environment: tuple[tuple[str, str], ...] = ()  # (name, value) every target must have
     probe: ProbeOptions | None = None  # None: never talk to the processes
     gpu: bool = True
+    max_series_per_target: int = DEFAULT_TARGET_SERIES
+    max_series: int = DEFAULT_AGENT_SERIES  # all targets together
 
 
 def _read_environment(pid: int, procfs: str = "/proc") -> dict[str, str] | None:
@@ -159,6 +167,8 @@ class Daemon:
         self._gpu_pids: frozenset[int] = frozenset()
         self._samples_total = 0
         self._latest: NodeSnapshot | None = None
+        self.budget = SeriesBudget(per_target=options.max_series_per_target,
+                                   total=options.max_series)
 
     @property
     def latest(self) -> NodeSnapshot | None:
@@ -231,11 +241,13 @@ class Daemon:
                 read.append((target, ()))
         gpu = self._sample_gpu(frozenset(p.pid for _, samples in read for p in samples))
         agent = AgentSelfSample.read()
-        snapshots = []
+        probes = []
         for target, processes in read:
             probe_source = target.probe
-            probe = (guarded(self._errors, "probe", probe_source.sample) if probe_source
-                     else None)
+            probes.append((guarded(self._errors, "probe", probe_source.sample)
+                           if probe_source else None, process_series(processes)))
+        snapshots = []
+        for (target, processes), probe in zip(read, self.budget.fold(probes), strict=True):
             limits_source = target.limits
             limits = (guarded(self._errors, "process", limits_source.sample) if limits_source
                       else None)
@@ -251,7 +263,8 @@ class Daemon:
             targets=tuple(snapshots),
             collector_errors=tuple(sorted(self._errors.counts().items())),
             sample_duration_seconds=self._clock() - started,
-            samples_total=self._samples_total, agent=agent)
+            samples_total=self._samples_total, agent=agent,
+            series_dropped=self.budget.dropped())
         self._latest = node
         return node
 

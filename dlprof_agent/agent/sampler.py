@@ -18,6 +18,7 @@ from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.collectors.series_budget import SeriesBudget, process_series
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
@@ -48,6 +49,7 @@ class Sampler:
     probe: ProbeReader | None = None
     limits: LimitsCollector | None = None
     findings: FindingsTracker | None = None
+    budget: SeriesBudget | None = None  # folds the probe's rows past the series budget
     _latest: Snapshot | None = field(default=None, init=False)
     _samples_total: int = field(default=0, init=False)
     _target_up: bool = field(default=True, init=False)
@@ -78,6 +80,8 @@ class Sampler:
         probe = None
         if self.probe is not None and self._target_up:
             probe = guarded(self.errors, "probe", self.probe.sample)
+        if self.budget is not None:
+            probe = self.budget.fold([(probe, process_series(processes))])[0]
         limits = None
         if self.limits is not None and self._target_up:
             limits = guarded(self.errors, "process", self.limits.sample)
@@ -97,6 +101,7 @@ class Sampler:
             probe=probe,
             probe_up=probe is not None,
             limits=limits,
+            series_dropped=self.budget.dropped() if self.budget is not None else (),
         )
         if self.findings is not None and self._target_up:
             snapshot = replace(snapshot, findings=self.findings.update(point_of(snapshot)))

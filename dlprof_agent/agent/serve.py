@@ -25,6 +25,7 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES, SeriesBudget
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
@@ -53,9 +54,11 @@ class ServeOptions:
     probe: ProbeOptions | None = None  # None: never talk to the process
     probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
     web_config: WebConfig | None = None  # --web.config.file, loaded
+    max_series_per_target: int = DEFAULT_TARGET_SERIES  # --max-series-per-target
 
 
-def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
+def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
+                 max_series: int = DEFAULT_TARGET_SERIES) -> Sampler:
     errors = ErrorLog(("process", "host", *(("gpu",) if gpu else ())))
     gpu_collector = None
     if gpu:
@@ -67,7 +70,8 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sam
                              "attach to a running job") from error
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
                    gpu=gpu_collector, errors=errors, interval_seconds=interval,
-                   limits=LimitsCollector(pid), findings=FindingsTracker())
+                   limits=LimitsCollector(pid), findings=FindingsTracker(),
+                   budget=SeriesBudget(per_target=max_series))
 
 
 def _first_sample(sampler: Sampler) -> Snapshot:
@@ -118,7 +122,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     configure_logging(status)
     sampler = make_sampler(pid, interval=options.interval, children=options.children,
-                           gpu=options.gpu)
+                           gpu=options.gpu, max_series=options.max_series_per_target)
     server = _start_server(sampler, options)
     summary = Summary()
     probe_source: ProbeSource | None = None
