@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from dlprof_agent.agent.findings import rules
 from dlprof_agent.agent.findings.tracker import FindingsTracker
-from dlprof_agent.agent.findings.window import point_of
+from dlprof_agent.agent.findings.window import Window, point_of
 from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS, OTHER, ProbeSample
 from dlprof_agent.collectors.series_budget import (
     SeriesBudget,
@@ -24,6 +24,7 @@ from dlprof_agent.collectors.series_budget import (
 )
 from dlprof_agent.exporters.families import agent_families
 from dlprof_agent.exporters.probe_families import probe_families
+from dlprof_agent.model.findings import Finding
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 from tests.full_snapshot import full_snapshot
 
@@ -145,7 +146,7 @@ def test_a_capped_target_raises_the_series_capped_finding() -> None:
     base = full_snapshot()
     probe = fold(ProbeSample.from_reply(base.target_pid, wide_reply()), 5_000)
     tracker = FindingsTracker()
-    findings = ()
+    findings: tuple[Finding, ...] = ()
     for second in range(12):
         snapshot: Snapshot = dataclasses.replace(base, monotonic_seconds=float(second),
                                                  probe=probe)
@@ -159,7 +160,7 @@ def test_a_capped_target_raises_the_series_capped_finding() -> None:
     assert check is not None and not check.holds
 
 
-def _window_of(snapshot: Snapshot) -> rules.Window:
+def _window_of(snapshot: Snapshot) -> Window:
     first = point_of(dataclasses.replace(snapshot, monotonic_seconds=0.0))
     last = point_of(dataclasses.replace(snapshot, monotonic_seconds=2.0))
-    return rules.Window((first, last))
+    return Window((first, last))

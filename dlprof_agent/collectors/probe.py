@@ -39,12 +39,20 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
-    """The socket of the probe in ``pid``, looked up where that process's user
-    and environment would have put it."""
+    """The first of ``probe_socket_paths``: where the probe of ``pid`` listens,
+    unless someone else planted a socket there first."""
+    return next(iter(probe_socket_paths(pid, procfs=procfs)), None)
+
+
+def probe_socket_paths(pid: int, *, procfs: str = "/proc") -> list[str]:
+    """The sockets that may be the probe of ``pid``: where that process's user
+    and environment would have put it, then the probe sockets the process itself
+    holds open, wherever they are (a probe whose usual directories another user
+    took first makes one of its own). Connecting checks which is the probe."""
     try:
         uid = os.stat(f"{procfs}/{pid}").st_uid
     except OSError:
-        return None
+        return []
     environ: dict[str, str] = {}
     with contextlib.suppress(OSError), open(f"{procfs}/{pid}/environ", "rb") as file:
         for entry in file.read().split(b"\0"):
@@ -53,13 +61,39 @@ def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
     # In a container the probe names its socket with its own pid, and its /tmp is
     # the container's: look there too, through the process's root.
     names = dict.fromkeys((socket_name(pid), socket_name(_innermost_pid(pid, procfs))))
-    for directory in runtime_dir_candidates(uid, environ):
+    paths = []
+    seen = [os.path.join(directory, name)
+            for directory in runtime_dir_candidates(uid, environ) for name in names]
+    for path in [*seen, *held_sockets(pid, set(names), procfs)]:
+        # As the process sees it: here, or in its container through its root.
         for root in ("", f"{procfs}/{pid}/root"):
-            for name in names:
-                path = root + os.path.join(directory, name)
-                if os.path.exists(path):
-                    return path
-    return None
+            if os.path.exists(root + path):
+                paths.append(root + path)
+                break
+    return list(dict.fromkeys(paths))
+
+
+def held_sockets(pid: int, names: set[str], procfs: str = "/proc") -> list[str]:
+    """Paths, as ``pid`` sees them, of the Unix sockets named one of ``names``
+    that ``pid`` itself holds open: its network namespace lists every bound
+    socket with its inode (net/unix), and its descriptors say which are its own.
+    A socket planted under the same name by someone else is not among them."""
+    listed: dict[str, str] = {}  # inode -> path
+    with contextlib.suppress(OSError), open(f"{procfs}/{pid}/net/unix") as file:
+        for line in file:
+            fields = line.split(None, 7)  # Num RefCount Protocol Flags Type St Inode Path
+            if len(fields) == 8 and os.path.basename(fields[7].rstrip("\n")) in names:
+                listed[fields[6]] = fields[7].rstrip("\n")
+    if not listed:
+        return []
+    held = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"{procfs}/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"{procfs}/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in listed:
+                    held.append(listed[link[8:-1]])
+    return held
 
 
 def _innermost_pid(pid: int, procfs: str) -> int:
