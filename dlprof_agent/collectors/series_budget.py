@@ -101,16 +101,17 @@ def share(wants: Sequence[int], total: int) -> list[int]:
     return grants
 
 
-def _keep_top(rows: Sequence[_Row], allowed: int, cost: Callable[[_Row], int],
-              seconds: Callable[[_Row], float], other_cost: int
-              ) -> tuple[list[_Row], list[_Row]]:
+def _keep_top(rows: Sequence[_Row], allowed: int, *, cost: Callable[[_Row], int],
+              seconds: Callable[[_Row], float], name: Callable[[_Row], str],
+              other_cost: int) -> tuple[list[_Row], list[_Row]]:
     """The rows kept, the longest first, within ``allowed`` series with room left
     for the ``other`` rows the rest fold into; and the rest. Both in their order."""
     if sum(cost(row) for row in rows) <= allowed:
         return list(rows), []
     kept: set[int] = set()
     used = other_cost
-    for row in sorted((row for row in rows if not _is_other(row)), key=seconds,
+    # A row already named "other" (the probe's own, past max_layers) folds in too.
+    for row in sorted((row for row in rows if name(row) != OTHER), key=seconds,
                       reverse=True):
         if used + cost(row) > allowed:
             break
@@ -120,13 +121,10 @@ def _keep_top(rows: Sequence[_Row], allowed: int, cost: Callable[[_Row], int],
             [row for row in rows if id(row) not in kept])
 
 
-def _is_other(row: object) -> bool:
-    return getattr(row, "name", getattr(row, "kernel", getattr(row, "layer", ""))) == OTHER
-
-
 def _fold_layers(layers: tuple[LayerSample, ...], allowed: int) -> tuple[LayerSample, ...]:
-    kept, rest = _keep_top(layers, allowed, _layer_series,
-                           lambda r: r.forward_seconds + r.backward_seconds, 4)
+    kept, rest = _keep_top(layers, allowed, cost=_layer_series,
+                           seconds=lambda r: r.forward_seconds + r.backward_seconds,
+                           name=lambda r: r.name, other_cost=4)
     if not rest:
         return layers
     other = LayerSample(OTHER, sum(r.forward_seconds for r in rest),
@@ -139,7 +137,8 @@ def _fold_layers(layers: tuple[LayerSample, ...], allowed: int) -> tuple[LayerSa
 
 def _fold_kernels(rows: tuple[KernelRow, ...], allowed: int) -> tuple[KernelRow, ...]:
     devices = sorted({row.device for row in rows})
-    kept, rest = _keep_top(rows, allowed, lambda r: 2, lambda r: r.seconds, 2 * len(devices))
+    kept, rest = _keep_top(rows, allowed, cost=lambda r: 2, seconds=lambda r: r.seconds,
+                           name=lambda r: r.kernel, other_cost=2 * len(devices))
     if not rest:
         return rows
     others = []
@@ -155,7 +154,8 @@ def _fold_kernels(rows: tuple[KernelRow, ...], allowed: int) -> tuple[KernelRow,
 
 def _fold_layer_gpu(rows: tuple[LayerGpuRow, ...], allowed: int) -> tuple[LayerGpuRow, ...]:
     phases = sorted({row.phase for row in rows})
-    kept, rest = _keep_top(rows, allowed, lambda r: 1, lambda r: r.seconds, len(phases))
+    kept, rest = _keep_top(rows, allowed, cost=lambda r: 1, seconds=lambda r: r.seconds,
+                           name=lambda r: r.layer, other_cost=len(phases))
     if not rest:
         return rows
     room = allowed - len(kept)
