@@ -10,7 +10,9 @@ the ``series_capped`` finding reports for that target.
 
 Folding happens once per sampling pass, before the snapshot is kept, so what the
 agent holds per target, and what a scrape renders, stay within the budget
-however many tenants report however many rows.
+however many tenants report however many rows. The node's own series (host,
+GPUs, the agent itself: a few hundred, whatever the tenants do) are outside the
+budgets.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dlprof_agent.collectors.probe_samples import (
 )
 from dlprof_agent.collectors.process import ProcessSample
 
-DEFAULT_TARGET_SERIES = 5_000  # a ResNet-50 with --layers and kernels needs about 1,500
+DEFAULT_TARGET_SERIES = 5_000  # well above what a ResNet-50 with --layers and kernels exports
 DEFAULT_AGENT_SERIES = 50_000
 # Series of a target beside its processes and its probe: its findings and their
 # evidence (14 rules, a few figures each) and dlprof_target_up.
