@@ -110,7 +110,7 @@ def test_a_planted_socket_never_makes_the_agent_give_up_on_the_real_probe(
         plant(planted, planted_path)
         path = enable(job)
         assert path not in ("NONE", str(planted_path))
-        assert probe_socket_paths(job.pid) == [str(planted_path), path]
+        assert list(probe_socket_paths(job.pid)) == [str(planted_path), path]
         client = try_connect(job.pid, ProbeOptions(inject=False), 1.0, 5.0)
         try:
             assert client.hello["pid"] == job.pid

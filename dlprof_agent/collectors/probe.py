@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import os
 import re
 import socket
 import stat
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from dlprof_agent.collectors.probe_samples import ProbeSample
@@ -41,18 +42,19 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 def find_probe_socket(pid: int, *, procfs: str = "/proc") -> str | None:
     """The first of ``probe_socket_paths``: where the probe of ``pid`` listens,
     unless someone else planted a socket there first."""
-    return next(iter(probe_socket_paths(pid, procfs=procfs)), None)
+    return next(probe_socket_paths(pid, procfs=procfs), None)
 
 
-def probe_socket_paths(pid: int, *, procfs: str = "/proc") -> list[str]:
+def probe_socket_paths(pid: int, *, procfs: str = "/proc") -> Iterator[str]:
     """The sockets that may be the probe of ``pid``: where that process's user
-    and environment would have put it, then the probe sockets the process itself
-    holds open, wherever they are (a probe whose usual directories another user
-    took first makes one of its own). Connecting checks which is the probe."""
+    and environment would have put it, then (read only if asked for) the probe
+    sockets the process itself holds open, wherever they are: a probe whose
+    usual directories another user took first makes one of its own. Connecting
+    checks which is the probe."""
     try:
         uid = os.stat(f"{procfs}/{pid}").st_uid
     except OSError:
-        return []
+        return
     environ: dict[str, str] = {}
     with contextlib.suppress(OSError), open(f"{procfs}/{pid}/environ", "rb") as file:
         for entry in file.read().split(b"\0"):
@@ -61,16 +63,20 @@ def probe_socket_paths(pid: int, *, procfs: str = "/proc") -> list[str]:
     # In a container the probe names its socket with its own pid, and its /tmp is
     # the container's: look there too, through the process's root.
     names = dict.fromkeys((socket_name(pid), socket_name(_innermost_pid(pid, procfs))))
-    paths = []
-    seen = [os.path.join(directory, name)
-            for directory in runtime_dir_candidates(uid, environ) for name in names]
-    for path in [*seen, *held_sockets(pid, set(names), procfs)]:
+    usual = [os.path.join(directory, name)
+             for directory in runtime_dir_candidates(uid, environ) for name in names]
+    given: set[str] = set()
+    for path in itertools.chain(usual, _lazy(lambda: held_sockets(pid, set(names), procfs))):
         # As the process sees it: here, or in its container through its root.
         for root in ("", f"{procfs}/{pid}/root"):
-            if os.path.exists(root + path):
-                paths.append(root + path)
+            if root + path not in given and os.path.exists(root + path):
+                given.add(root + path)
+                yield root + path
                 break
-    return list(dict.fromkeys(paths))
+
+
+def _lazy(read: Callable[[], list[str]]) -> Iterator[str]:
+    yield from read()
 
 
 def held_sockets(pid: int, names: set[str], procfs: str = "/proc") -> list[str]:
