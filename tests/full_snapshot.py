@@ -74,6 +74,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
                     target_pid=pid, target_up=True, processes=(process, child), host=host,
                     gpu=gpu, collector_errors=(("gpu", 1),), sample_duration_seconds=0.002,
                     samples_total=5, agent=AgentSelfSample(1.5, 30 << 20, 31 << 20),
+                    series_dropped=(("agent_budget", 0), ("target_budget", 12)),
                     probe=probe, probe_up=True,
                     findings=(Finding(KINDS_BY_ID["thread_oversubscription"], False,
                                       (("allowed_cpus", 2.0), ("runnable_threads", 2.0))),))

@@ -38,6 +38,11 @@ from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.procfs import read_environ
+from dlprof_agent.collectors.series_budget import (
+    DEFAULT_AGENT_SERIES,
+    DEFAULT_TARGET_SERIES,
+    SeriesBudget,
+)
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
@@ -67,6 +72,8 @@ class DaemonOptions:
     probe: ProbeOptions | None = None  # None: never talk to the processes
     gpu: bool = True
     channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long each probe's channel waits
+    max_series_per_target: int = DEFAULT_TARGET_SERIES
+    max_series: int = DEFAULT_AGENT_SERIES  # all targets together
 
 
 def _read_environment(pid: int) -> dict[str, str] | None:
@@ -153,8 +160,10 @@ class Daemon:
         self._discovery = discovery
         self._errors = errors
         self._clock = clock
+        self.budget = SeriesBudget(per_target=options.max_series_per_target,
+                                   total=options.max_series)
         self._builder = SnapshotBuilder(host=host, gpu=gpu, errors=errors, clock=clock,
-                                        wall_clock=wall_clock)
+                                        wall_clock=wall_clock, budget=self.budget)
         self._next_scan = float("-inf")
         self._gpu_pids: frozenset[int] = frozenset()
         self._latest: NodeSnapshot | None = None

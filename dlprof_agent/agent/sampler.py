@@ -21,6 +21,7 @@ from dlprof_agent.agent.snapshot_builder import (
     target_snapshot,
 )
 from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.series_budget import SeriesBudget
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import Snapshot
 
@@ -40,13 +41,15 @@ class Sampler:
     findings: FindingsTracker | None = None
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
+    budget: SeriesBudget | None = None  # folds the probe's rows past the series budget
     _latest: Snapshot | None = field(default=None, init=False)
     _target_up: bool = field(default=True, init=False)
     _builder: SnapshotBuilder = field(init=False)
 
     def __post_init__(self) -> None:
         self._builder = SnapshotBuilder(host=self.host, gpu=self.gpu, errors=self.errors,
-                                        clock=self.clock, wall_clock=self.wall_clock)
+                                        clock=self.clock, wall_clock=self.wall_clock,
+                                        budget=self.budget)
 
     @property
     def latest(self) -> Snapshot | None:

@@ -21,6 +21,7 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES, SeriesBudget
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
@@ -59,10 +60,12 @@ class ServeOptions:
     probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
     web_config: WebConfig | None = None  # --web.config.file, loaded
     channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long the probe's channel waits
+    max_series_per_target: int = DEFAULT_TARGET_SERIES  # --max-series-per-target
 
 
 def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
-                 probe: bool = False) -> Sampler:
+                 probe: bool = False,
+                 max_series: int = DEFAULT_TARGET_SERIES) -> Sampler:
     errors = error_log(gpu=gpu, probe=probe)
     gpu_collector = None
     if gpu:
@@ -74,7 +77,8 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
                              "attach to a running job") from error
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
                    gpu=gpu_collector, errors=errors, interval_seconds=interval,
-                   limits=LimitsCollector(pid), findings=FindingsTracker())
+                   limits=LimitsCollector(pid), findings=FindingsTracker(),
+                   budget=SeriesBudget(per_target=max_series))
 
 
 def _first_sample(sampler: Sampler) -> Snapshot:
@@ -125,7 +129,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     configure_logging(status)
     sampler = make_sampler(pid, interval=options.interval, children=options.children,
-                           gpu=options.gpu, probe=options.probe is not None)
+                           gpu=options.gpu, probe=options.probe is not None,
+                           max_series=options.max_series_per_target)
     server = _start_server(sampler, options)
     summary = Summary()
     probe_source: ProbeSource | None = None

@@ -22,6 +22,7 @@ from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.collectors.series_budget import SeriesBudget, process_series
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.findings.window import point_of
@@ -107,8 +108,10 @@ class SnapshotBuilder:
     def __init__(self, *, host: HostReader, gpu: GpuReader | None, errors: ErrorLog,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 agent_self: Callable[[], AgentSelfSample] = AgentSelfSample.read) -> None:
+                 agent_self: Callable[[], AgentSelfSample] = AgentSelfSample.read,
+                 budget: SeriesBudget | None = None) -> None:
         self.errors = errors
+        self.budget = budget  # folds the probes' rows past the series budgets
         self.clock = clock
         self._host = host
         self._gpu = gpu
@@ -136,23 +139,33 @@ class SnapshotBuilder:
         host = self._guarded("host", self._host.sample)
         gpu = self._sample_gpu(frozenset(p.pid for _, samples in read for p in samples))
         agent = self._agent_self()
+        probes: list[ProbeSample | None] = []
+        for target, _ in read:
+            probe_reader = target.probe
+            probes.append(None if probe_reader is None
+                          else self._guarded("probe", probe_reader.sample, target.pid))
+        if self.budget is not None:  # all targets at once: the daemon's budget is shared
+            probes = self.budget.fold([(probe, process_series(processes))
+                                       for probe, (_, processes) in zip(probes, read,
+                                                                        strict=True)])
         snapshots = tuple(
-            self._target_snapshot(target, processes, started, agent, (host, gpu))
-            for target, processes in read)
+            self._target_snapshot(target, processes, probe, started, agent=agent,
+                                  node=(host, gpu))
+            for (target, processes), probe in zip(read, probes, strict=True))
         self.samples_total += 1
         return NodeSnapshot(
             timestamp_seconds=started.wall_seconds,
             monotonic_seconds=started.monotonic_seconds, host=host, gpu=gpu,
             targets=snapshots, collector_errors=tuple(sorted(self.errors.counts().items())),
             sample_duration_seconds=self.clock() - started.monotonic_seconds,
-            samples_total=self.samples_total, agent=agent)
+            samples_total=self.samples_total, agent=agent,
+            series_dropped=self.budget.dropped() if self.budget is not None else ())
 
     def _target_snapshot(self, target: Watched, processes: tuple[ProcessSample, ...],
-                         started: PassStart, agent: AgentSelfSample,
+                         probe: ProbeSample | None, started: PassStart, *,
+                         agent: AgentSelfSample,
                          node: tuple[HostSample | None, GpuSample | None]) -> Snapshot:
-        probe_reader, limits_reader = target.probe, target.limits
-        probe = (None if probe_reader is None
-                 else self._guarded("probe", probe_reader.sample, target.pid))
+        limits_reader = target.limits
         # Limits come from the same /proc tree as the processes: counted with them.
         limits = (None if limits_reader is None
                   else self._guarded("process", limits_reader.sample, target.pid))
@@ -200,4 +213,4 @@ def target_snapshot(node: NodeSnapshot, pid: int) -> Snapshot:
     return replace(own, host=node.host, gpu=node.gpu,
                    collector_errors=node.collector_errors,
                    sample_duration_seconds=node.sample_duration_seconds,
-                   samples_total=node.samples_total)
+                   samples_total=node.samples_total, series_dropped=node.series_dropped)

@@ -9,8 +9,15 @@ from typing import Any
 
 from dlprof_agent.agent.endpoint import load_web_config
 from dlprof_agent.agent.status import configure_logging
-from dlprof_agent.cli.arguments import environment_pair, paragraph, regex, seconds
+from dlprof_agent.cli.arguments import (
+    environment_pair,
+    paragraph,
+    regex,
+    seconds,
+    whole_number,
+)
 from dlprof_agent.cli.options import add_probe_options, add_serving_options, probe_options
+from dlprof_agent.collectors.series_budget import DEFAULT_AGENT_SERIES
 from dlprof_agent.errors import EXIT_CODES_HELP
 
 log = logging.getLogger("dlprof_agent")
@@ -38,6 +45,11 @@ def add_parser(commands: Any) -> None:
                "Kubernetes, systemd and SLURM.\n\n"
                + EXIT_CODES_HELP)
     add_serving_options(daemon, duration_default=None, one_target=False)
+    daemon.add_argument("--max-series", type=whole_number(1000, unit="series"),
+                        default=DEFAULT_AGENT_SERIES, metavar="N",
+                        help=f"series all jobs together may add (default {DEFAULT_AGENT_SERIES:,}"
+                             "); past it the widest jobs are folded first, down to an equal "
+                             "share")
     daemon.add_argument("--scan-interval", type=seconds(0.1), default=2.0, metavar="SECONDS",
                         help="how often to look for new jobs (default 2)")
     daemon.add_argument("--match", action="append", type=regex, default=[], metavar="REGEX",
@@ -61,5 +73,7 @@ def run(args: argparse.Namespace) -> int:
     web = load_web_config(args.web_config_file)
     options = DaemonOptions(interval=args.interval, scan_interval=args.scan_interval,
                             matches=tuple(args.match), environment=tuple(args.env),
-                            probe=probe_options(args), gpu=args.gpu)
+                            probe=probe_options(args), gpu=args.gpu,
+                            max_series_per_target=args.max_series_per_target,
+                            max_series=args.max_series)
     return serve_node(options, args.listen, args.port, web)

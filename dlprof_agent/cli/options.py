@@ -14,6 +14,8 @@ from dlprof_agent.agent.serve import (
     ServeOptions,
 )
 from dlprof_agent.cli.arguments import budget_fraction, port, seconds, whole_number
+from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS
+from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES
 from dlprof_agent.reach.connect import ProbeOptions
 
 
@@ -75,6 +77,15 @@ def add_serving_options(parser: argparse.ArgumentParser, *, duration_default: fl
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
                              "sample and never trigger one")
+    parser.add_argument("--max-series-per-target", type=whole_number(100, unit="series"),
+                        default=DEFAULT_TARGET_SERIES, metavar="N",
+                        help="series one job may add (default "
+                             f"{DEFAULT_TARGET_SERIES:,}); past it its layers and kernels "
+                             "beyond the top ones by time fold into one 'other' row per "
+                             "family, counted in dlprof_agent_series_dropped_total and "
+                             "reported by the series_capped finding. Layer and kernel names "
+                             f"are cut to {MAX_LABEL_CHARS} characters (with a hash of the "
+                             "whole name)")
     if not one_target:
         parser.add_argument("--quiet", action="store_true", help="log warnings only")
         return
@@ -106,4 +117,5 @@ def serve_options(args: argparse.Namespace, probe: ProbeOptions | None) -> Serve
     return ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                         duration=args.duration, grace=args.grace, quiet=args.quiet,
                         children=args.children, gpu=args.gpu, probe=probe,
-                        web_config=load_web_config(args.web_config_file))
+                        web_config=load_web_config(args.web_config_file),
+                        max_series_per_target=args.max_series_per_target)

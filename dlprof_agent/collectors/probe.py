@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import os
 import re
 import socket
 import stat
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from dlprof_agent.collectors.probe_samples import ProbeSample
-from dlprof_agent.collectors.procfs import PROC_ROOT, ProcessFiles, inside_root, read_status
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    ProcessFiles,
+    inside_root,
+    read_status,
+    read_unix_sockets,
+    socket_inodes,
+)
 from dlprof_agent.errors import (
     ConnectionClosed,
     ProbeBusy,
@@ -41,26 +49,55 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 def find_probe_socket(pid: int, *, procfs: str = PROC_ROOT) -> str | None:
-    """The socket of the probe in ``pid``, looked up where that process's user
-    and environment would have put it."""
+    """The first of ``probe_socket_paths``: where the probe of ``pid`` listens,
+    unless someone else planted a socket there first."""
+    return next(probe_socket_paths(pid, procfs=procfs), None)
+
+
+def probe_socket_paths(pid: int, *, procfs: str = PROC_ROOT) -> Iterator[str]:
+    """The sockets that may be the probe of ``pid``: where that process's user
+    and environment would have put it, then (read only if asked for) the probe
+    sockets the process itself holds open, wherever they are: a probe whose
+    usual directories another user took first makes one of its own. Connecting
+    checks which is the probe."""
     files = ProcessFiles(pid, root=procfs)
     try:
         uid = files.owner_uid()
         environ = files.environ() or {}
         status = files.status()
     except TargetGone:
-        return None
+        return
     # In a container the probe names its socket with its own pid, and its /tmp is
     # the container's: look there too, through the process's root.
     innermost = status.nspid[-1] if status is not None and status.nspid else pid
     names = dict.fromkeys((socket_name(pid), socket_name(innermost)))
-    for directory in runtime_dir_candidates(uid, environ):
+    usual = [os.path.join(directory, name)
+             for directory in runtime_dir_candidates(uid, environ) for name in names]
+    given: set[str] = set()
+    for path in itertools.chain(usual, _lazy(lambda: held_sockets(pid, set(names), procfs))):
+        # As the process sees it: here, or in its container through its root.
         for root in ("", inside_root(pid, "", root=procfs)):
-            for name in names:
-                path = root + os.path.join(directory, name)
-                if os.path.exists(path):
-                    return path
-    return None
+            if root + path not in given and os.path.exists(root + path):
+                given.add(root + path)
+                yield root + path
+                break
+
+
+def _lazy(read: Callable[[], list[str]]) -> Iterator[str]:
+    yield from read()
+
+
+def held_sockets(pid: int, names: set[str], procfs: str = PROC_ROOT) -> list[str]:
+    """Paths, as ``pid`` sees them, of the Unix sockets named one of ``names``
+    that ``pid`` itself holds open: its network namespace lists every bound
+    socket with its inode (net/unix), and its descriptors say which are its own.
+    A socket planted under the same name by someone else is not among them."""
+    listed = {inode: path for inode, path in read_unix_sockets(pid, root=procfs)
+              if os.path.basename(path) in names}
+    if not listed:
+        return []
+    held = socket_inodes(pid, root=procfs)
+    return [path for inode, path in listed.items() if inode in held]
 
 
 def _status_ids(pid: int, procfs: str) -> tuple[int, set[int]]:

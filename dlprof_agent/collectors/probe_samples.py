@@ -5,6 +5,7 @@ of ours would not send is refused whole (ProtocolError)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ MAX_KERNEL_ROWS = 64 * 201  # per device: 200 kernels and "other"
 MAX_DEVICES = 64
 MAX_BUCKETS = 64
 MAX_ENTRIES = 64  # the keys of a small map: phases, dropped reasons, settings
+# Layer and kernel names become label values: past this many characters a name
+# keeps its start and a short hash of the whole, so that distinct names stay
+# distinct series and what the agent keeps per row stays small.
+MAX_LABEL_CHARS = 160  # the probe's own kernel short names stop here
+OTHER = "other"  # the row that rows past a limit fold into, as the probe names it
 _T = TypeVar("_T")
 
 
@@ -36,6 +42,15 @@ def _text(value: object, what: str) -> str:
     if len(text) > MAX_NAME_CHARS:
         raise ProtocolError("oversized", f"a {what} of {len(text)} characters")
     return text
+
+
+def _label(value: object, what: str) -> str:
+    """A layer or kernel name, as a label value no longer than MAX_LABEL_CHARS."""
+    text = _text(value, what)
+    if len(text) <= MAX_LABEL_CHARS:
+        return text
+    digest = hashlib.blake2b(text.encode(errors="replace"), digest_size=4).hexdigest()
+    return f"{text[:MAX_LABEL_CHARS - len(digest) - 1]}~{digest}"
 
 
 def _count(value: object, what: str) -> int:
@@ -188,7 +203,7 @@ class KernelSample:
             state=_text(kernels["state"], "kernel state"),
             reason=_text(kernels.get("reason", ""), "kernel state reason"),
             since=_seconds(kernels.get("since", 0.0), "state since"),
-            kernels=tuple(KernelRow(_text(k, "kernel name"), _count(d, "device"),
+            kernels=tuple(KernelRow(_label(k, "kernel name"), _count(d, "device"),
                                     _count(n, "launches"), _seconds(t, "kernel seconds"))
                           for k, d, n, t in _rows(kernels.get("kernels", []),
                                                   MAX_KERNEL_ROWS, 4, "kernel rows")),
@@ -198,7 +213,7 @@ class KernelSample:
                                    _count(b, "bytes"), _seconds(t, "copy seconds"))
                          for d, k, b, t in _rows(kernels.get("memcpy", []),
                                                  MAX_DEVICES * 8, 4, "copy rows")),
-            layers=tuple(LayerGpuRow(_text(n, "layer name"), _text(p, "phase"),
+            layers=tuple(LayerGpuRow(_label(n, "layer name"), _text(p, "phase"),
                                      _seconds(t, "layer GPU seconds"))
                          for n, p, t in layer_rows) if layers else (),
             overhead_seconds=_seconds(kernels.get("overhead_seconds", 0.0), "overhead"),
@@ -227,6 +242,7 @@ class ProbeSample:
     settings: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # per framework
     kernels: KernelSample | None = None  # None: a probe older than kernel tracing
     layer_sampled_steps: int | None = None  # steps whose layers were timed; None: not told
+    series_folded: int = 0  # series the agent's budget folded into "other" (series_budget)
 
     @property
     def steady_steps(self) -> int:
@@ -266,7 +282,7 @@ class ProbeSample:
             phase_seconds=tuple(sorted((_text(k, "phase"), _seconds(v, "phase seconds"))
                                        for k, v in _map(probe["phase_seconds"],
                                                         "phases").items())),
-            layers=tuple(LayerSample(_text(n, "layer name"), _seconds(fs, "layer seconds"),
+            layers=tuple(LayerSample(_label(n, "layer name"), _seconds(fs, "layer seconds"),
                                      _count(fc, "layer calls"), _seconds(bs, "layer seconds"),
                                      _count(bc, "layer calls"))
                          for n, fs, fc, bs, bc in layer_rows) if layers else (),

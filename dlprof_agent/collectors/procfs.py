@@ -31,6 +31,7 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Callable, Iterator
@@ -400,6 +401,32 @@ def count_fds(pid: int, *, root: str = PROC_ROOT) -> int | None:
     except OSError as error:
         _translate(error, pid, None, root)
         return None
+
+
+def read_unix_sockets(pid: int, *, root: str = PROC_ROOT) -> list[tuple[str, str]]:
+    """(inode, path) of every bound Unix socket of ``pid``'s network namespace
+    (net/unix); [] where it cannot be read."""
+    found = []
+    with contextlib.suppress(OSError), open(proc_path(pid, "net", "unix", root=root)) as file:
+        for line in file:
+            # Num RefCount Protocol Flags Type St Inode Path
+            fields = line.rstrip("\n").split(None, 7)
+            if len(fields) == 8:
+                found.append((fields[6], fields[7]))
+    return found
+
+
+def socket_inodes(pid: int, *, root: str = PROC_ROOT) -> set[str]:
+    """The inodes of the sockets ``pid`` itself holds open (fd links "socket:[N]");
+    empty where they cannot be read."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(proc_path(pid, "fd", root=root)):
+            with contextlib.suppress(OSError):
+                link = os.readlink(proc_path(pid, "fd", fd, root=root))
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    return inodes
 
 
 def read_comm(pid: int, *, root: str = PROC_ROOT) -> str | None:

@@ -213,6 +213,13 @@ def agent_families(snapshot: Snapshot | NodeSnapshot | None, interval_seconds: f
         return families
     for collector, count in snapshot.collector_errors:
         errors.add_metric([collector], count)
+    if snapshot.series_dropped:
+        dropped = counter("dlprof_agent_series_dropped_total",
+                          "Series the agent's budgets left out (folded into other rows), "
+                          "summed over sampling passes, by the budget that did.", ["reason"])
+        for reason, count in snapshot.series_dropped:
+            dropped.add_metric([reason], count)
+        families.append(dropped)
     samples = counter("dlprof_agent_samples_total", "Sampling passes so far.")
     samples.add_metric([], snapshot.samples_total)
     duration = gauge("dlprof_agent_sample_duration_seconds",

@@ -50,6 +50,7 @@ class Snapshot:
     sample_duration_seconds: float = 0.0
     samples_total: int = 0
     agent: AgentSelfSample | None = None
+    series_dropped: tuple[tuple[str, int], ...] = ()  # (reason, series left out so far)
     probe: ProbeSample | None = None
     probe_up: bool = False
     limits: LimitsSample | None = None
@@ -74,3 +75,4 @@ class NodeSnapshot:
     sample_duration_seconds: float = 0.0
     samples_total: int = 0
     agent: AgentSelfSample | None = None
+    series_dropped: tuple[tuple[str, int], ...] = ()  # (reason, series left out so far)

@@ -161,6 +161,22 @@ def runtime_dir_candidates(uid: int, environ: dict[str, str]) -> list[str]:
     return candidates
 
 
+OWN_DIR_PARENTS = ("/tmp",)  # under the daemon's search pattern for probe sockets
+
+
+def own_private_dir(uid: int) -> str | None:
+    """A new directory of our own, 0700, under a name no one could have made
+    before us (mkdtemp); None if none can be made."""
+    import tempfile  # only when the usual places are taken
+
+    for parent in dict.fromkeys((*OWN_DIR_PARENTS, tempfile.gettempdir())):
+        try:
+            return tempfile.mkdtemp(prefix=f"dlprof-agent-{uid}-", dir=parent)
+        except OSError:
+            continue
+    return None
+
+
 def socket_name(pid: int) -> str:
     return f"probe-{pid}.sock"
 

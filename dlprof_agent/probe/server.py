@@ -27,6 +27,7 @@ from dlprof_agent.probe.protocol import (
     MAX_REQUEST_BYTES,
     bytes_wanted,
     encode,
+    own_private_dir,
     private_dir,
     read_frame,
     runtime_dir_candidates,
@@ -76,6 +77,7 @@ class Probe:
         self.persistent = persistent
         self.pid = os.getpid()
         self.path = ""
+        self._own_dir: str | None = None  # made by listen() when the usual places are taken
         self.dropped: dict[str, int] = {}
         self.session: Session | None = None
         self._side: socket.socket | None = None  # a trace client beside the agent
@@ -95,26 +97,38 @@ class Probe:
 
     def listen(self) -> bool:
         for directory in runtime_dir_candidates(os.geteuid(), dict(os.environ)):
-            if not private_dir(directory):
-                continue
-            remove_stale_sockets(directory)
-            path = os.path.join(directory, socket_name(self.pid))
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # a leftover of an earlier process with this pid
-                listener.bind(path)
-                os.chmod(path, 0o600)
-                listener.listen(4)
-            except OSError:
-                listener.close()
-                continue
-            self._listener, self.path = listener, path
-            self._thread = threading.Thread(target=self._serve, name="dlprof-probe",
-                                            daemon=True)
-            self._thread.start()
-            return True
+            if private_dir(directory):
+                remove_stale_sockets(directory)
+                if self._bind(directory):
+                    return True
+        # Every usual place is taken: another user may have made our directory
+        # first. One of our own, under a name no one can take before us; the
+        # agent finds the socket through the sockets the job holds open.
+        own = own_private_dir(os.geteuid())
+        if own is not None:
+            if self._bind(own):
+                self._own_dir = own
+                return True
+            with contextlib.suppress(OSError):
+                os.rmdir(own)
         return False
+
+    def _bind(self, directory: str) -> bool:
+        path = os.path.join(directory, socket_name(self.pid))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a leftover of an earlier process with this pid
+            listener.bind(path)
+            os.chmod(path, 0o600)
+            listener.listen(4)
+        except OSError:
+            listener.close()
+            return False
+        self._listener, self.path = listener, path
+        self._thread = threading.Thread(target=self._serve, name="dlprof-probe", daemon=True)
+        self._thread.start()
+        return True
 
     def close(self) -> None:
         self._closing = True
@@ -130,6 +144,9 @@ class Probe:
         if self.path and os.getpid() == self.pid:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+            if self._own_dir is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self._own_dir)
 
     def mark_step(self, samples: int | None) -> None:
         session = self.session

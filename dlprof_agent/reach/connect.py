@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dlprof_agent.collectors.probe import ProbeClient, find_probe_socket
+from dlprof_agent.collectors.probe import ProbeClient, probe_socket_paths
 from dlprof_agent.errors import (
     InjectionError,
     InjectionRefused,
@@ -63,10 +63,14 @@ def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
     return started
 
 
-def _wait_for_socket(pid: int, seconds: float) -> str | None:
+def _next_socket(pid: int, refused: Mapping[str, str]) -> str | None:
+    return next((path for path in probe_socket_paths(pid) if path not in refused), None)
+
+
+def _wait_for_socket(pid: int, seconds: float, refused: Mapping[str, str]) -> str | None:
     deadline = time.monotonic() + seconds
     while True:
-        path = find_probe_socket(pid)
+        path = _next_socket(pid, refused)
         if path is not None or time.monotonic() >= deadline or not running(pid):
             return path
         time.sleep(0.05)
@@ -97,24 +101,30 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
                  connect: Callable[[str], _T]) -> _T:
     """``connect(socket path)`` to the probe of ``pid``, injecting one first where
     there is none and the options allow it. Raises NoProbe."""
-    path = _wait_for_socket(pid, wait_seconds) if wait_seconds else find_probe_socket(pid)
-    if path is not None:
+    # Sockets someone else serves, refused, with why: never the end of the search,
+    # since the real probe may listen elsewhere (its usual directory taken).
+    refused: dict[str, str] = {}
+    path = _wait_for_socket(pid, wait_seconds, refused)
+    while path is not None:
         try:
             return connect(path)
         except ProbeBusy:
             raise
         except ProbeImpostor as error:
-            raise NoProbe(f"{error}; someone may be impersonating the probe",
-                           final=True) from None
+            refused[path] = f"{error}; someone may be impersonating the probe"
+            log.info("pid %d: %s", pid, refused[path])
+            path = _next_socket(pid, refused)
         except ProbeStale as error:
             if not options.inject:
                 raise NoProbe(f"the probe in it is gone: {error}") from None
-            # A socket left by an earlier program in this process: inject afresh.
+            break  # a socket left by an earlier program in this process: inject afresh
         except ProbeUnavailable as error:
             # A probe is there but did not answer in time (the job may hold the
             # GIL, or another client may be slow): injecting another would not help.
             raise NoProbe(f"the probe in it did not answer: {error}") from None
     if not options.inject:
+        if refused:
+            raise NoProbe("; ".join(refused.values()))
         raise NoProbe("it has no probe and --no-inject was given; start the job with "
                        "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
     from dlprof_agent.probe.bootstrap import injection_code
@@ -125,7 +135,7 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
     except InjectionError as error:
         raise NoProbe(error.one_line(), final=isinstance(
             error, (NotPython, InjectionRefused))) from None
-    path = _wait_for_socket(pid, options.wait_seconds)
+    path = _wait_for_socket(pid, options.wait_seconds, refused)
     if path is None:
         if queued is not None and queued.state() == "queued":
             raise NoProbe("the probe is queued in the job and starts when its main thread "

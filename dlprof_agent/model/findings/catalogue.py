@@ -74,6 +74,11 @@ KINDS: tuple[Kind, ...] = (
          "another profiler holds CUPTI",
          "read the step and kernel figures as lower bounds until this clears; the agent's "
          "log says why"),
+    Kind("series_capped", "info",
+         "the job reports more layers or kernels than the agent's series budget: those past "
+         "the top ones by time are folded into 'other'",
+         "raise --max-series-per-target (and the daemon's --max-series), or give the layers "
+         "of interest shorter, fewer names"),
 )
 KINDS_BY_ID = {kind.id: kind for kind in KINDS}
 

@@ -325,6 +325,14 @@ def measurement_costly(window: Window) -> Check | None:
     return Check(holds, evidence)
 
 
+def series_capped(window: Window) -> Check | None:
+    """The budget folded rows of this target's last sample (collectors/series_budget.py)."""
+    probe = window.last.probe
+    if probe is None:
+        return None
+    return Check(probe.series_folded > 0, {"series_folded": float(probe.series_folded)})
+
+
 # Which rule judges each kind of the catalogue (model/findings.py).
 RULES: dict[str, Rule] = {
     "memory_near_limit": memory_near_limit,
@@ -340,4 +348,5 @@ RULES: dict[str, Rule] = {
     "gradient_exchange": gradient_exchange,
     "measurement_costly": measurement_costly,
     "measurement_partial": measurement_partial,
+    "series_capped": series_capped,
 }
