@@ -38,6 +38,7 @@ from dlprof_agent.agent.serve import (
 )
 from dlprof_agent.agent.status import configure_logging
 from dlprof_agent.errors import EXIT_CODES_HELP, DlprofError, ExitCode
+from dlprof_agent.exporters.http import MAX_REQUESTS
 
 # What a shell reports for a command ended by Ctrl-C (SIGINT).
 EXIT_INTERRUPTED = 128 + signal.SIGINT
@@ -99,6 +100,10 @@ def _add_serving_options(parser: argparse.ArgumentParser, *, duration_default: f
                              "exporters (tls_server_config, basic_auth_users with bcrypt "
                              "hashes); see docs/deploy.md. Needs pip install "
                              "'dlprof-agent[web]'")
+    parser.add_argument("--web.max-requests", dest="max_requests", metavar="N",
+                        type=whole_number(0, unit="requests"), default=MAX_REQUESTS,
+                        help="requests served at once; more get 503 at once, as with "
+                             f"node_exporter (default {MAX_REQUESTS}; 0: no bound)")
     parser.add_argument("--interval", type=seconds(MIN_INTERVAL_SECONDS),
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
@@ -279,7 +284,7 @@ def daemon_command(args: argparse.Namespace) -> int:
     options = DaemonOptions(interval=args.interval, scan_interval=args.scan_interval,
                             matches=tuple(args.match), environment=tuple(args.env),
                             probe=_probe_options(args), gpu=args.gpu)
-    return serve_node(options, args.listen, args.port, web)
+    return serve_node(options, args.listen, args.port, web, args.max_requests)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -297,7 +302,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     options = ServeOptions(listen=args.listen, port=args.port, interval=args.interval,
                            duration=args.duration, grace=args.grace, quiet=args.quiet,
                            children=args.children, gpu=args.gpu, probe=_probe_options(args),
-                           web_config=load_web_config(args.web_config_file))
+                           web_config=load_web_config(args.web_config_file),
+                           max_requests=args.max_requests)
     if args.command == "run":
         return run_command(args.command_line, options)
     if args.command == "demo":

@@ -26,7 +26,7 @@ from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
-from dlprof_agent.exporters.http import MetricsServer
+from dlprof_agent.exporters.http import MAX_REQUESTS, MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
@@ -53,6 +53,7 @@ class ServeOptions:
     probe: ProbeOptions | None = None  # None: never talk to the process
     probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
     web_config: WebConfig | None = None  # --web.config.file, loaded
+    max_requests: int = MAX_REQUESTS  # --web.max-requests
 
 
 def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool) -> Sampler:
@@ -88,7 +89,8 @@ def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
                                            "target_up": bool(latest and latest.target_up)})
     return start_metrics_server(_collector(sampler), health, options.listen, options.port,
                                 version=lambda: sampler.latest,
-                                web_config=options.web_config)
+                                web_config=options.web_config,
+                                max_requests=options.max_requests)
 
 
 def _linger(server: MetricsServer, grace: float, exited: str) -> None:
