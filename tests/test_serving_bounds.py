@@ -123,7 +123,7 @@ def test_known_credentials_and_healthz_never_wait_for_a_password_check(
             waiting.append(client)
             if index == 0:
                 wait_for(lambda: checks.started == 1, "the first check to start")
-        wait_for(lambda: server._checks.full(), "the queue of checks to fill")
+        wait_for(server._checks.full, "the queue of checks to fill")
         refused = exchange(server.port, request(server.port, authorization=basic("one more")))
         assert status(refused) == 429
         assert b"Retry-After: 1" in refused
@@ -155,7 +155,7 @@ def test_a_client_that_has_left_is_not_checked(
         for index in range(AUTH_QUEUE):  # each sends its request and leaves at once
             with socket.create_connection(("127.0.0.1", server.port)) as client:
                 client.sendall(request(server.port, authorization=basic(f"gone {index}")))
-        wait_for(lambda: server._checks.full(), "the requests of the gone clients to queue")
+        wait_for(server._checks.full, "the requests of the gone clients to queue")
         checks.opened.set()
         assert status(read_all(held)) == 401
         held.close()
@@ -242,7 +242,7 @@ def test_anything_but_http_1_gets_a_plain_505(raw: bytes) -> None:
 def test_a_request_without_a_version_is_closed_unanswered() -> None:
     server = serve()
     try:
-        assert exchange(server.port, b"GET /metrics\r\n") == b""
+        assert exchange(server.port, b"GET /metrics\r\n\r\n") == b""
     finally:
         server.stop()
 
@@ -261,7 +261,7 @@ def test_control_characters_in_label_values_are_replaced() -> None:
     registry = CollectorRegistry()
     registry.register(Gauge('nul\x00soh\x01del\x7fcr\rtab\tnl\nquote"back\\slash é'))
     text = render_text(registry)
-    assert not any(byte < 0x20 and byte != 0x0A or byte == 0x7F for byte in text)
+    assert not any((byte < 0x20 and byte != 0x0A) or byte == 0x7F for byte in text)
     [family] = text_string_to_metric_families(text.decode())
     assert family.samples[0].labels["name"] == (
         'nul\ufffdsoh\ufffddel\ufffdcr\ufffdtab\ufffdnl\nquote"back\\slash é')

@@ -19,12 +19,14 @@ gzipped when the scraper asks, as Prometheus does.
 What a flood cannot block. At most ``max_requests`` requests are in progress at
 once (read whole and not yet answered), as node_exporter's ``--web.max-requests``
 bounds them; beyond that the I/O thread answers 503 itself. With basic
-authentication, credentials checked before are answered from a cache
-(``WebConfig.known``), so a scraper with a good password never waits on bcrypt;
-an unchecked one joins a short queue in front of one checking thread, or gets 429
-when the queue is full, and is dropped unchecked if its client has already gone.
-``/healthz`` never waits on a check: without known credentials it gives only its
-verdict. Only exact paths are served, and a request that is not HTTP/1.x gets
+authentication, the I/O thread looks the credentials up in a cache of checked
+ones (``WebConfig.known``, an HMAC away): a scraper with a good password goes
+straight to the workers and never waits on bcrypt, nor behind anyone's request
+that needs it. Unchecked credentials join a short queue in front of one checking
+thread, or get 429 when it is full, and are dropped unchecked if their client has
+already gone; a flood of them costs one core at most and never reaches the
+workers. ``/healthz`` never waits on a check: without known credentials it gives
+only its verdict. Only exact paths are served, and a request that is not HTTP/1.x gets
 505 in plain text.
 """
 
@@ -39,6 +41,7 @@ import json
 import logging
 import os
 import queue
+import re
 import resource
 import select
 import selectors
@@ -126,6 +129,7 @@ class _Connection:
     received: bytearray
     authorization: str | None = None  # set when the request waits for a bcrypt check
     verdict: bool | None = None  # the check's answer, once made
+    holds_slot: bool = False  # counted among the requests in progress
 
 
 def connection_limit(requested: int) -> int:
@@ -163,6 +167,7 @@ class MetricsServer:
                                       self._check_later)
         self._tls = web_config.tls if web_config is not None else None
         self._web_config = web_config
+        self._locked = web_config is not None and web_config.requires_auth
         self._timeout = request_timeout
         self._max_connections = connection_limit(max_connections)
         self._in_progress = threading.BoundedSemaphore(max_requests) if max_requests else None
@@ -238,13 +243,10 @@ class MetricsServer:
                         if self._progress(connection):
                             selector.unregister(connection.sock)
                             del open_connections[connection.sock]
-                            if not connection.received:
-                                _close(connection.sock)
-                            elif self._in_progress is None or \
-                                    self._in_progress.acquire(blocking=False):
-                                self._requests.put(connection)
+                            if connection.received:
+                                self._dispatch(connection)
                             else:
-                                _refuse(connection.sock, SHED_BUSY)
+                                _close(connection.sock)
                 now = time.monotonic()
                 for connection in [c for c in open_connections.values() if c.deadline <= now]:
                     selector.unregister(connection.sock)
@@ -288,6 +290,32 @@ class MetricsServer:
                                      handshaking, bytearray())
             open_connections[sock] = connection
             selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _dispatch(self, connection: _Connection) -> None:
+        """Hands a whole request on: to the checking thread when its credentials need a
+        bcrypt check (429 when its queue is full), else to the workers."""
+        if self._locked and _target(connection.received) != b"/healthz":
+            assert self._web_config is not None
+            authorization = _authorization(connection.received)
+            verdict = self._web_config.known(authorization)
+            if verdict is None:
+                connection.authorization = authorization
+                if not self._check_later(connection):
+                    _refuse(connection.sock, SHED_LOGINS)
+                return
+            connection.verdict = verdict
+        self._to_workers(connection)
+
+    def _to_workers(self, connection: _Connection) -> None:
+        """Queues ``connection`` for a worker, or answers 503 when ``max_requests`` are
+        in progress already."""
+        if not connection.holds_slot:
+            if self._in_progress is not None and not self._in_progress.acquire(
+                    blocking=False):
+                _refuse(connection.sock, SHED_BUSY)
+                return
+            connection.holds_slot = True
+        self._requests.put(connection)
 
     @staticmethod
     def _drop_oldest(selector: selectors.BaseSelector,
@@ -346,7 +374,8 @@ class MetricsServer:
 
     def _finish(self, connection: _Connection) -> None:
         _close(connection.sock)
-        if self._in_progress is not None:
+        if connection.holds_slot and self._in_progress is not None:
+            connection.holds_slot = False
             self._in_progress.release()
 
     def _check_later(self, connection: _Connection) -> bool:
@@ -377,7 +406,7 @@ class MetricsServer:
             if self._stopping.is_set():
                 self._finish(connection)  # the workers may have gone
             else:
-                self._requests.put(connection)  # a worker answers, knowing the verdict
+                self._to_workers(connection)  # a worker answers, knowing the verdict
 
 
 def peer_gone(sock: socket.socket) -> bool:
@@ -399,10 +428,26 @@ def peer_gone(sock: socket.socket) -> bool:
         return True
 
 
-SHED_BODY = b"too many requests now\n"
-SHED_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
-             b"Content-Length: %d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s"
-             % (len(SHED_BODY), SHED_BODY))
+def _shed(status: bytes, body: bytes) -> bytes:
+    return (b"HTTP/1.0 %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d"
+            b"\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s" % (status, len(body), body))
+
+
+SHED_BUSY = _shed(b"503 Service Unavailable", b"too many requests now\n")
+SHED_LOGINS = _shed(b"429 Too Many Requests", b"too many logins now\n")
+_AUTHORIZATION = re.compile(rb"\r\nauthorization:[ \t]*([^\r\n]*)", re.IGNORECASE)
+
+
+def _target(received: bytes | bytearray) -> bytes:
+    """The path a request asks for, without its query; what the handler sees."""
+    words = received.split(b"\r\n", 1)[0].split()
+    return bytes(words[1].split(b"?", 1)[0]) if len(words) == 3 else b""
+
+
+def _authorization(received: bytes | bytearray) -> str | None:
+    """The first Authorization header of a request, as the handler's parser reads it."""
+    found = _AUTHORIZATION.search(received.split(b"\r\n\r\n", 1)[0])
+    return found.group(1).strip().decode("latin-1") if found else None
 
 
 def _refuse(sock: socket.socket, answer: bytes) -> None:
@@ -551,14 +596,13 @@ def _make_handler(renderer: _Renderer,
                                                                       else {})}
                 self._reply(200 if healthy else 503, "application/json",
                             json.dumps(report).encode())
-            elif allowed is None:  # needs a bcrypt check, which never runs on a worker
+            elif allowed is None:  # the I/O thread read the header otherwise: rare
                 self._connection.authorization = self.headers.get("Authorization")
                 if check_later(self._connection):
                     self.handed_on = True
                     self.close_connection = True
                 else:
-                    self._reply(429, "text/plain; charset=utf-8", b"too many logins now\n",
-                                {"Retry-After": "1"})
+                    self.wfile.write(SHED_LOGINS)
             elif not allowed:
                 self._reply(401, "text/plain; charset=utf-8", b"Unauthorized\n",
                             {"WWW-Authenticate": 'Basic realm="dlprof-agent"'})
