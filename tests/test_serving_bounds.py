@@ -21,7 +21,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.exporters import web_config
-from dlprof_agent.exporters.http import AUTH_QUEUE, MetricsServer, connection_limit
+from dlprof_agent.exporters.admission import AUTH_QUEUE, connection_limit
+from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.text import render_text
 from tests.conftest import PROMTOOL, wait_for
 

@@ -38,7 +38,7 @@ from dlprof_agent.agent.serve import (
 )
 from dlprof_agent.agent.status import configure_logging
 from dlprof_agent.errors import EXIT_CODES_HELP, DlprofError, ExitCode
-from dlprof_agent.exporters.http import MAX_REQUESTS
+from dlprof_agent.exporters.admission import MAX_REQUESTS
 
 # What a shell reports for a command ended by Ctrl-C (SIGINT).
 EXIT_INTERRUPTED = 128 + signal.SIGINT

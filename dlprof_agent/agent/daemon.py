@@ -44,7 +44,7 @@ from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
-from dlprof_agent.exporters.http import MAX_REQUESTS
+from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from dlprof_agent.agent.loop import Health
 from dlprof_agent.errors import MissingLibrary, PortUnavailable, UsageError, WebConfigError
-from dlprof_agent.exporters.http import MAX_REQUESTS, MetricsServer
+from dlprof_agent.exporters.admission import MAX_REQUESTS
+from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector, SnapshotCollector, registry_of
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.exporters.web_config import load as read_web_config

@@ -26,7 +26,8 @@ from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
-from dlprof_agent.exporters.http import MAX_REQUESTS, MetricsServer
+from dlprof_agent.exporters.admission import MAX_REQUESTS
+from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig

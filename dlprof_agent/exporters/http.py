@@ -27,7 +27,12 @@ thread, or get 429 when it is full, and are dropped unchecked if their client ha
 already gone; a flood of them costs one core at most and never reaches the
 workers. ``/healthz`` never waits on a check: without known credentials it gives
 only its verdict. Only exact paths are served, and a request that is not HTTP/1.x gets
-505 in plain text.
+505 in plain text. What is let in and what is turned away: ``exporters.admission``.
+
+Kept in one file: the I/O thread, the workers, the checking thread and the request
+handler pass one connection among themselves, and the slot it holds among the
+requests in progress goes with it; split, each part would reach into the others'
+queues and the connection's state.
 """
 
 from __future__ import annotations
@@ -41,9 +46,6 @@ import json
 import logging
 import os
 import queue
-import re
-import resource
-import select
 import selectors
 import socket
 import ssl
@@ -58,6 +60,17 @@ from typing import Any
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from dlprof_agent.exporters.admission import (
+    AUTH_QUEUE,
+    MAX_REQUESTS,
+    SHED_BUSY,
+    SHED_LOGINS,
+    authorization,
+    connection_limit,
+    peer_gone,
+    refuse,
+    request_path,
+)
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
 
@@ -83,14 +96,6 @@ WORKERS = 2
 # client that takes this long to read the answer) is closed.
 REQUEST_TIMEOUT_SECONDS = 10.0
 MAX_CONNECTIONS = 1000  # open at once, besides the listening socket
-# Of the process's file descriptors, the share idle connections may take: the rest
-# stay for the agent's own work (procfs, the probe's sockets), whatever the clients do.
-CONNECTIONS_SHARE_OF_FDS = 0.5
-# Requests in progress at once, as node_exporter's --web.max-requests (0: no bound).
-MAX_REQUESTS = 40
-# Requests with credentials not yet checked that may wait for the one bcrypt thread
-# (a check costs tens of ms, so a full queue is about half a second of work).
-AUTH_QUEUE = 8
 MAX_REQUEST_BYTES = 65536
 # Lower than any nice value: the job's threads preempt the serving threads at once.
 SERVING_POLICY = getattr(os, "SCHED_IDLE", None)
@@ -130,15 +135,6 @@ class _Connection:
     authorization: str | None = None  # set when the request waits for a bcrypt check
     verdict: bool | None = None  # the check's answer, once made
     holds_slot: bool = False  # counted among the requests in progress
-
-
-def connection_limit(requested: int) -> int:
-    """``requested``, or fewer when the process's file descriptors would not leave
-    room for the agent's own work."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return requested
-    return max(16, min(requested, int(soft * CONNECTIONS_SHARE_OF_FDS)))
 
 
 class MetricsServer:
@@ -294,14 +290,14 @@ class MetricsServer:
     def _dispatch(self, connection: _Connection) -> None:
         """Hands a whole request on: to the checking thread when its credentials need a
         bcrypt check (429 when its queue is full), else to the workers."""
-        if self._locked and _target(connection.received) != b"/healthz":
+        if self._locked and request_path(connection.received) != b"/healthz":
             assert self._web_config is not None
-            authorization = _authorization(connection.received)
-            verdict = self._web_config.known(authorization)
+            credentials = authorization(connection.received)
+            verdict = self._web_config.known(credentials)
             if verdict is None:
-                connection.authorization = authorization
+                connection.authorization = credentials
                 if not self._check_later(connection):
-                    _refuse(connection.sock, SHED_LOGINS)
+                    refuse(connection.sock, SHED_LOGINS)
                 return
             connection.verdict = verdict
         self._to_workers(connection)
@@ -312,7 +308,7 @@ class MetricsServer:
         if not connection.holds_slot:
             if self._in_progress is not None and not self._in_progress.acquire(
                     blocking=False):
-                _refuse(connection.sock, SHED_BUSY)
+                refuse(connection.sock, SHED_BUSY)
                 return
             connection.holds_slot = True
         self._requests.put(connection)
@@ -407,54 +403,6 @@ class MetricsServer:
                 self._finish(connection)  # the workers may have gone
             else:
                 self._to_workers(connection)  # a worker answers, knowing the verdict
-
-
-def peer_gone(sock: socket.socket) -> bool:
-    """Whether the client has closed its end (or reset it): it sent its request whole,
-    so anything more to read can only be the end of the stream."""
-    rdhup = getattr(select, "POLLRDHUP", 0)
-    if rdhup:
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN | rdhup)
-        return any(events & (rdhup | select.POLLHUP | select.POLLERR | select.POLLNVAL)
-                   for _, events in poller.poll(0))
-    if isinstance(sock, ssl.SSLSocket):
-        return False  # no peeking under TLS: the check runs
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
-
-
-def _shed(status: bytes, body: bytes) -> bytes:
-    return (b"HTTP/1.0 %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d"
-            b"\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s" % (status, len(body), body))
-
-
-SHED_BUSY = _shed(b"503 Service Unavailable", b"too many requests now\n")
-SHED_LOGINS = _shed(b"429 Too Many Requests", b"too many logins now\n")
-_AUTHORIZATION = re.compile(rb"\r\nauthorization:[ \t]*([^\r\n]*)", re.IGNORECASE)
-
-
-def _target(received: bytes | bytearray) -> bytes:
-    """The path a request asks for, without its query; what the handler sees."""
-    words = received.split(b"\r\n", 1)[0].split()
-    return bytes(words[1].split(b"?", 1)[0]) if len(words) == 3 else b""
-
-
-def _authorization(received: bytes | bytearray) -> str | None:
-    """The first Authorization header of a request, as the handler's parser reads it."""
-    found = _AUTHORIZATION.search(received.split(b"\r\n\r\n", 1)[0])
-    return found.group(1).strip().decode("latin-1") if found else None
-
-
-def _refuse(sock: socket.socket, answer: bytes) -> None:
-    """Sends a short ``answer`` without waiting (it fits any socket buffer), and closes."""
-    with contextlib.suppress(OSError, ValueError):
-        sock.send(answer)
-    _close(sock)
 
 
 def _close(sock: socket.socket) -> None:
