@@ -11,6 +11,7 @@ import base64
 import resource
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from dlprof_agent.exporters import web_config
 from dlprof_agent.exporters.admission import AUTH_QUEUE, connection_limit
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.text import render_text
-from tests.conftest import PROMTOOL, wait_for
+from tests.conftest import PROMTOOL, agent_env, wait_for
 
 bcrypt = pytest.importorskip("bcrypt", reason="bcrypt is not installed: "
                              "pip install 'dlprof-agent[web]'")
@@ -270,3 +271,16 @@ def test_control_characters_in_label_values_are_replaced() -> None:
         checked = subprocess.run([PROMTOOL, "check", "metrics"], input=text,
                                  capture_output=True, timeout=60, check=False)
         assert b"error" not in checked.stdout + checked.stderr.lower(), checked
+
+
+def test_the_commands_that_serve_take_web_max_requests() -> None:
+    for command in ("attach", "run", "demo", "daemon"):
+        shown = subprocess.run([sys.executable, "-m", "dlprof_agent", command, "--help"],
+                               env=agent_env(), capture_output=True, text=True, timeout=60,
+                               check=False)
+        assert "--web.max-requests N" in shown.stdout, command
+    refused = subprocess.run([sys.executable, "-m", "dlprof_agent", "daemon",
+                              "--web.max-requests", "-1"], env=agent_env(),
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2
+    assert "--web.max-requests" in refused.stderr and "out of range" in refused.stderr

@@ -90,7 +90,8 @@ TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # overflowed the old 5 (Linux caps it at net.core.somaxconn, 4096 by default).
 LISTEN_BACKLOG = 1024
 # Threads that answer requests. The I/O thread reads requests until they are whole, so a
-# worker never waits on a slow or idle client; the bound is 1 + WORKERS + 1 render thread.
+# worker never waits on a slow or idle client; the bound is 1 + WORKERS + 1 render thread,
+# and 1 checking thread with basic authentication.
 WORKERS = 2
 # A connection that has not sent its whole request this long after it opened (or a
 # client that takes this long to read the answer) is closed.
