@@ -44,6 +44,7 @@ from dlprof_agent.collectors.series_budget import (
     SeriesBudget,
 )
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
+from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.findings.tracker import FindingsTracker
@@ -268,14 +269,15 @@ def make_daemon(options: DaemonOptions) -> Daemon:
 
 
 def serve_node(options: DaemonOptions, listen: str, port: int,
-               web_config: WebConfig | None = None) -> int:
+               web_config: WebConfig | None = None, max_requests: int = MAX_REQUESTS) -> int:
     """Run the daemon, serving /metrics on ``listen``:``port``, until SIGTERM or Ctrl-C."""
     daemon = make_daemon(options)
     health = sample_health(lambda: daemon.latest, options.interval,
                            lambda latest: {"targets": sorted(daemon.targets)})
     server = start_metrics_server(
         NodeCollector(lambda: daemon.latest, interval_seconds=options.interval), health,
-        listen, port, version=lambda: daemon.latest, web_config=web_config)
+        listen, port, version=lambda: daemon.latest, web_config=web_config,
+        max_requests=max_requests)
     stop = threading.Event()
     try:
         with sigterm_stops():

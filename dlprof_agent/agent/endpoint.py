@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from dlprof_agent.agent.loop import Health
 from dlprof_agent.errors import MissingLibrary, PortUnavailable, UsageError, WebConfigError
+from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector, SnapshotCollector, registry_of
 from dlprof_agent.exporters.web_config import WebConfig
@@ -47,12 +48,15 @@ def _loopback(listen: str) -> bool:
 def start_metrics_server(collector: SnapshotCollector | NodeCollector, health: Health,
                          listen: str, port: int, *,
                          version: Callable[[], object] | None = None,
-                         web_config: WebConfig | None = None) -> MetricsServer:
+                         web_config: WebConfig | None = None,
+                         max_requests: int = MAX_REQUESTS) -> MetricsServer:
     """A started /metrics server, or a one-line error saying why there is none.
-    ``version``: the published sample; a scrape renders each one at most once."""
+    ``version``: the published sample; a scrape renders each one at most once.
+    ``max_requests``: --web.max-requests, the requests in progress at once (0: no bound)."""
     try:
         server = MetricsServer(registry_of(collector), host=listen, port=port, health=health,
-                               version=version, web_config=web_config)
+                               version=version, web_config=web_config,
+                               max_requests=max_requests)
     except socket.gaierror:
         raise UsageError(f"cannot listen on {listen!r}: not an address of this "
                          "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None

@@ -23,6 +23,7 @@ from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES, SeriesBudget
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
+from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.exporters.text import render_text
@@ -61,6 +62,7 @@ class ServeOptions:
     web_config: WebConfig | None = None  # --web.config.file, loaded
     channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long the probe's channel waits
     max_series_per_target: int = DEFAULT_TARGET_SERIES  # --max-series-per-target
+    max_requests: int = MAX_REQUESTS  # --web.max-requests
 
 
 def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
@@ -99,7 +101,8 @@ def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
                                            "target_up": bool(latest and latest.target_up)})
     return start_metrics_server(_collector(sampler), health, options.listen, options.port,
                                 version=lambda: sampler.latest,
-                                web_config=options.web_config)
+                                web_config=options.web_config,
+                                max_requests=options.max_requests)
 
 
 def _linger(server: MetricsServer, grace: float, exited: str) -> None:

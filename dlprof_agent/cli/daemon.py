@@ -76,4 +76,4 @@ def run(args: argparse.Namespace) -> int:
                             probe=probe_options(args), gpu=args.gpu,
                             max_series_per_target=args.max_series_per_target,
                             max_series=args.max_series)
-    return serve_node(options, args.listen, args.port, web)
+    return serve_node(options, args.listen, args.port, web, args.max_requests)

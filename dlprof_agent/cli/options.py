@@ -16,6 +16,7 @@ from dlprof_agent.agent.serve import (
 from dlprof_agent.cli.arguments import budget_fraction, port, seconds, whole_number
 from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS
 from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES
+from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.reach.connect import ProbeOptions
 
 
@@ -73,6 +74,10 @@ def add_serving_options(parser: argparse.ArgumentParser, *, duration_default: fl
                              "exporters (tls_server_config, basic_auth_users with bcrypt "
                              "hashes); see docs/deploy.md. Needs pip install "
                              "'dlprof-agent[web]'")
+    parser.add_argument("--web.max-requests", dest="max_requests", metavar="N",
+                        type=whole_number(0, unit="requests"), default=MAX_REQUESTS,
+                        help="requests served at once; more get 503 at once, as with "
+                             f"node_exporter (default {MAX_REQUESTS}; 0: no bound)")
     parser.add_argument("--interval", type=seconds(MIN_INTERVAL_SECONDS),
                         default=DEFAULT_INTERVAL_SECONDS, metavar="SECONDS",
                         help="time between samples (default 1). Scrapes read the latest "
@@ -118,4 +123,5 @@ def serve_options(args: argparse.Namespace, probe: ProbeOptions | None) -> Serve
                         duration=args.duration, grace=args.grace, quiet=args.quiet,
                         children=args.children, gpu=args.gpu, probe=probe,
                         web_config=load_web_config(args.web_config_file),
-                        max_series_per_target=args.max_series_per_target)
+                        max_series_per_target=args.max_series_per_target,
+                        max_requests=args.max_requests)

@@ -15,11 +15,30 @@ the scraper accepts it (Prometheus does, after OpenMetrics): it carries
 everything the agent exports, and the agent writes it itself
 (``exporters.text``), several times faster than prometheus_client. Payloads are
 gzipped when the scraper asks, as Prometheus does.
+
+What a flood cannot block. At most ``max_requests`` requests are in progress at
+once (read whole and not yet answered), as node_exporter's ``--web.max-requests``
+bounds them; beyond that the I/O thread answers 503 itself. With basic
+authentication, the I/O thread looks the credentials up in a cache of checked
+ones (``WebConfig.known``, an HMAC away): a scraper with a good password goes
+straight to the workers and never waits on bcrypt, nor behind anyone's request
+that needs it. Unchecked credentials join a short queue in front of one checking
+thread, or get 429 when it is full, and are dropped unchecked if their client has
+already gone; a flood of them costs one core at most and never reaches the
+workers. ``/healthz`` never waits on a check: without known credentials it gives
+only its verdict. Only exact paths are served, and a request that is not HTTP/1.x gets
+505 in plain text. What is let in and what is turned away: ``exporters.admission``.
+
+Kept in one file: the I/O thread, the workers, the checking thread and the request
+handler pass one connection among themselves, and the slot it holds among the
+requests in progress goes with it; split, each part would reach into the others'
+queues and the connection's state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import io
 import itertools
@@ -41,6 +60,17 @@ from typing import Any
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from dlprof_agent.exporters.admission import (
+    AUTH_QUEUE,
+    MAX_REQUESTS,
+    SHED_BUSY,
+    SHED_LOGINS,
+    authorization,
+    connection_limit,
+    peer_gone,
+    refuse,
+    request_path,
+)
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
 
@@ -60,7 +90,8 @@ TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # overflowed the old 5 (Linux caps it at net.core.somaxconn, 4096 by default).
 LISTEN_BACKLOG = 1024
 # Threads that answer requests. The I/O thread reads requests until they are whole, so a
-# worker never waits on a slow or idle client; the bound is 1 + WORKERS + 1 render thread.
+# worker never waits on a slow or idle client; the bound is 1 + WORKERS + 1 render thread,
+# and 1 checking thread with basic authentication.
 WORKERS = 2
 # A connection that has not sent its whole request this long after it opened (or a
 # client that takes this long to read the answer) is closed.
@@ -102,6 +133,9 @@ class _Connection:
     deadline: float
     handshaking: bool
     received: bytearray
+    authorization: str | None = None  # set when the request waits for a bcrypt check
+    verdict: bool | None = None  # the check's answer, once made
+    holds_slot: bool = False  # counted among the requests in progress
 
 
 class MetricsServer:
@@ -112,21 +146,29 @@ class MetricsServer:
     One I/O thread accepts connections, completes TLS handshakes and reads each
     request whole, without blocking; WORKERS threads answer whole requests. So
     idle or half-sent connections cost a socket each and never a thread, and
-    are closed after ``request_timeout`` seconds."""
+    are closed after ``request_timeout`` seconds. ``max_requests`` bounds the
+    requests in progress (0: no bound); with basic authentication, ``auth_queue``
+    bounds those waiting for a bcrypt check."""
 
     def __init__(self, registry: CollectorRegistry, *, host: str, port: int,
                  health: Callable[[], tuple[bool, dict[str, Any]]],
                  version: Callable[[], object] | None = None,
                  web_config: WebConfig | None = None, workers: int = WORKERS,
                  request_timeout: float = REQUEST_TIMEOUT_SECONDS,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_requests: int = MAX_REQUESTS,
+                 auth_queue: int = AUTH_QUEUE) -> None:
         self._renderer = _Renderer(registry, version)
         self._scrapes = itertools.count()
         self._scrapes_served = 0
-        self._handler = _make_handler(self._renderer, health, web_config, self._count_scrape)
+        self._handler = _make_handler(self._renderer, health, web_config, self._count_scrape,
+                                      self._check_later)
         self._tls = web_config.tls if web_config is not None else None
+        self._web_config = web_config
+        self._locked = web_config is not None and web_config.requires_auth
         self._timeout = request_timeout
-        self._max_connections = max_connections
+        self._max_connections = connection_limit(max_connections)
+        self._in_progress = threading.BoundedSemaphore(max_requests) if max_requests else None
+        self._checks: queue.Queue[_Connection | None] = queue.Queue(max(1, auth_queue))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # Raises OSError (EADDRINUSE, EADDRNOTAVAIL, gaierror) here, before anything starts.
         self._listener = socket.create_server((host, port), family=family,
@@ -140,6 +182,9 @@ class MetricsServer:
                                           daemon=True)]
         self._threads += [threading.Thread(target=self._answer, name=f"dlprof-http-{i}",
                                            daemon=True) for i in range(workers)]
+        if web_config is not None and web_config.requires_auth:
+            self._threads.append(threading.Thread(target=self._check_credentials,
+                                                  name="dlprof-http-auth", daemon=True))
 
     @property
     def port(self) -> int:
@@ -160,8 +205,11 @@ class MetricsServer:
     def stop(self) -> None:
         self._stopping.set()
         self._wake_write.send(b"x")
-        for _ in self._threads[1:]:
-            self._requests.put(None)
+        for thread in self._threads[1:]:
+            if thread.name == "dlprof-http-auth":
+                self._checks.put(None)  # it empties the queue, so there is room
+            else:
+                self._requests.put(None)
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(5)
@@ -193,7 +241,7 @@ class MetricsServer:
                             selector.unregister(connection.sock)
                             del open_connections[connection.sock]
                             if connection.received:
-                                self._requests.put(connection)
+                                self._dispatch(connection)
                             else:
                                 _close(connection.sock)
                 now = time.monotonic()
@@ -213,14 +261,18 @@ class MetricsServer:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # EMFILE and the like: the queued connection waits for later
+            except OSError as error:
+                if error.errno in (errno.EMFILE, errno.ENFILE) and open_connections:
+                    # Out of descriptors: the oldest idle connection makes room.
+                    self._drop_oldest(selector, open_connections)
+                    continue
+                # Nothing of ours to close: the queued connection waits for later, and
+                # the listener, readable all along, must not spin this thread meanwhile.
+                time.sleep(0.05)
                 return
             if len(open_connections) >= self._max_connections:
                 # Full: the oldest connection (the likeliest to be stuck) makes room.
-                oldest = min(open_connections.values(), key=lambda c: c.deadline)
-                selector.unregister(oldest.sock)
-                del open_connections[oldest.sock]
-                _close(oldest.sock)
+                self._drop_oldest(selector, open_connections)
             sock.setblocking(False)
             handshaking = False
             if self._tls is not None:
@@ -235,6 +287,40 @@ class MetricsServer:
                                      handshaking, bytearray())
             open_connections[sock] = connection
             selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _dispatch(self, connection: _Connection) -> None:
+        """Hands a whole request on: to the checking thread when its credentials need a
+        bcrypt check (429 when its queue is full), else to the workers."""
+        if self._locked and request_path(connection.received) != b"/healthz":
+            assert self._web_config is not None
+            credentials = authorization(connection.received)
+            verdict = self._web_config.known(credentials)
+            if verdict is None:
+                connection.authorization = credentials
+                if not self._check_later(connection):
+                    refuse(connection.sock, SHED_LOGINS)
+                return
+            connection.verdict = verdict
+        self._to_workers(connection)
+
+    def _to_workers(self, connection: _Connection) -> None:
+        """Queues ``connection`` for a worker, or answers 503 when ``max_requests`` are
+        in progress already."""
+        if not connection.holds_slot:
+            if self._in_progress is not None and not self._in_progress.acquire(
+                    blocking=False):
+                refuse(connection.sock, SHED_BUSY)
+                return
+            connection.holds_slot = True
+        self._requests.put(connection)
+
+    @staticmethod
+    def _drop_oldest(selector: selectors.BaseSelector,
+                     open_connections: dict[socket.socket, _Connection]) -> None:
+        oldest = next(iter(open_connections.values()))  # dicts keep the order of accepts
+        selector.unregister(oldest.sock)
+        del open_connections[oldest.sock]
+        _close(oldest.sock)
 
     def _progress(self, connection: _Connection) -> bool:
         """Reads what arrived; True once the request is whole, or the connection is done
@@ -271,15 +357,53 @@ class MetricsServer:
             if connection is None:
                 return
             sock = connection.sock
+            done = True
             try:
                 sock.settimeout(self._timeout)  # for the answer: a client that never reads
-                self._handler(sock, connection.address, bytes(connection.received))
+                done = self._handler(connection)
             except (OSError, ValueError):
                 pass  # the scraper left (broken pipe, reset, timeout): nothing to tell
             except Exception:  # a bug: said once per occurrence, without killing the worker
                 log.exception("serving a request failed")
             finally:
-                _close(sock)
+                if done:
+                    self._finish(connection)
+
+    def _finish(self, connection: _Connection) -> None:
+        _close(connection.sock)
+        if connection.holds_slot and self._in_progress is not None:
+            connection.holds_slot = False
+            self._in_progress.release()
+
+    def _check_later(self, connection: _Connection) -> bool:
+        """Queues ``connection`` for a bcrypt check; False when the queue is full."""
+        try:
+            self._checks.put_nowait(connection)
+        except queue.Full:
+            return False
+        return True
+
+    # The checking thread: one, so that a flood costs at most one core.
+
+    def _check_credentials(self) -> None:
+        lower_thread_priority()
+        assert self._web_config is not None
+        while True:
+            connection = self._checks.get()
+            if connection is None:
+                return
+            if self._stopping.is_set() or peer_gone(connection.sock):
+                self._finish(connection)  # nobody to answer: no check
+                continue
+            try:
+                connection.verdict = self._web_config.authorized(connection.authorization)
+            except Exception:  # a bug: said once per occurrence, without killing the thread
+                log.exception("checking credentials failed")
+                connection.verdict = False
+            if self._stopping.is_set():
+                self._finish(connection)  # the workers may have gone
+            else:
+                self._to_workers(connection)  # a worker answers, knowing the verdict
 
 
 def _close(sock: socket.socket) -> None:
@@ -349,21 +473,33 @@ def _wants_gzip(accept_encoding: str) -> bool:
                for part in accept_encoding.split(","))
 
 
-Handler = Callable[[socket.socket, Any, bytes], object]
+# Answers a connection's request; False when it handed the connection on (to the
+# bcrypt queue) instead of answering, so that it must stay open.
+Handler = Callable[[_Connection], bool]
 
 
 def _make_handler(renderer: _Renderer,
                   health: Callable[[], tuple[bool, dict[str, Any]]],
-                  web_config: WebConfig | None, on_scrape: Callable[[], None]) -> Handler:
+                  web_config: WebConfig | None, on_scrape: Callable[[], None],
+                  check_later: Callable[[_Connection], bool]) -> Handler:
     extra_headers = dict(web_config.headers) if web_config is not None else {}
     locked = web_config is not None and web_config.requires_auth
 
     class RequestHandler(BaseHTTPRequestHandler):
         """Answers one request that the I/O thread read whole (``received``)."""
 
-        def __init__(self, sock: socket.socket, address: Any, received: bytes) -> None:
-            self._received = received
-            super().__init__(sock, address, None)  # type: ignore[arg-type]
+        # Errors (400, 501, 505) in plain text: no HTML page for a scanner to read.
+        error_message_format = "%(code)d %(message)s\n"
+        error_content_type = "text/plain; charset=utf-8"
+        # What an error before the version is known is written as: with a status line
+        # (the standard library's default, HTTP/0.9, has none).
+        default_request_version = "HTTP/1.0"
+
+        def __init__(self, connection: _Connection) -> None:
+            self._connection = connection
+            self._received = bytes(connection.received)
+            self.handed_on = False
+            super().__init__(connection.sock, connection.address, None)  # type: ignore[arg-type]
 
         def setup(self) -> None:
             self.connection = self.request
@@ -380,10 +516,28 @@ def _make_handler(renderer: _Renderer,
         def version_string(self) -> str:
             return "dlprof-agent"  # no Python version: nothing for a scanner to match
 
+        def parse_request(self) -> bool:
+            if len(getattr(self, "raw_requestline", b"").split()) == 2:
+                return False  # HTTP/0.9, which has no status line: closed unanswered
+            if not super().parse_request():
+                return False  # answered (400, 505) with a status line: see the default
+            if not self.request_version.startswith("HTTP/1."):
+                self.request_version = self.default_request_version
+                self.send_error(505, "only HTTP/1.x is served")
+                return False
+            # The target as sent: parse_request folds a leading "//" into "/", and only
+            # exact paths are served.
+            self.path = self.requestline.split()[1]
+            return True
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
-            allowed = not locked or (web_config is not None and web_config.authorized(
-                self.headers.get("Authorization")))
+            allowed: bool | None = True
+            if locked:
+                assert web_config is not None
+                allowed = self._connection.verdict
+                if allowed is None:
+                    allowed = web_config.known(self.headers.get("Authorization"))
             if path == "/healthz":
                 healthy, details = health()
                 # Without credentials, only the verdict: a liveness probe needs no more.
@@ -391,6 +545,13 @@ def _make_handler(renderer: _Renderer,
                                                                       else {})}
                 self._reply(200 if healthy else 503, "application/json",
                             json.dumps(report).encode())
+            elif allowed is None:  # the I/O thread read the header otherwise: rare
+                self._connection.authorization = self.headers.get("Authorization")
+                if check_later(self._connection):
+                    self.handed_on = True
+                    self.close_connection = True
+                else:
+                    self.wfile.write(SHED_LOGINS)
             elif not allowed:
                 self._reply(401, "text/plain; charset=utf-8", b"Unauthorized\n",
                             {"WWW-Authenticate": 'Basic realm="dlprof-agent"'})
@@ -418,4 +579,7 @@ def _make_handler(renderer: _Renderer,
         def log_message(self, format: str, *args: Any) -> None:
             pass  # a line per scrape would bury the status display
 
-    return RequestHandler
+    def answer(connection: _Connection) -> bool:
+        return not RequestHandler(connection).handed_on
+
+    return answer

@@ -5,8 +5,15 @@ prometheus_client's own writer checks and escapes every label name of every
 sample; at a thousand series that is most of a scrape's cost. The agent's label
 names are fixed identifiers of its own, so only label values (which carry
 process, thread and layer names) are escaped here. The output is byte for byte
-what prometheus_client writes for the same families; a family of a type the
-agent does not build falls back to it.
+what prometheus_client writes for the same families, but for control characters
+in label values; a family of a type the agent does not build falls back to it.
+
+Label values may hold any UTF-8, but the format escapes only ``\\``, ``"`` and
+newline; any other backslash sequence is a parse error in Prometheus, and a raw
+NUL, carriage return or DEL, written as prometheus_client does, reaches every
+tool downstream (a terminal, a log line, a C string) as is. So the other C0
+controls and DEL become U+FFFD, the replacement character: the value still
+parses, and a reader sees that something was there.
 """
 
 from __future__ import annotations
@@ -22,10 +29,16 @@ _WRITTEN_TYPES = frozenset({"gauge", "counter", "histogram"})
 _format_value: Callable[[float], str] = utils.floatToGoString
 
 
+_REPLACEMENT = "\ufffd"
+_ESCAPES = {**{code: _REPLACEMENT for code in [*range(0x20), 0x7F]},
+            ord("\\"): r"\\", ord("\n"): r"\n", ord('"'): r"\""}
+
+
 def _escape_value(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-    return value
+    # isprintable() is False for every control character: one C call decides most values.
+    if value.isprintable() and "\\" not in value and '"' not in value:
+        return value
+    return value.translate(_ESCAPES)
 
 
 def render_text(registry: Collector) -> bytes:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
+import os
 import ssl
 import threading
 from collections import OrderedDict
@@ -47,7 +49,8 @@ UNSUPPORTED = {"cipher_suites": "Go cipher suite names",
                "client_allowed_sans": "client SAN filtering",
                "cert": "inline certificates", "key": "inline keys"}
 # A bcrypt check costs tens of milliseconds by design; Prometheus sends the same
-# credentials every scrape, so each answer is kept (keyed by a digest, never the password).
+# credentials every scrape, so each answer is kept. Successes and failures are kept
+# apart: a flood of new wrong passwords must not push out the scraper's good one.
 CHECKS_KEPT = 256
 
 
@@ -60,8 +63,15 @@ class WebConfig:
     headers: dict[str, str] = field(default_factory=dict)
     # What an unknown user's attempt is checked against, so that it costs as much.
     decoy_hash: bytes = field(default=b"", repr=False)
-    _checks: OrderedDict[bytes, bool] = field(default_factory=OrderedDict, repr=False,
-                                             compare=False)
+    # The key of the checks' cache, drawn per process: the cache binds the user, the
+    # stored hash and the password, as exporter-toolkit's has since CVE-2022-46146,
+    # but holds only an HMAC of them, useless outside this process.
+    _cache_key: bytes = field(default_factory=lambda: os.urandom(32), repr=False,
+                              compare=False)
+    _granted: OrderedDict[bytes, None] = field(default_factory=OrderedDict, repr=False,
+                                               compare=False)
+    _refused: OrderedDict[bytes, None] = field(default_factory=OrderedDict, repr=False,
+                                               compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False,
                                   compare=False)
 
@@ -69,37 +79,66 @@ class WebConfig:
     def requires_auth(self) -> bool:
         return bool(self.users)
 
-    def authorized(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` header value names a user and their password."""
+    def known(self, authorization: str | None) -> bool | None:
+        """The verdict on an ``Authorization`` header value when it needs no bcrypt
+        check (no users, a malformed header, or credentials checked before); None when
+        only ``authorized`` can tell."""
         if not self.users:
             return True
-        if not authorization or not authorization.startswith("Basic "):
+        credentials = _credentials(authorization)
+        if credentials is None:
             return False
-        try:
-            user, _, password = base64.b64decode(authorization[6:].strip(), validate=True
-                                                 ).decode("utf-8").partition(":")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        # An unknown user costs a check too, so timing does not tell which users exist.
-        hashed = self.users.get(user, self.decoy_hash)
-        key = hashlib.sha256(b"\0".join((user.encode(), password.encode(), hashed))).digest()
+        key = self._key(*credentials)
         with self._lock:
-            known = self._checks.get(key)
-            if known is not None:
-                self._checks.move_to_end(key)
-                return known and user in self.users
+            for kept, verdict in ((self._granted, True), (self._refused, False)):
+                if key in kept:
+                    kept.move_to_end(key)
+                    return verdict
+        return None
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value names a user and their password;
+        a bcrypt check (tens of ms) unless ``known`` tells."""
+        verdict = self.known(authorization)
+        if verdict is not None:
+            return verdict
+        credentials = _credentials(authorization)
+        assert credentials is not None  # known() said False otherwise
+        user, password = credentials
         import bcrypt
 
         try:
-            ok = bcrypt.checkpw(password.encode("utf-8"), hashed)
+            ok = bcrypt.checkpw(password.encode("utf-8"), self._hash_of(user))
         except ValueError:
             ok = False
         ok = ok and user in self.users
+        kept = self._granted if ok else self._refused
         with self._lock:
-            self._checks[key] = ok
-            while len(self._checks) > CHECKS_KEPT:
-                self._checks.popitem(last=False)
+            kept[self._key(user, password)] = None
+            while len(kept) > CHECKS_KEPT:
+                kept.popitem(last=False)
         return ok
+
+    def _hash_of(self, user: str) -> bytes:
+        # An unknown user costs a check too, so timing does not tell which users exist.
+        return self.users.get(user, self.decoy_hash)
+
+    def _key(self, user: str, password: str) -> bytes:
+        message = b":".join(part.hex().encode() for part in (
+            user.encode("utf-8"), self._hash_of(user), password.encode("utf-8")))
+        return hmac.new(self._cache_key, message, hashlib.sha256).digest()
+
+
+def _credentials(authorization: str | None) -> tuple[str, str] | None:
+    """The user and password of a Basic ``Authorization`` value; None when malformed."""
+    if not authorization or not authorization.startswith("Basic "):
+        return None
+    try:
+        user, _, password = base64.b64decode(authorization[6:].strip(), validate=True
+                                             ).decode("utf-8").partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return user, password
 
 
 def _load_yaml(path: Path) -> Any:
