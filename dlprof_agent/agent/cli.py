@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serving_options(daemon, duration_default=None, one_target=False)
     daemon.add_argument("--scan-interval", type=seconds(0.1), default=2.0, metavar="SECONDS",
                         help="how often to look for new jobs (default 2)")
+    daemon.add_argument("--grace", type=seconds(0), default=DEFAULT_GRACE_SECONDS,
+                        metavar="SECONDS",
+                        help="after a job exits, keep serving its dlprof_target_up 0 and "
+                             "final totals this long, so the last scrape sees every step "
+                             f"(default {DEFAULT_GRACE_SECONDS:g})")
     daemon.add_argument("--match", action="append", type=regex, default=[], metavar="REGEX",
                         help="also watch processes whose command line matches (repeatable), "
                              "e.g. 'python .*train'")
@@ -278,7 +283,7 @@ def daemon_command(args: argparse.Namespace) -> int:
     web = load_web_config(args.web_config_file)
     options = DaemonOptions(interval=args.interval, scan_interval=args.scan_interval,
                             matches=tuple(args.match), environment=tuple(args.env),
-                            probe=_probe_options(args), gpu=args.gpu)
+                            probe=_probe_options(args), gpu=args.gpu, grace=args.grace)
     return serve_node(options, args.listen, args.port, web)
 
 

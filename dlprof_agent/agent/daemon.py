@@ -9,7 +9,9 @@ It finds the jobs to watch by itself, every --scan-interval seconds:
 Each job is read as `attach` reads one (with its descendants, so a launcher's
 ranks that are its children are not taken twice), the host and the GPUs once
 per pass for all of them, and all of it is served on one /metrics. A job that
-exits is dropped in the same pass, so its series are gone from the next scrape.
+exits is dropped in the same pass; for --grace seconds after, /metrics keeps its
+`dlprof_target_up 0` and its probe's final totals (exit_totals.py), then its
+series are gone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from dlprof_agent.agent.endpoint import start_metrics_server
+from dlprof_agent.agent.exit_totals import DEFAULT_GRACE_SECONDS, ExitedTargets
 from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.agent.loop import (
@@ -42,6 +45,7 @@ from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
+from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.prometheus import NodeCollector
@@ -63,6 +67,7 @@ class DaemonOptions:
     environment: tuple[tuple[str, str], ...] = ()  # (name, value) every target must have
     probe: ProbeOptions | None = None  # None: never talk to the processes
     gpu: bool = True
+    grace: float = DEFAULT_GRACE_SECONDS  # an exited job's final totals stay this long
 
 
 def _read_environment(pid: int, procfs: str = "/proc") -> dict[str, str] | None:
@@ -126,6 +131,8 @@ class Target:
     findings: FindingsTracker = field(default_factory=FindingsTracker)
     dropped: bool = False
     probe_lock: threading.Lock = field(default_factory=threading.Lock)
+    last: Snapshot | None = None  # the last pass's, kept through the grace once it exits
+    last_probe: ProbeSample | None = None  # the probe's last totals (it closes before the exit)
 
     def attach_probe(self, source: ProbeSource) -> None:
         with self.probe_lock:
@@ -159,6 +166,7 @@ class Daemon:
         self._gpu_pids: frozenset[int] = frozenset()
         self._samples_total = 0
         self._latest: NodeSnapshot | None = None
+        self.exited = ExitedTargets(options.grace)
 
     @property
     def latest(self) -> NodeSnapshot | None:
@@ -186,6 +194,7 @@ class Daemon:
             return  # gone, or not ours to read
         target = Target(pid, reason, processes, limits=LimitsCollector(pid))
         self.targets[pid] = target
+        self.exited.forget(pid)
         log.info("watching pid %d (%s; %s)", pid, _name(pid), {
             "gpu": "it uses a GPU", "probe": "it loaded the probe",
             "match": "its command line matches"}[reason])
@@ -225,6 +234,7 @@ class Daemon:
             try:
                 read.append((target, target.processes.sample()))
             except TargetGone:
+                self._keep_final_totals(target, started)
                 self._drop(target, "it exited")
             except Exception as error:
                 self._errors.record("process", error)
@@ -244,7 +254,11 @@ class Daemon:
                 target_pid=target.pid, target_up=True, processes=processes,
                 probe=probe, probe_up=probe is not None, limits=limits, agent=agent)
             findings = target.findings.update(point_of(snapshot, host=host, gpu=gpu))
-            snapshots.append(replace(snapshot, findings=findings))
+            target.last_probe = probe or target.last_probe
+            target.last = replace(snapshot, findings=findings)
+            snapshots.append(target.last)
+        snapshots.extend(self.exited.snapshots(timestamp_seconds=started_wall,
+                                               monotonic_seconds=started))
         self._samples_total += 1
         node = NodeSnapshot(
             timestamp_seconds=started_wall, monotonic_seconds=started, host=host, gpu=gpu,
@@ -254,6 +268,14 @@ class Daemon:
             samples_total=self._samples_total, agent=agent)
         self._latest = node
         return node
+
+    def _keep_final_totals(self, target: Target, now: float) -> None:
+        """``target`` has gone: keep its last pass, with its probe's final totals (the
+        reply to the last read, if unread yet, else the last one read), for the grace."""
+        source = target.probe
+        final = guarded(self._errors, "probe", source.final_sample) if source else None
+        if target.last is not None:
+            self.exited.keep(replace(target.last, probe=final or target.last_probe), now)
 
     def _sample_gpu(self, pids: frozenset[int]) -> GpuSample | None:
         gpu_source = self._gpu

@@ -36,6 +36,8 @@ class ProbeReader(Protocol):
 
     def sample(self) -> ProbeSample | None: ...
 
+    def final_sample(self) -> ProbeSample | None: ...
+
 
 @dataclass
 class Sampler:
@@ -51,6 +53,7 @@ class Sampler:
     _latest: Snapshot | None = field(default=None, init=False)
     _samples_total: int = field(default=0, init=False)
     _target_up: bool = field(default=True, init=False)
+    _last_probe: ProbeSample | None = field(default=None, init=False)
 
     @property
     def latest(self) -> Snapshot | None:
@@ -67,6 +70,7 @@ class Sampler:
                 processes = self.processes.sample()
             except TargetGone:
                 self._target_up = False
+                self._take_final_probe_sample()
             except Exception as error:
                 self.errors.record("process", error)
         host = guarded(self.errors, "host", self.host.sample)
@@ -78,6 +82,7 @@ class Sampler:
         probe = None
         if self.probe is not None and self._target_up:
             probe = guarded(self.errors, "probe", self.probe.sample)
+            self._last_probe = probe or self._last_probe
         limits = None
         if self.limits is not None and self._target_up:
             limits = guarded(self.errors, "process", self.limits.sample)
@@ -94,7 +99,9 @@ class Sampler:
             sample_duration_seconds=time.monotonic() - started,
             samples_total=self._samples_total,
             agent=AgentSelfSample.read(),
-            probe=probe,
+            # Once the target has gone its probe's last totals stay, beside target_up 0,
+            # so that a scrape in the grace period sees every step.
+            probe=probe if self._target_up else self._last_probe,
             probe_up=probe is not None,
             limits=limits,
         )
@@ -102,6 +109,13 @@ class Sampler:
             snapshot = replace(snapshot, findings=self.findings.update(point_of(snapshot)))
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
+
+    def _take_final_probe_sample(self) -> None:
+        """The target has gone: its probe's final totals, if its last reply is unread."""
+        source = self.probe
+        if source is not None:
+            final = guarded(self.errors, "probe", source.final_sample)
+            self._last_probe = final or self._last_probe
 
     def run(self, stop: threading.Event, on_sample: Callable[[Snapshot], None]) -> None:
         """Sample every interval, on fixed deadlines, until ``stop`` is set or the
