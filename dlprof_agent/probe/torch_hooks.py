@@ -48,55 +48,15 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.probe.recorder import OTHER_PHASE, UNSPLIT_PHASE, Recorder
+from dlprof_agent.probe.torch_values import batch_tensor, first_tensor, output_node
 
 if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import LayerCorrelator, LayerIdSource
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
-
-
-def _first_tensor(values: Any, tensor_type: type) -> Any:
-    if isinstance(values, tensor_type):
-        return values
-    if isinstance(values, Mapping):  # a dict of inputs, a BatchEncoding, a ModelOutput
-        values = values.values()
-    elif not isinstance(values, (tuple, list)):
-        return None
-    for value in values:
-        if isinstance(value, tensor_type):
-            return value
-    return None
-
-
-def _batch_tensor(args: Any, kwargs: Any, tensor_type: type) -> Any:
-    """The model's first tensor input with a batch dimension: positional, in a
-    dict passed positionally, or keyword."""
-    for values in (args, args[0] if args else None, kwargs):
-        tensor = _first_tensor(values, tensor_type)
-        if tensor is not None and tensor.dim() > 0:
-            return tensor
-    return None
-
-
-def _output_node(output: Any, tensor_type: type) -> Any:
-    """The autograd node of the model's first output that has one."""
-    node = getattr(output, "grad_fn", None)
-    if node is not None:
-        return node
-    values: Any = output
-    if isinstance(output, Mapping):
-        values = output.values()
-    elif not isinstance(output, (tuple, list)):
-        return None
-    for value in values:
-        node = getattr(value, "grad_fn", None) if isinstance(value, tensor_type) else None
-        if node is not None:
-            return node
-    return None
 
 
 class TorchHooks:
@@ -302,7 +262,7 @@ class TorchHooks:
             recorder = self.recorder
             recorder.step_boundary("forward")
             self._segment_label = None  # a backward pass that failed never closed
-            batch = _batch_tensor(args, kwargs, self._torch.Tensor)
+            batch = batch_tensor(args, kwargs, self._torch.Tensor)
             if batch is not None:
                 recorder.add_samples(int(batch.shape[0]))
             if self._root_calls % SETTINGS_EVERY_CALLS == 0:
@@ -322,7 +282,7 @@ class TorchHooks:
                 return  # not a training forward (or the probe came in during it)
             self.recorder.add_phase_time("forward", self._clock() - started,
                                          since=self._forward_mark)
-            node = _output_node(output, self._torch.Tensor)
+            node = output_node(output, self._torch.Tensor)
             if node is not None:
                 node.register_prehook(self._backward_started_hook)
         except Exception as error:
@@ -380,7 +340,7 @@ class TorchHooks:
                 capture.layer(label, "forward", started, now)
             node = getattr(output, "grad_fn", None)
             if node is None and isinstance(output, (tuple, list)):
-                node = getattr(_first_tensor(output, self._torch.Tensor), "grad_fn", None)
+                node = getattr(first_tensor(output, self._torch.Tensor), "grad_fn", None)
             if node is not None:
                 node.register_prehook(functools.partial(
                     self._backward_reached, label, self._layer_index[id(module)]))
