@@ -61,6 +61,7 @@ def test_nested_phases_count_once_in_the_innermost() -> None:
 def test_a_step_without_backward_says_so_and_its_rest_is_not_other() -> None:
     recorder, clock = recorder_on_a_clock()
     recorder.add_phase_time("forward", 0.25)
+    recorder.add_phase_time("other", 0.1)  # a closure's own time: other only in a split
     recorder.add_phase_time("optimizer", 0.25)
     clock.now += 1.0
     recorder.step_boundary("optimizer")

@@ -303,6 +303,7 @@ class Summary:
                                        if probe.steady_samples and probe.step_seconds_sum
                                        else None),
                 "phase_seconds": dict(probe.phase_seconds),
+                "phase_split": probe.phase_split,
                 "layers": {layer.name: {"forward_seconds": layer.forward_seconds,
                                         "backward_seconds": layer.backward_seconds}
                            for layer in probe.layers},

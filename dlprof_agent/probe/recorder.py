@@ -312,8 +312,10 @@ class Recorder:
             state = SPLIT
         # What no hook saw: data loading, the loss, zero_grad, the loop's own Python.
         rest_phase = OTHER_PHASE if state == SPLIT else UNSPLIT_PHASE
-        if rest > 0 or not phases:
+        if rest > 0 or not phases or (rest_phase != OTHER_PHASE and OTHER_PHASE in phases):
             phases = dict(phases)
+            # A closure's own time is other only where forward and backward were seen.
+            rest += phases.pop(OTHER_PHASE, 0.0) if rest_phase != OTHER_PHASE else 0.0
             phases[rest_phase] = phases.get(rest_phase, 0.0) + rest
         if timed:
             self._timed_split = phases
