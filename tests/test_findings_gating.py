@@ -5,6 +5,7 @@ waiting for input is). The windows are the summaries of the issue's healthy jobs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import pytest
 from dlprof_agent.agent.findings import rules
 from dlprof_agent.agent.findings.window import Window
 from dlprof_agent.probe import distributed
+from dlprof_agent.probe.recorder import BACKWARD_NOT_SEEN, COMPILED_GRAPH, SPLIT
 from tests.test_findings import gpu, point, probe, window
 
 
@@ -64,11 +66,20 @@ def test_a_partial_split_still_sees_a_host_that_sleeps() -> None:
     assert check is not None and check.holds
 
 
-def test_a_step_the_probe_says_is_not_split_is_not_read_as_one() -> None:
-    check = rules.input_bound(job_window(
-        FULL_SPLIT_WAITING, settings=(("step_split", "not split: compiled graph"),)))
+@pytest.mark.parametrize("said", [BACKWARD_NOT_SEEN, COMPILED_GRAPH])
+def test_a_step_the_probe_says_is_not_split_is_not_read_as_one(said: str) -> None:
+    window = job_window(FULL_SPLIT_WAITING)
+    last = window.last
+    assert last.probe is not None
+    window = Window((window.first, dataclasses.replace(
+        last, probe=dataclasses.replace(last.probe, phase_split=said))))
+    check = rules.input_bound(window)
     assert check is not None and not check.holds
     assert "other_step_ratio" not in check.evidence
+    told_split = Window((window.first, dataclasses.replace(
+        last, probe=dataclasses.replace(last.probe, phase_split=SPLIT))))
+    split = rules.input_bound(told_split)
+    assert split is not None and split.holds
 
 
 @pytest.mark.parametrize("group", ["gloo:2", "nccl:8", "tf_config:2"])

@@ -12,6 +12,7 @@ from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
+from dlprof_agent.probe.recorder import SPLIT
 
 # ---- Timing ------------------------------------------------------------------------
 # Rates come from the samples of the last WINDOW_SECONDS: long enough to span
@@ -27,7 +28,7 @@ MIN_WINDOW_STEPS = 3
 # was seen: a phase the hooks missed (backward in a compiled graph, an optimizer
 # that is not torch.optim) falls into "other", where it reads as time for input.
 SPLIT_PHASES = ("forward", "backward", "optimizer")
-# The settings that say a split cannot be read as one (the probe's values).
+# The probe's process_group setting of a job that is no rank of several.
 NO_PROCESS_GROUP = "none"
 
 
@@ -115,13 +116,14 @@ class Window:
 
     def step_split(self) -> tuple[dict[str, float], float] | None:
         """``phase_seconds()``, only when every phase of SPLIT_PHASES was measured
-        in the window and the probe does not say the step is not split."""
+        in the window and the probe says its latest step was split (not "backward
+        not seen", "not split: compiled graph"; a probe too old to say is taken
+        at its phases)."""
         split = self.phase_seconds()
         if split is None or any(split[0].get(p, 0.0) <= 0 for p in SPLIT_PHASES):
             return None
-        if self.settings().get("step_split", "").startswith("not split"):
-            return None
-        return split
+        said = self.last.probe.phase_split if self.last.probe is not None else None
+        return split if said in (None, SPLIT) else None
 
     def in_process_group(self) -> bool:
         """The job is one rank of several (torch.distributed, a TF cluster): time
