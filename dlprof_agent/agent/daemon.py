@@ -27,7 +27,11 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from dlprof_agent.agent.endpoint import start_metrics_server
-from dlprof_agent.agent.exit_totals import DEFAULT_GRACE_SECONDS, ExitedTargets
+from dlprof_agent.agent.exit_totals import (
+    DEFAULT_GRACE_SECONDS,
+    ExitedTargets,
+    final_probe_totals,
+)
 from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.agent.loop import (
@@ -272,10 +276,9 @@ class Daemon:
     def _keep_final_totals(self, target: Target, now: float) -> None:
         """``target`` has gone: keep its last pass, with its probe's final totals (the
         reply to the last read, if unread yet, else the last one read), for the grace."""
-        source = target.probe
-        final = guarded(self._errors, "probe", source.final_sample) if source else None
         if target.last is not None:
-            self.exited.keep(replace(target.last, probe=final or target.last_probe), now)
+            final = final_probe_totals(target.probe, target.last_probe, self._errors)
+            self.exited.keep(replace(target.last, probe=final), now)
 
     def _sample_gpu(self, pids: frozenset[int]) -> GpuSample | None:
         gpu_source = self._gpu

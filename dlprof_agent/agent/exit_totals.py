@@ -12,10 +12,29 @@ on one /metrics, keeps each exited job here for ``grace_seconds``."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol
 
+from dlprof_agent.agent.loop import guarded
+from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import Snapshot
 
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
+
+
+class FinalRead(Protocol):
+    """A probe's channel that can take the reply to its last read after the exit
+    (reach/channel.py's ProbeSource)."""
+
+    def final_sample(self) -> ProbeSample | None: ...
+
+
+def final_probe_totals(source: FinalRead | None, last: ProbeSample | None,
+                       errors: ErrorLog) -> ProbeSample | None:
+    """The final totals of a probe whose target was just seen gone: its reply to
+    the agent's last read if that is still unread, else ``last``, the last read."""
+    final = guarded(errors, "probe", source.final_sample) if source is not None else None
+    return final or last
 
 
 def exited_snapshot(last: Snapshot, *, timestamp_seconds: float,

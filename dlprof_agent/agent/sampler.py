@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from dlprof_agent.agent.exit_totals import final_probe_totals
 from dlprof_agent.agent.findings.tracker import FindingsTracker
 from dlprof_agent.agent.findings.window import point_of
 from dlprof_agent.agent.loop import guarded, run_on_deadlines
@@ -70,7 +71,8 @@ class Sampler:
                 processes = self.processes.sample()
             except TargetGone:
                 self._target_up = False
-                self._take_final_probe_sample()
+                self._last_probe = final_probe_totals(self.probe, self._last_probe,
+                                                      self.errors)
             except Exception as error:
                 self.errors.record("process", error)
         host = guarded(self.errors, "host", self.host.sample)
@@ -109,13 +111,6 @@ class Sampler:
             snapshot = replace(snapshot, findings=self.findings.update(point_of(snapshot)))
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
-
-    def _take_final_probe_sample(self) -> None:
-        """The target has gone: its probe's final totals, if its last reply is unread."""
-        source = self.probe
-        if source is not None:
-            final = guarded(self.errors, "probe", source.final_sample)
-            self._last_probe = final or self._last_probe
 
     def run(self, stop: threading.Event, on_sample: Callable[[Snapshot], None]) -> None:
         """Sample every interval, on fixed deadlines, until ``stop`` is set or the
