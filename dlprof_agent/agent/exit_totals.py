@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
-from dlprof_agent.agent.loop import guarded
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import Snapshot
@@ -33,7 +32,13 @@ def final_probe_totals(source: FinalRead | None, last: ProbeSample | None,
                        errors: ErrorLog) -> ProbeSample | None:
     """The final totals of a probe whose target was just seen gone: its reply to
     the agent's last read if that is still unread, else ``last``, the last read."""
-    final = guarded(errors, "probe", source.final_sample) if source is not None else None
+    if source is None:
+        return last
+    try:
+        final = source.final_sample()
+    except Exception as error:  # counted, as a failed read of any pass is
+        errors.record("probe", error)
+        return last
     return final or last
 
 
