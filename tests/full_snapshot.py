@@ -69,7 +69,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
             layers=(LayerGpuRow("features.0", "forward", 0.001),),
             overhead_seconds=0.0005, dropped_records=0, devices=((0, "GPU-0000"),),
             traced=True),
-        layer_sampled_steps=4)
+        layer_sampled_steps=4, phase_split="split")
     return Snapshot(timestamp_seconds=time.time(), monotonic_seconds=time.monotonic(),
                     target_pid=pid, target_up=True, processes=(process, child), host=host,
                     gpu=gpu, collector_errors=(("gpu", 1),), sample_duration_seconds=0.002,

@@ -1,5 +1,5 @@
 """`dlprof-agent daemon`: finds jobs started after it, reads each under its own
-pid on one endpoint, and forgets each as soon as it exits."""
+pid on one endpoint, and forgets each once it has exited and its grace is over."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tests.full_snapshot import full_snapshot
 
 JOB = str(REPO / "tests" / "jobs" / "torch_cnn.py")
 INTERVAL = 0.25
+GRACE = 2.0
 
 
 def series_of(pid: int, exposition: str) -> list[str]:
@@ -54,7 +54,7 @@ def daemon(runtime_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen
     process = subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--interval",
          str(INTERVAL), "--scan-interval", str(INTERVAL), "--match", r"job-b\.log",
-         "--no-gpu", "--warmup-steps", "2"],
+         "--no-gpu", "--warmup-steps", "2", "--grace", str(GRACE)],
         cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: http_get(f"http://127.0.0.1:{port}/healthz"), "the daemon's /healthz")
     yield process, port
@@ -63,7 +63,7 @@ def daemon(runtime_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen
     process.wait(10)
 
 
-def test_the_daemon_watches_jobs_started_after_it_and_drops_each_when_it_exits(
+def test_the_daemon_watches_jobs_started_after_it_and_drops_each_after_its_grace(
         daemon: tuple[subprocess.Popen[str], int], runtime_dir: Path, tmp_path: Path,
         processes: list[subprocess.Popen[bytes]]) -> None:
     agent, port = daemon
@@ -105,16 +105,23 @@ def test_the_daemon_watches_jobs_started_after_it_and_drops_each_when_it_exits(
 
     stop_a.touch()
     assert job_a.wait(30) == 0
-    time.sleep(3 * INTERVAL)  # the pass after the exit, and one more for good measure
-    text = scrape()
-    assert series_of(job_a.pid, text) == [], "series of the exited job remain"
-    assert value(text, "dlprof_steps_total", job_b.pid)  # B is still read
+    # Through the grace: down, with the probe's final totals (every step A logged
+    # but the first, which only opens the first timed step).
+    text = wait_for(lambda: (t := scrape()) and value(t, "dlprof_target_up", job_a.pid) == 0
+                    and t, "A's exit on the endpoint", 10)
+    logged = (tmp_path / "job-a.log").read_text().count('"step"')
+    assert 0 < (value(text, "dlprof_steps_total", job_a.pid) or 0) <= logged - 1
+    assert value(text, "dlprof_probe_up", job_a.pid) == 0
+    assert value(text, "dlprof_process_cpu_seconds_total", job_a.pid) is None
+    wait_for(lambda: series_of(job_a.pid, scrape()) == [], "A's series gone after the grace",
+             GRACE + 10)
+    assert value(scrape(), "dlprof_steps_total", job_b.pid)  # B is still read
 
     stop_b.touch()
     assert job_b.wait(30) == 0
-    time.sleep(3 * INTERVAL)
+    wait_for(lambda: series_of(job_b.pid, scrape()) == [], "B's series gone after the grace",
+             GRACE + 10)
     text = scrape()
-    assert series_of(job_b.pid, text) == []
     assert "dlprof_agent_samples_total" in text  # the daemon itself goes on
 
     agent.send_signal(signal.SIGTERM)

@@ -69,7 +69,8 @@ def attach(sampling: LayerSampling | None, *, max_layers: int = 512,
 def test_untimed_steps_run_without_any_hook_on_the_model() -> None:
     model, step = training_step("small-cnn")
     recorder, hooks = attach(LayerSampling(every=4))
-    root_hook = 1  # the model's own pre-hook: step boundaries and samples
+    # The model's own pre-hook (step boundaries, samples) and forward hook (phases).
+    root_hook = 2
     seen = []
     try:
         for _ in range(30):

@@ -272,7 +272,9 @@ def test_the_daemon_finds_its_target_and_drops_it_in_the_pass_it_exits(
     sleeper.kill()
     sleeper.wait()
     node = daemon.sample_once()
-    assert node.targets == () and daemon.targets == {}
+    assert daemon.targets == {}
+    # Dropped in that pass, and served down, with its last totals, through the grace.
+    assert [(s.target_pid, s.target_up) for s in node.targets] == [(sleeper.pid, False)]
     assert dict(node.collector_errors) == {"process": 0, "host": 0}
     assert daemon.latest is node and node.samples_total == 2
 

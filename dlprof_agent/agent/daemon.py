@@ -9,7 +9,9 @@ It finds the jobs to watch by itself, every --scan-interval seconds:
 Each job is read as `attach` reads one (with its descendants, so a launcher's
 ranks that are its children are not taken twice), the host and the GPUs once
 per pass for all of them, and all of it is served on one /metrics. A job that
-exits is dropped in the same pass, so its series are gone from the next scrape.
+exits is dropped in the same pass; for --grace seconds after, /metrics keeps its
+`dlprof_target_up 0` and its probe's final totals (exit_totals.py), then its
+series are gone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from dataclasses import dataclass, field, replace
 import psutil
 
 from dlprof_agent.agent.endpoint import start_metrics_server
+from dlprof_agent.agent.exit_totals import (
+    DEFAULT_GRACE_SECONDS,
+    ExitedTargets,
+    final_probe_totals,
+)
 from dlprof_agent.agent.loop import (
     StopRequested,
     run_on_deadlines,
@@ -36,6 +43,7 @@ from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
+from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.procfs import read_environ
 from dlprof_agent.collectors.series_budget import (
@@ -48,7 +56,7 @@ from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.findings.tracker import FindingsTracker
-from dlprof_agent.model.snapshot import NodeSnapshot
+from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
 from dlprof_agent.reach.channel import (
     DEFAULT_TIMEOUTS,
@@ -75,6 +83,7 @@ class DaemonOptions:
     channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long each probe's channel waits
     max_series_per_target: int = DEFAULT_TARGET_SERIES
     max_series: int = DEFAULT_AGENT_SERIES  # all targets together
+    grace: float = DEFAULT_GRACE_SECONDS  # an exited job's final totals stay this long
 
 
 def _read_environment(pid: int) -> dict[str, str] | None:
@@ -132,6 +141,8 @@ class Target:
     findings: FindingsTracker = field(default_factory=FindingsTracker)
     dropped: bool = False
     probe_lock: threading.Lock = field(default_factory=threading.Lock)
+    last: Snapshot | None = None  # the last pass's, kept through the grace once it exits
+    last_probe: ProbeSample | None = None  # the probe's last totals (it closes before the exit)
 
     def attach_probe(self, source: ProbeSource) -> None:
         with self.probe_lock:
@@ -168,6 +179,7 @@ class Daemon:
         self._next_scan = float("-inf")
         self._gpu_pids: frozenset[int] = frozenset()
         self._latest: NodeSnapshot | None = None
+        self.exited = ExitedTargets(options.grace)
 
     @property
     def latest(self) -> NodeSnapshot | None:
@@ -195,6 +207,7 @@ class Daemon:
             return  # gone, or not ours to read
         target = Target(pid, reason, processes, limits=LimitsCollector(pid))
         self.targets[pid] = target
+        self.exited.forget(pid)
         log.info("watching pid %d (%s; %s)", pid, _name(pid), {
             "gpu": "it uses a GPU", "probe": "it loaded the probe",
             "match": "its command line matches"}[reason])
@@ -230,14 +243,30 @@ class Daemon:
             self._next_scan = started.monotonic_seconds + self.options.scan_interval
             self.scan()
         node = self._builder.build(list(self.targets.values()), started=started)
-        sampled = {snapshot.target_pid for snapshot in node.targets}
+        sampled = {snapshot.target_pid: snapshot for snapshot in node.targets}
         for target in list(self.targets.values()):
-            if target.pid not in sampled:
+            own = sampled.get(target.pid)
+            if own is None:
+                self._keep_final_totals(target, started.monotonic_seconds)
                 self._drop(target, "it exited")
+            else:
+                target.last_probe = own.probe or target.last_probe
+                target.last = own
+        exited = self.exited.snapshots(timestamp_seconds=started.wall_seconds,
+                                       monotonic_seconds=started.monotonic_seconds)
+        if exited:
+            node = replace(node, targets=node.targets + exited)
         if node.gpu is not None:
             self._gpu_pids = node.gpu.resident_pids
         self._latest = node
         return node
+
+    def _keep_final_totals(self, target: Target, now: float) -> None:
+        """``target`` has gone: keep its last pass, with its probe's final totals (the
+        reply to the last read, if unread yet, else the last one read), for the grace."""
+        if target.last is not None:
+            final = final_probe_totals(target.probe, target.last_probe, self._errors)
+            self.exited.keep(replace(target.last, probe=final), now)
 
     def run(self, stop: threading.Event) -> None:
         """Sample every interval until ``stop`` is set, on fixed deadlines."""

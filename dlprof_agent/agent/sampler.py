@@ -7,8 +7,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from dlprof_agent.agent.exit_totals import final_probe_totals
 from dlprof_agent.agent.loop import run_on_deadlines
 from dlprof_agent.agent.snapshot_builder import (
     GpuReader,
@@ -21,6 +22,7 @@ from dlprof_agent.agent.snapshot_builder import (
     target_snapshot,
 )
 from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.series_budget import SeriesBudget
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import Snapshot
@@ -45,6 +47,7 @@ class Sampler:
     _latest: Snapshot | None = field(default=None, init=False)
     _target_up: bool = field(default=True, init=False)
     _builder: SnapshotBuilder = field(init=False)
+    _last_probe: ProbeSample | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._builder = SnapshotBuilder(host=self.host, gpu=self.gpu, errors=self.errors,
@@ -63,7 +66,16 @@ class Sampler:
                                  probe=self.probe, findings=self.findings)
                    ] if self._target_up else []
         snapshot = target_snapshot(self._builder.build(targets), self.target_pid)
-        self._target_up = snapshot.target_up
+        was_up, self._target_up = self._target_up, snapshot.target_up
+        if snapshot.target_up:
+            self._last_probe = snapshot.probe or self._last_probe
+        else:
+            if was_up:  # the reply to the last read, if it came after the exit
+                self._last_probe = final_probe_totals(self.probe, self._last_probe,
+                                                      self.errors)
+            # Its probe's last totals stay beside target_up 0, so that a scrape in
+            # the grace period sees every step.
+            snapshot = replace(snapshot, probe=self._last_probe)
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
 

@@ -59,6 +59,10 @@ class ProbeReader(Protocol):
 
     def sample(self) -> ProbeSample | None: ...
 
+    def final_sample(self) -> ProbeSample | None:
+        """The reply to the last read, taken once the target has exited (exit_totals)."""
+        ...
+
 
 class Watched(Protocol):
     """A target as a pass reads it. `daemon.Target` is one; so is TargetReaders."""

@@ -303,6 +303,7 @@ class Summary:
                                        if probe.steady_samples and probe.step_seconds_sum
                                        else None),
                 "phase_seconds": dict(probe.phase_seconds),
+                "phase_split": probe.phase_split,
                 "layers": {layer.name: {"forward_seconds": layer.forward_seconds,
                                         "backward_seconds": layer.backward_seconds}
                            for layer in probe.layers},
@@ -391,7 +392,10 @@ def _probe_summary(probe: ProbeSample | None) -> list[str]:
         line += f", {probe.steady_samples / probe.step_seconds_sum:.0f} samples/s"
     lines = [line]
     if probe.step_seconds_sum > 0 and probe.phase_seconds:
-        lines.append("  step split   " + "  ".join(
+        # The phases sum to the step time; a split that is not one says why first.
+        why = (f"{probe.phase_split}: " if probe.phase_split not in (None, "split")
+               else "")
+        lines.append("  step split   " + why + "  ".join(
             f"{phase} {seconds / probe.step_seconds_sum:.0%}"
             for phase, seconds in probe.phase_seconds))
     layers = sorted(probe.layers, key=lambda layer: -(layer.forward_seconds

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from dlprof_agent.agent.endpoint import load_web_config
+from dlprof_agent.agent.exit_totals import DEFAULT_GRACE_SECONDS
 from dlprof_agent.agent.status import configure_logging
 from dlprof_agent.cli.arguments import (
     environment_pair,
@@ -52,6 +53,11 @@ def add_parser(commands: Any) -> None:
                              "share")
     daemon.add_argument("--scan-interval", type=seconds(0.1), default=2.0, metavar="SECONDS",
                         help="how often to look for new jobs (default 2)")
+    daemon.add_argument("--grace", type=seconds(0), default=DEFAULT_GRACE_SECONDS,
+                        metavar="SECONDS",
+                        help="after a job exits, keep serving its dlprof_target_up 0 and "
+                             "final totals this long, so the last scrape sees every step "
+                             f"(default {DEFAULT_GRACE_SECONDS:g})")
     daemon.add_argument("--match", action="append", type=regex, default=[], metavar="REGEX",
                         help="also watch processes whose command line matches (repeatable), "
                              "e.g. 'python .*train'")
@@ -75,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
                             matches=tuple(args.match), environment=tuple(args.env),
                             probe=probe_options(args), gpu=args.gpu,
                             max_series_per_target=args.max_series_per_target,
-                            max_series=args.max_series)
+                            max_series=args.max_series, grace=args.grace)
     return serve_node(options, args.listen, args.port, web, args.max_requests)

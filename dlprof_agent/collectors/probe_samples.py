@@ -243,6 +243,9 @@ class ProbeSample:
     kernels: KernelSample | None = None  # None: a probe older than kernel tracing
     layer_sampled_steps: int | None = None  # steps whose layers were timed; None: not told
     series_folded: int = 0  # series the agent's budget folded into "other" (series_budget)
+    # "split", or why the latest steady step's phases are not (e.g. "backward not
+    # seen"); None: no steady step yet, or a probe older than the field.
+    phase_split: str | None = None
 
     @property
     def steady_steps(self) -> int:
@@ -288,6 +291,8 @@ class ProbeSample:
                          for n, fs, fc, bs, bc in layer_rows) if layers else (),
             layer_sampled_steps=(_count(probe["layer_sampled_steps"], "layer sampled steps")
                                  if "layer_sampled_steps" in probe else None),
+            phase_split=(_text(probe["phase_split"], "phase split")
+                         if "phase_split" in probe else None),
             hook_errors=_count(probe["hook_errors"], "hook errors"),
             dropped_messages=_counts(reply.get("dropped", {}), "dropped messages"),
             settings=tuple(sorted(

@@ -132,6 +132,12 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
                      ["pid", "phase"])
     for phase, seconds in probe.phase_seconds:
         phases.add_metric([pid, phase], seconds)
+    split = gauge("dlprof_step_phase_split_info",
+                  "1, with whether the latest steady step's phases were split, or why not "
+                  "(forward not seen, backward not seen, not split: compiled graph).",
+                  ["pid", "split"])
+    if probe.phase_split is not None:
+        split.add_metric([pid, probe.phase_split], 1)
     layer_seconds = counter("dlprof_layer_seconds_total",
                             "Time in each layer, forward and backward (with --layers), "
                             "estimated for every step from the timed ones.",
@@ -169,5 +175,6 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
         dropped.add_metric([pid, reason], count)
     kernels = (kernel_families(pid, probe.kernels, gpu_labels(gpu))
                if probe.kernels is not None else [])
-    return [probe_up, steps, samples, duration, phases, layer_seconds, layer_calls, sampled,
+    return [probe_up, steps, samples, duration, phases, split, layer_seconds, layer_calls,
+            sampled,
             info, hook_errors, dropped, *kernels]

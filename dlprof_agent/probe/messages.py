@@ -124,6 +124,8 @@ class _RecorderSnapshotBase(TypedDict):
 
 class RecorderSnapshot(_RecorderSnapshotBase, total=False):
     layer_sampled_steps: int  # only when layer timing is duty-cycled
+    # Once a steady step closed: "split", or why its phases are not (recorder.py).
+    phase_split: str
 
 
 KernelTimes = list[Any]  # [short kernel name, device, launches, seconds]

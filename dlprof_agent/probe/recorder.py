@@ -9,6 +9,17 @@ for one step in N and removed for the others, which then take the framework's
 fast path. A timed step's layer times are multiplied by the number of steps it
 stands for, so the layer counters estimate every step's layer time and their
 rates read as before; ``layer_sampled_steps`` counts the timed steps.
+
+Phases are disjoint by construction: each moment of a step belongs to one
+phase, the innermost. A hook times a phase with ``phase_mark()`` at its start
+and ``add_phase_time(..., since=mark)`` at its end, which subtracts whatever
+phases were recorded in between: forward and backward inside an optimizer's
+closure count as forward and backward, and the optimizer keeps its own time.
+Each steady step is split when it closes, so the phases add up to the step
+time at every snapshot. A phase that only timed steps see (TensorFlow's
+forward, from its layers) is estimated for an untimed step from the latest
+timed one's proportions. The rest of the step is ``other`` when forward and
+backward were both seen, else ``unsplit``, and ``phase_split`` says why.
 """
 
 from __future__ import annotations
@@ -33,7 +44,12 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 DEFAULT_WARMUP_STEPS = 10
 DEFAULT_MAX_LAYERS = 512
 OTHER_LAYER = "other"
-PHASES = ("forward", "backward")
+OTHER_PHASE = "other"  # the step's rest, when forward and backward were seen
+UNSPLIT_PHASE = "unsplit"  # the step's rest, when they were not: not read as "other"
+SPLIT = "split"
+FORWARD_NOT_SEEN = "forward not seen"
+BACKWARD_NOT_SEEN = "backward not seen"
+COMPILED_GRAPH = "not split: compiled graph"
 DEFAULT_LAYER_BUDGET = 0.01  # layer timing may add this fraction of step time
 # Under a budget: one timed step in MIN_SAMPLE_INTERVAL at most (so a timed step
 # costing up to 5% stays within 1% even if its cost is misjudged), one in
@@ -47,7 +63,10 @@ MIN_COST_SAMPLES = 3
 
 # Who marks step boundaries, weakest first. A stronger source, once seen, wins:
 # an explicit probe.step() call beats optimizer hooks, which beat the fallbacks.
-SOURCE_RANK = {"forward": 1, "tf_function": 1, "keras": 2, "optimizer": 2, "manual": 3}
+# An eager TensorFlow optimizer's apply marks custom loops; Keras's fit, which
+# calls it too, outranks it.
+SOURCE_RANK = {"forward": 1, "tf_function": 1, "tf_optimizer": 2, "keras": 3, "optimizer": 3,
+               "manual": 4}
 
 
 class LayerSampling:
@@ -111,6 +130,11 @@ class Recorder:
         self.step_seconds_sum = 0.0
         self.last_step_seconds: float | None = None
         self.phase_seconds: dict[str, float] = {}
+        self.phase_split = ""  # SPLIT, or why the latest steady step was not split
+        # Set by hooks that know the step cannot be split (COMPILED_GRAPH); "" if it can.
+        self.unsplit_reason = ""
+        self._phase_total = 0.0  # every phase second recorded, for exclusive times
+        self._timed_split: dict[str, float] = {}  # the latest timed step's phases
         # name -> [forward seconds, forward calls, backward seconds, backward calls],
         # estimated for all steady steps from the timed ones.
         self.layers: dict[str, list[float]] = {}
@@ -120,8 +144,6 @@ class Recorder:
         # None: no duty cycle, every steady step is timed.
         self._layer_sampling = layer_sampling
         self.layer_sampled_steps = 0
-        # Untimed steps' time outside the optimizer, split at the next timed step.
-        self._unsplit_seconds = 0.0
         # Called on the training thread after each boundary with ``layer_step``:
         # the framework hooks install or remove their layer hooks.
         self.layer_listeners: list[Callable[[bool], None]] = []
@@ -193,17 +215,23 @@ class Recorder:
                     self._pending_layers) >= self.max_layers:
                 layer = OTHER_LAYER
             stats = self._pending_layers.setdefault(layer, [0.0, 0, 0.0, 0])
-        pending = self._pending_phases
         if phase == "forward":
             stats[0] += seconds
             stats[1] += 1
         else:
             stats[2] += seconds
             stats[3] += 1
-        pending[phase] = pending.get(phase, 0.0) + seconds
 
-    def add_phase_time(self, phase: str, seconds: float) -> None:
-        """Time in a step that is not a layer's, such as the optimizer's update."""
+    def phase_mark(self) -> float:
+        """Taken where a phase starts, for ``add_phase_time(since=...)`` at its end."""
+        return self._phase_total
+
+    def add_phase_time(self, phase: str, seconds: float, since: float | None = None) -> None:
+        """``seconds`` of ``phase`` in the open step; with ``since`` (a ``phase_mark``),
+        less the phases recorded meanwhile, which were inside it."""
+        if since is not None:
+            seconds = max(0.0, seconds - (self._phase_total - since))
+        self._phase_total += seconds
         self._pending_phases[phase] = self._pending_phases.get(phase, 0.0) + seconds
 
     def hook_failed(self, where: str, error: BaseException) -> None:
@@ -246,8 +274,6 @@ class Recorder:
                 self.layer_sampled_steps += 1
             else:
                 layers = {}  # a late hook call from a step that was not timed
-                phases = {phase: phases.get(phase, 0.0) for phase in phases
-                          if phase not in PHASES}
         if self.capture is not None:
             self.layer_step = True  # a trace window takes every step's layers
         self._add_layers(layers, weight)
@@ -256,23 +282,46 @@ class Recorder:
         self.last_step_seconds = seconds
         self.step_seconds_sum += seconds
         self.bucket_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
-        measured = 0.0
-        for phase, phase_seconds in phases.items():
-            scale = weight if phase in PHASES else 1
-            self.phase_seconds[phase] = (self.phase_seconds.get(phase, 0.0)
-                                         + scale * phase_seconds)
-            measured += scale * phase_seconds
-        unsplit = seconds
-        if sampling is not None:
-            # Untimed steps wait for the next timed one to know their forward and backward.
-            self._unsplit_seconds += seconds - measured
-            if not sampled:
-                return
-            unsplit = self._unsplit_seconds + measured
-            self._unsplit_seconds = 0.0
+        self._split_step(seconds, phases, timed=sampling is None or sampled)
+
+    def _split_step(self, seconds: float, phases: dict[str, float], *, timed: bool) -> None:
+        """Adds one steady step's phases, which then sum to ``seconds``."""
+        measured = sum(phases.values())
+        if measured > seconds > 0:  # a phase ran past the boundary: keep the sum true
+            phases = {phase: value * seconds / measured for phase, value in phases.items()}
+            measured = seconds
+        rest = max(0.0, seconds - measured)
+        if not timed:
+            # Phases only timed steps see take their share of the rest as in the
+            # latest timed step.
+            unseen = {phase: value for phase, value in self._timed_split.items()
+                      if phase not in phases and value > 0}
+            unseen_total = sum(unseen.values())
+            if unseen_total > 0:
+                phases = dict(phases)
+                for phase, value in unseen.items():
+                    phases[phase] = rest * value / unseen_total
+                rest = 0.0
+        if self.unsplit_reason:
+            state = self.unsplit_reason
+        elif phases.get("forward", 0.0) <= 0:
+            state = FORWARD_NOT_SEEN
+        elif phases.get("backward", 0.0) <= 0:
+            state = BACKWARD_NOT_SEEN
+        else:
+            state = SPLIT
         # What no hook saw: data loading, the loss, zero_grad, the loop's own Python.
-        self.phase_seconds["other"] = (self.phase_seconds.get("other", 0.0)
-                                       + max(0.0, unsplit - measured))
+        rest_phase = OTHER_PHASE if state == SPLIT else UNSPLIT_PHASE
+        if rest > 0 or not phases or (rest_phase != OTHER_PHASE and OTHER_PHASE in phases):
+            phases = dict(phases)
+            # A closure's own time is other only where forward and backward were seen.
+            rest += phases.pop(OTHER_PHASE, 0.0) if rest_phase != OTHER_PHASE else 0.0
+            phases[rest_phase] = phases.get(rest_phase, 0.0) + rest
+        if timed:
+            self._timed_split = phases
+        for phase, value in phases.items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + value
+        self.phase_split = state
 
     def _add_layers(self, layers: dict[str, list[float]], weight: int) -> None:
         for layer, (forward, forward_calls, backward, backward_calls) in layers.items():
@@ -304,4 +353,6 @@ class Recorder:
             }
             if self.layer_sampling is not None:
                 snapshot["layer_sampled_steps"] = self.layer_sampled_steps
+            if self.phase_split:
+                snapshot["phase_split"] = self.phase_split
             return snapshot

@@ -24,7 +24,7 @@ def enable(*, persistent: bool = True) -> Probe | None:
         if not probe.listen():
             return None
         _probe = probe
-        atexit.register(probe.close)
+        atexit.register(probe.close_at_exit)
         return probe
 
 

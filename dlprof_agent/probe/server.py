@@ -44,6 +44,12 @@ MAX_PENDING = 8  # connections not yet past their first frame; the oldest goes f
 # the GIL (or the process was stopped): that time does not count against a lease.
 STARVED_SECONDS = 0.25
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+# At the job's exit the attached agent gets one more read of the totals, so that
+# the steps since its last read reach /metrics: the job waits for it up to this
+# many of the agent's intervals (its next read is due within one; the second is
+# for an agent that runs late), and never longer than EXIT_READ_MAX_SECONDS.
+EXIT_READ_INTERVALS = 2.0
+EXIT_READ_MAX_SECONDS = 3.0
 
 
 def _readable(sockets: list[socket.socket], timeout: float) -> list[socket.socket]:
@@ -88,6 +94,8 @@ class Probe:
         self._started = time.monotonic()
         self._had_session = False
         self._wake_by: float | None = None  # when select should have returned at the latest
+        self._reads = 0  # snapshots the attached agent has had
+        self._steps_read = 0  # the steps counted when the last one was taken
 
     # Start and stop, from whoever enables the probe.
 
@@ -147,6 +155,24 @@ class Probe:
             if self._own_dir is not None:
                 with contextlib.suppress(OSError):
                     os.rmdir(self._own_dir)
+
+    def close_at_exit(self) -> None:
+        """atexit: let the attached agent read the final totals once more, then close."""
+        with contextlib.suppress(Exception):
+            self._wait_for_last_read()
+        self.close()
+
+    def _wait_for_last_read(self) -> None:
+        session = self.session
+        if (session is None or os.getpid() != self.pid or self._thread is None
+                or not self._thread.is_alive()
+                or sum(session.recorder.steps.values()) == self._steps_read):
+            return  # no agent, or it has every step already
+        reads = self._reads
+        deadline = time.monotonic() + min(EXIT_READ_INTERVALS * session.interval,
+                                          EXIT_READ_MAX_SECONDS)
+        while self._reads == reads and self.session is session and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def mark_step(self, samples: int | None) -> None:
         session = self.session
@@ -367,8 +393,11 @@ class Probe:
             self._end_session()  # the agent exited or was killed
             return
         session.last_message = time.monotonic()
+        steps = sum(session.recorder.steps.values())  # at most what the reply counts
         reply, ends = handlers.answer(session, message, self.dropped)
         self._reply(session.connection, reply)
+        if message.get("command") == "snapshot":
+            self._steps_read, self._reads = steps, self._reads + 1
         if ends:
             self._end_session()
 

@@ -9,6 +9,7 @@ import time
 from typing import Protocol, cast, runtime_checkable
 
 from dlprof_agent.probe.activity_binding import LayerIdSource
+from dlprof_agent.probe.distributed import process_group
 from dlprof_agent.probe.frameworks import FRAMEWORK_HOOKS, framework_imported
 from dlprof_agent.probe.kernel_tracer import KernelTracer
 from dlprof_agent.probe.messages import ErrorReply, SessionOptions, TraceStarted, TraceStatus
@@ -194,7 +195,7 @@ class Session:
         result = {}
         for module_name, hooks in self.hooks.items():
             try:
-                result[module_name] = hooks.settings()
+                result[module_name] = {**hooks.settings(), **process_group(module_name)}
             except Exception as error:
                 self.recorder.hook_failed(f"settings {module_name}", error)
         return result

@@ -4,7 +4,7 @@ Kept in one file: one class, whose hooks share one lock and the state they
 patch in and out; samples and settings are in ``tensorflow_samples`` and
 ``tensorflow_settings``.
 
-Three hooks, all patched in place and restored by ``remove()``:
+Four hooks, all patched in place and restored by ``remove()``:
 
 - Keras ``model.fit``: each Keras model's ``train_function`` attribute is
   wrapped. The fit loop looks the attribute up on every step, so a wrapper set
@@ -30,7 +30,15 @@ Three hooks, all patched in place and restored by ``remove()``:
   compiled with ``run_eagerly=True`` or an eager custom loop). Inside a
   ``tf.function`` the Python call only traces a graph once, so a model compiled
   normally gets no per-layer time; ``settings()["layer_timing"]`` says which
-  case applies.
+  case applies. The timed steps' leaf layers are also the forward phase, which
+  the recorder estimates for the other steps from the timed ones.
+- Phases, while executing eagerly (Keras ``fit(run_eagerly=True)``, custom
+  eager loops): ``GradientTape.gradient`` is the backward phase and Keras's
+  ``BaseOptimizer.apply`` (which ``apply_gradients`` calls) the optimizer's.
+  One call each per step, whatever the model's size. In an eager loop with
+  no ``tf.function`` step, the end of the optimizer's apply ends a step
+  (source ``"tf_optimizer"``). Inside a compiled step the Python code runs
+  only while tracing: the step is not split (``recorder.COMPILED_GRAPH``).
 
 Limitations: backward time per layer is not available for TensorFlow (the
 gradient tape computes the backward pass without calling back into layers). On a GPU an
@@ -59,7 +67,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlprof_agent.probe.patching import Patch
-from dlprof_agent.probe.recorder import Recorder
+from dlprof_agent.probe.recorder import COMPILED_GRAPH, Recorder
 from dlprof_agent.probe.tensorflow_samples import KerasSamples, leading_dim
 from dlprof_agent.probe.tensorflow_settings import (
     KERAS_CONFIG_MODULE,
@@ -78,6 +86,8 @@ _KERAS_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
 _KERAS_LAYER_MODULE = "keras.src.layers.layer"
 _KERAS_TENSOR_MODULE = "keras.src.backend.common.keras_tensor"
 _KERAS_STATE_MODULE = "keras.src.backend.common.global_state"
+_TAPE_MODULE = "tensorflow.python.eager.backprop"
+_KERAS_OPTIMIZER_MODULE = "keras.src.optimizers.base_optimizer"
 
 # On a train_function wrapper: the function it wraps.
 _WRAPPED = "__dlprof_wrapped__"
@@ -109,6 +119,7 @@ class TensorFlowHooks:
         self._candidates: dict[int, weakref.ref[Any]] = {}
         self._step_function: weakref.ref[Any] | None = None
         self._other_calls = 0
+        self._step_optimizer: int | None = None  # the optimizer whose apply ends steps
         # Keras.
         self._keras_pending = False
         self._trainer_class: Any = None
@@ -214,6 +225,9 @@ class TensorFlowHooks:
         self._executing_eagerly = context.executing_eagerly
         self._patch(function_class, "__call__",
                     self._function_call_wrapper(function_class.__call__))
+        tape = getattr(sys.modules.get(_TAPE_MODULE), "GradientTape", None)
+        if tape is not None:
+            self._patch(tape, "gradient", self._phase_wrapper(tape.gradient, "backward"))
 
     def _install_keras(self) -> None:
         """Under the lock. Keras may be imported after TensorFlow, so this is
@@ -232,6 +246,9 @@ class TensorFlowHooks:
         self._keras_config = sys.modules.get(KERAS_CONFIG_MODULE)
         self._patch(trainer_class, "make_train_function",
                     self._make_train_function_wrapper(trainer_class.make_train_function))
+        optimizer = getattr(sys.modules.get(_KERAS_OPTIMIZER_MODULE), "BaseOptimizer", None)
+        if optimizer is not None:
+            self._patch(optimizer, "apply", self._phase_wrapper(optimizer.apply, "optimizer"))
         if self.layers:
             # Patched only for timed steps (``_layer_boundary``): the others call Keras as is.
             layer_class = layer_module.Layer
@@ -314,6 +331,21 @@ class TensorFlowHooks:
         setattr(train_function, _WRAPPED, original)
         return train_function
 
+    def _phase_wrapper(self, original: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        hooks = self
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = hooks._phase_start()
+            if started is None:
+                return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                hooks._phase_end(phase, started, args)
+
+        return timed
+
     def _layer_call_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         hooks = self
 
@@ -349,6 +381,7 @@ class TensorFlowHooks:
                 recorder = self.recorder
                 recorder.step_boundary("tf_function")
                 if recorder.step_source == "tf_function":
+                    recorder.unsplit_reason = COMPILED_GRAPH
                     self._note_boundary(None)
                     samples = leading_dim(args)
                     if samples:
@@ -388,13 +421,47 @@ class TensorFlowHooks:
             recorder.step_boundary("keras")
             if recorder.step_source != "keras":
                 return
-            self._note_boundary(model_ref())
+            model = model_ref()
+            recorder.unsplit_reason = ("" if getattr(model, "run_eagerly", False)
+                                       else COMPILED_GRAPH)
+            self._note_boundary(model)
             # Frames: this one, the wrapper, then whoever called train_function.
             samples = self._samples.of_caller(sys._getframe(2))
             if samples:
                 recorder.add_samples(samples)
         except Exception as exc:
             self.recorder.hook_failed("keras.train_function", exc)
+
+    def _phase_start(self) -> tuple[float, float] | None:
+        """A phase's mark and start, when it runs eagerly; None inside a graph."""
+        try:
+            eager = self._executing_eagerly
+            if not self._active or eager is None or not eager():
+                return None
+            return self.recorder.phase_mark(), self.recorder.clock()
+        except Exception as exc:
+            self.recorder.hook_failed("tensorflow.phase", exc)
+            return None
+
+    def _phase_end(self, phase: str, started: tuple[float, float],
+                   args: tuple[Any, ...]) -> None:
+        try:
+            now = self.recorder.clock()
+            mark, start = started
+            recorder = self.recorder
+            recorder.add_phase_time(phase, now - start, since=mark)
+            if phase != "optimizer" or not args:
+                return
+            # With several optimizers (a GAN, say) the first one to apply marks the steps.
+            if self._step_optimizer is None:
+                self._step_optimizer = id(args[0])
+            if id(args[0]) == self._step_optimizer:
+                recorder.step_boundary("tf_optimizer", now)
+                if recorder.step_source == "tf_optimizer":
+                    recorder.unsplit_reason = ""
+                    self._note_boundary(None)
+        except Exception as exc:
+            self.recorder.hook_failed("tensorflow.phase", exc)
 
     def _layer_call_start(self, layer: Any, args: tuple[Any, ...]) -> float | None:
         try:
@@ -434,6 +501,7 @@ class TensorFlowHooks:
             elapsed = time.perf_counter() - start
             self.recorder.add_layer_time(f"{layer.name} {type(layer).__name__}", "forward",
                                          elapsed)
+            self.recorder.add_phase_time("forward", elapsed)  # leaves: never nested
             self._layer_calls_in_step += 1
             self._eager_layer_calls += 1
         except Exception as exc:

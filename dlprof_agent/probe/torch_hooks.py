@@ -25,6 +25,20 @@ kernel launched meanwhile to the layer and phase. CUPTI keeps those ids per
 thread, and autograd runs backward on its own threads: a backward id is popped
 on the thread that pushed it, the next time a hook runs there.
 
+Phases (``layers=True``): every step, not only timed ones, the model's forward
+runs from its pre-hook to its forward hook and its backward from the moment
+autograd reaches the node of the model's output to the end of that pass: two
+hooks on the model and one on a node per step, whatever its number of layers.
+The optimizer's step is timed less what ran inside it: an optimizer called
+with a closure (Lightning's automatic optimization) runs forward and backward
+inside its ``step``; the closure is wrapped so that its own time, the loss and
+``zero_grad``, is ``other`` and not the optimizer's. Without layer timing the
+optimizer alone is timed, and the split says that forward was not seen.
+
+Samples per step are the first dimension of the model's first tensor input,
+positional or keyword (Hugging Face's ``model(**batch)``), or of the first
+tensor in a dict of them (a ``BatchEncoding``).
+
 Modules, tensors, autograd nodes and hook handles are torch's objects (Any).
 """
 
@@ -36,22 +50,13 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from dlprof_agent.probe.recorder import Recorder
+from dlprof_agent.probe.recorder import OTHER_PHASE, UNSPLIT_PHASE, Recorder
+from dlprof_agent.probe.torch_values import batch_tensor, first_tensor, output_node
 
 if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import LayerCorrelator, LayerIdSource
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
-
-
-def _first_tensor(values: Any, tensor_type: type) -> Any:
-    if isinstance(values, tensor_type):
-        return values
-    if isinstance(values, (tuple, list)):
-        for value in values:
-            if isinstance(value, tensor_type):
-                return value
-    return None
 
 
 class TorchHooks:
@@ -68,6 +73,12 @@ class TorchHooks:
         self._whole_iteration = False
         self._step_optimizer: int | None = None
         self._optimizer_started = 0.0
+        self._optimizer_mark = 0.0
+        # Step phases (with layers): the model's forward and backward, every step.
+        self._forward_started = 0.0
+        self._forward_mark = 0.0
+        self._backward_started = 0.0
+        self._backward_mark = 0.0
         self._layer_started: dict[int, float] = {}
         self._labels: dict[int, str] = {}  # id of a hooked leaf module -> its name
         self._segment_label: str | None = None  # the layer whose backward is running
@@ -122,17 +133,42 @@ class TorchHooks:
 
     # Hooks, on the training thread. Each catches everything: the job never sees them fail.
 
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         try:
+            self._optimizer_mark = self.recorder.phase_mark()
             self._optimizer_started = self._clock()
-        except Exception as error:  # pragma: no cover - the clock does not fail
+            closure = kwargs.get("closure") if kwargs else None
+            if closure is not None:
+                return args, {**kwargs, "closure": self._timed_closure(closure)}
+            if len(args) > 1 and callable(args[1]):  # args: the optimizer, the closure
+                return (args[0], self._timed_closure(args[1]), *args[2:]), kwargs
+        except Exception as error:
             self.recorder.hook_failed("optimizer_pre", error)
+        return None
+
+    def _timed_closure(self, closure: Any) -> Any:
+        """The closure, timed as a phase of its own: forward and backward inside it
+        count as themselves, the rest (the loss, zero_grad) as other, and none of
+        it as the optimizer's."""
+        recorder, clock = self.recorder, self._clock
+        # Without the model's phases, what the closure runs is not split.
+        phase = OTHER_PHASE if self.layers else UNSPLIT_PHASE
+
+        def timed_closure() -> Any:
+            mark, started = recorder.phase_mark(), clock()
+            try:
+                return closure()
+            finally:
+                recorder.add_phase_time(phase, clock() - started, since=mark)
+
+        return timed_closure
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             now = self._clock()
             if self._optimizer_started:
-                self.recorder.add_phase_time("optimizer", now - self._optimizer_started)
+                self.recorder.add_phase_time("optimizer", now - self._optimizer_started,
+                                             since=self._optimizer_mark)
                 self._optimizer_started = 0.0
             # With several optimizers (a GAN, say) the first one to step marks the steps.
             if self._step_optimizer is None:
@@ -176,8 +212,9 @@ class TorchHooks:
         first = next(root.parameters(), None)
         if first is not None:
             self._observed["device"] = first.device.type
-        self._handles.append(root.register_forward_pre_hook(self._root_pre))
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         if self.layers:
+            self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
             self._hook_layers(root)
 
     def _hook_layers(self, root: Any) -> None:
@@ -218,21 +255,58 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("layer_sampling", error)
 
-    def _root_pre(self, module: Any, args: Any) -> None:
+    def _root_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         try:
             if not (module.training and self._torch.is_grad_enabled()):
                 return
             recorder = self.recorder
             recorder.step_boundary("forward")
             self._segment_label = None  # a backward pass that failed never closed
-            batch = _first_tensor(args, self._torch.Tensor)
-            if batch is not None and batch.dim() > 0:
+            batch = batch_tensor(args, kwargs, self._torch.Tensor)
+            if batch is not None:
                 recorder.add_samples(int(batch.shape[0]))
             if self._root_calls % SETTINGS_EVERY_CALLS == 0:
                 self._observe(batch)
             self._root_calls += 1
+            if self.layers:
+                self._forward_mark = recorder.phase_mark()
+                self._forward_started = self._clock()
         except Exception as error:
             self.recorder.hook_failed("model_forward", error)
+
+    def _root_post(self, module: Any, args: Any, output: Any) -> None:
+        """The model's forward ended: its time, and a hook where backward will begin."""
+        try:
+            started, self._forward_started = self._forward_started, 0.0
+            if not started:
+                return  # not a training forward (or the probe came in during it)
+            self.recorder.add_phase_time("forward", self._clock() - started,
+                                         since=self._forward_mark)
+            node = output_node(output, self._torch.Tensor)
+            if node is not None:
+                node.register_prehook(self._backward_started_hook)
+        except Exception as error:
+            self.recorder.hook_failed("model_forward", error)
+
+    def _backward_started_hook(self, grad_outputs: Any) -> None:
+        try:
+            if self._backward_started:
+                return  # a second output of this pass (two forwards, one backward)
+            self._backward_mark = self.recorder.phase_mark()
+            self._backward_started = self._clock()
+            self._torch.autograd.Variable._execution_engine.queue_callback(
+                self._backward_ended)
+        except Exception as error:
+            self.recorder.hook_failed("model_backward", error)
+
+    def _backward_ended(self) -> None:
+        try:
+            started, self._backward_started = self._backward_started, 0.0
+            if started:
+                self.recorder.add_phase_time("backward", self._clock() - started,
+                                             since=self._backward_mark)
+        except Exception as error:
+            self.recorder.hook_failed("model_backward", error)
 
     def _layer_pre(self, module: Any, args: Any) -> None:
         self._layer_started[id(module)] = self._clock()
@@ -266,7 +340,7 @@ class TorchHooks:
                 capture.layer(label, "forward", started, now)
             node = getattr(output, "grad_fn", None)
             if node is None and isinstance(output, (tuple, list)):
-                node = getattr(_first_tensor(output, self._torch.Tensor), "grad_fn", None)
+                node = getattr(first_tensor(output, self._torch.Tensor), "grad_fn", None)
             if node is not None:
                 node.register_prehook(functools.partial(
                     self._backward_reached, label, self._layer_index[id(module)]))

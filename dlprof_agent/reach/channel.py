@@ -152,6 +152,20 @@ class ProbeSource:
         self._report_kernel_state(sample)
         return sample
 
+    def final_sample(self) -> ProbeSample | None:
+        """Once the target has gone: the reply its probe sent before it went (one
+        that came late, still unread in the socket), else None. Its probe answers a
+        last read at exit, and that reply holds the job's final totals."""
+        client = self.client
+        if client is None:
+            return None
+        try:
+            sample = client.snapshot()  # the late reply, or a request that meets a closed socket
+        except Exception:
+            return None
+        self._last = sample
+        return sample
+
     def _say_waiting(self, why: str) -> None:
         if not self._waiting:
             log.warning("waiting for the probe in pid %d: %s; in-process metrics resume "

@@ -29,9 +29,11 @@ SYSTEM_SHARE = 0.2
 # step time says more about them than about the job.
 CONTENTION_SHARE = 0.5
 HOST_BUSY_SHARE = 0.9
-# Input-bound. With layer timing, "other" is the step time no hook saw: data
-# loading, the loss and the loop's Python. The loss and the loop are a few per
-# cent of a step; half the step there is time spent waiting for data.
+# Input-bound. With every phase of the step measured (window.SPLIT_PHASES),
+# "other" is the step time no hook saw: data loading, the loss and the loop's
+# Python. The loss and the loop are a few per cent of a step; half the step there
+# is time spent waiting for data. A rank of a process group waits in collectives
+# in that same time, so it gets no input verdict.
 OTHER_SHARE = 0.5
 # Without layer timing: a CPU job whose process tree keeps less than half a core
 # busy while it steps, with its threads mostly asleep, is waiting, not computing.
@@ -151,10 +153,12 @@ def _host_busy_seconds(point: Point) -> float | None:
 
 
 def input_bound(window: Window) -> Check | None:
+    if window.in_process_group():
+        return None  # its ranks wait in collectives, which no phase names yet
     split = window.phase_seconds()
     if split is None:
         return None
-    phases, step_seconds = split
+    step_seconds = split[1]
     if step_seconds <= 0:
         return None
     evidence = {"step_seconds": step_seconds / window.steady_steps(),
@@ -165,13 +169,15 @@ def input_bound(window: Window) -> Check | None:
     gpu = window.gpu_utilization()
     if gpu is not None:
         evidence["gpu_utilization_ratio"] = gpu
-    if phases.get("forward", 0.0) + phases.get("backward", 0.0) > 0:
-        # Layer timing splits the step: "other" is what no hook saw.
-        other = _share(phases.get("other", 0.0), step_seconds)
+    measured = window.step_split()
+    if measured is not None:
+        # Every phase was seen: "other" is what no hook saw, the loader among it.
+        other = _share(measured[0].get("other", 0.0), step_seconds)
         evidence["other_step_ratio"] = other
         holds = other >= OTHER_SHARE and (gpu is None or gpu < LOW_GPU_UTILIZATION)
         return Check(holds, evidence)
-    # The host waits: little CPU, and not for want of CPUs.
+    # No split, or one with phases missing (their time is in "other"): the host
+    # must wait, with little CPU and not for want of CPUs.
     waiting = evidence["busy_cores"] < WAITING_CORES and (
         runnable is None or runnable < WAITING_RUNNABLE_THREADS)
     # With a GPU, it must idle between steps too: neither side computes.
@@ -185,9 +191,9 @@ def launch_bound(window: Window) -> Check | None:
     launcher = (window.last.target_busy_seconds - window.first.target_busy_seconds) \
         / window.seconds
     evidence = {"gpu_utilization_ratio": gpu, "launcher_busy_cores": launcher}
-    split = window.phase_seconds()
+    split = window.step_split()  # a partial split cannot tell input from a missed phase
     waiting_on_input = False
-    if split is not None and split[1] > 0 and split[0].get("forward", 0.0) > 0:
+    if split is not None and split[1] > 0 and not window.in_process_group():
         other = _share(split[0].get("other", 0.0), split[1])
         evidence["other_step_ratio"] = other
         waiting_on_input = other >= OTHER_SHARE  # that is input_bound's case

@@ -12,6 +12,7 @@ from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
+from dlprof_agent.probe.recorder import SPLIT
 
 # ---- Timing ------------------------------------------------------------------------
 # Rates come from the samples of the last WINDOW_SECONDS: long enough to span
@@ -23,6 +24,12 @@ MIN_WINDOW_SECONDS = 1.5
 # Step-based rules want at least this many steady steps in the window, so that
 # the step split is an average and not one step's accident.
 MIN_WINDOW_STEPS = 3
+# A step split says where the step went only when every phase of a training step
+# was seen: a phase the hooks missed (backward in a compiled graph, an optimizer
+# that is not torch.optim) falls into "other", where it reads as time for input.
+SPLIT_PHASES = ("forward", "backward", "optimizer")
+# The probe's process_group setting of a job that is no rank of several.
+NO_PROCESS_GROUP = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +113,23 @@ class Window:
         before, after = dict(probes[0].phase_seconds), dict(probes[1].phase_seconds)
         phases = {phase: seconds - before.get(phase, 0.0) for phase, seconds in after.items()}
         return phases, probes[1].step_seconds_sum - probes[0].step_seconds_sum
+
+    def step_split(self) -> tuple[dict[str, float], float] | None:
+        """``phase_seconds()``, only when every phase of SPLIT_PHASES was measured
+        in the window and the probe says its latest step was split (not "backward
+        not seen", "not split: compiled graph"; a probe too old to say is taken
+        at its phases)."""
+        split = self.phase_seconds()
+        if split is None or any(split[0].get(p, 0.0) <= 0 for p in SPLIT_PHASES):
+            return None
+        said = self.last.probe.phase_split if self.last.probe is not None else None
+        return split if said in (None, SPLIT) else None
+
+    def in_process_group(self) -> bool:
+        """The job is one rank of several (torch.distributed, a TF cluster): time
+        in collectives is outside every phase, like time waiting for input."""
+        group = self.settings().get("process_group", NO_PROCESS_GROUP)
+        return group != NO_PROCESS_GROUP
 
     def kernel_seconds(self) -> dict[str, float] | None:
         """GPU seconds per kernel name over the window, None without kernel records."""

@@ -1,0 +1,50 @@
+"""One rank of a DistributedDataParallel job started by torchrun (gloo, one
+thread each): a small CNN on tensors held in memory, each step's end logged
+(step_log.py) to STEP_LOG.RANK."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.jobs.step_log import StepLog, arguments, enable_probe
+
+
+def main() -> int:
+    args = arguments(__doc__ or "").parse_args()
+    rank = int(os.environ["RANK"])
+    args.step_log = f"{args.step_log}.{rank}"
+    enable_probe()
+    torch.manual_seed(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(32, 10)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    images = torch.randn(args.batch, 3, 32, 32)
+    labels = torch.randint(0, 10, (args.batch,))
+    log = StepLog(args, "torchrun_ddp")
+    stop = torch.zeros(1)
+    while True:
+        optimizer.zero_grad()
+        loss_fn(model(images), labels).backward()
+        optimizer.step()
+        stop.fill_(1.0 if log.step_ended() else 0.0)
+        dist.all_reduce(stop)  # both ranks stop after the same step
+        if stop.item() > 0:
+            break
+    log.done()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
