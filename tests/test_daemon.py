@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,18 +102,18 @@ def test_the_daemon_watches_jobs_started_after_it_and_drops_each_when_it_exits(
     names = [family.name for family in text_string_to_metric_families(text)]
     assert len(names) == len(set(names))
 
+    def without_series_of(pid: int) -> str | None:
+        text = scrape()
+        return None if series_of(pid, text) else text
+
     stop_a.touch()
     assert job_a.wait(30) == 0
-    time.sleep(3 * INTERVAL)  # the pass after the exit, and one more for good measure
-    text = scrape()
-    assert series_of(job_a.pid, text) == [], "series of the exited job remain"
+    text = wait_for(lambda: without_series_of(job_a.pid), "the exited job's series to go", 30)
     assert value(text, "dlprof_steps_total", job_b.pid)  # B is still read
 
     stop_b.touch()
     assert job_b.wait(30) == 0
-    time.sleep(3 * INTERVAL)
-    text = scrape()
-    assert series_of(job_b.pid, text) == []
+    text = wait_for(lambda: without_series_of(job_b.pid), "the exited job's series to go", 30)
     assert "dlprof_agent_samples_total" in text  # the daemon itself goes on
 
     agent.send_signal(signal.SIGTERM)
