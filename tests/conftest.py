@@ -1,5 +1,6 @@
 """Shared fixtures for the end-to-end tests: a busy multi-threaded process, the
-agent attached to it, and a real Prometheus server scraping the agent."""
+agent attached to it, and a real Prometheus server scraping the agent; and the
+test tiers: what makes a test slow, and a fast tier that never imports slow files."""
 
 from __future__ import annotations
 

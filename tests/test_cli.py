@@ -196,6 +196,7 @@ def test_snapshot_passes_promtool_check_metrics(target: int) -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.slow  # a real agent for a timing window of seconds
 def test_attach_serves_metrics_until_the_duration(target: int) -> None:
     started = time.monotonic()
     process = subprocess.Popen(
@@ -231,6 +232,7 @@ def test_attach_serves_metrics_until_the_duration(target: int) -> None:
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow  # a real agent for a timing window of seconds
 def test_attach_ends_soon_after_the_target_exits(
         spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> None:
     short = spawn(["sleep", "2"])

@@ -91,6 +91,7 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     stop(process)
 
 
+@pytest.mark.slow  # a real agent serving
 def test_basic_auth_refuses_a_scrape_without_credentials_and_serves_one_with_them(
         tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     config = write_config(tmp_path, tls=False, users=True)
@@ -116,6 +117,7 @@ def test_basic_auth_refuses_a_scrape_without_credentials_and_serves_one_with_the
         stop(agent)
 
 
+@pytest.mark.slow  # a real agent serving TLS
 def test_a_tls_scrape_with_a_self_signed_certificate(
         tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     config = write_config(tmp_path, tls=True, users=True)
@@ -224,6 +226,7 @@ def test_without_bcrypt_the_error_names_the_pip_command(tmp_path: Path) -> None:
                              f"{config} needs bcrypt: pip install 'dlprof-agent[web]'\n")
 
 
+@pytest.mark.slow  # a real agent serving
 def test_the_agent_starts_without_the_libraries_when_no_file_is_given(
         sleeper: subprocess.Popen[bytes]) -> None:
     code = ("import sys; sys.modules['bcrypt'] = sys.modules['yaml'] = None; "
@@ -235,6 +238,7 @@ def test_the_agent_starts_without_the_libraries_when_no_file_is_given(
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow  # three real agents
 def test_serving_beyond_loopback_without_a_config_warns(
         tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     ports = [free_port() for _ in range(3)]
