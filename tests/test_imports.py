@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from tests.conftest import REPO, agent_env
 
@@ -18,8 +19,8 @@ FRAMEWORK_MODULES = frozenset({
     "dlprof_agent.workloads.torch_models",
     "dlprof_agent.workloads.torch_train",
 })
-# Run rather than imported: __main__ runs the command line; preload/ is executed by
-# path in a job started with `run` (tests/test_first_hour.py runs one).
+# Run rather than imported: __main__ runs the command line (tests/test_cli.py runs
+# it); preload/ is executed by path in a job started with `run` (the last test here).
 NOT_IMPORTED = ("dlprof_agent.__main__", "dlprof_agent.probe.preload")
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax")
 
@@ -52,3 +53,18 @@ def test_every_module_imports_and_none_but_the_models_loads_a_framework() -> Non
     loaded = json.loads(result.stdout)
     assert sorted(loaded) == sorted(modules)
     assert {name: frameworks for name, frameworks in loaded.items() if frameworks} == {}
+
+
+def test_a_python_started_with_the_run_environment_has_its_probe(tmp_path: Path) -> None:
+    """preload/ as `run` uses it: its sitecustomize loads the package through the
+    loader and enables the probe before the job's own code runs."""
+    from dlprof_agent.probe.bootstrap import preload_environment
+    from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
+
+    env = preload_environment({**agent_env(), SOCKET_DIR_ENV: str(tmp_path / "run")})
+    check = ("from dlprof_agent.probe import runtime; "
+             "print(runtime.current() is not None and runtime.current().path)")
+    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(str(tmp_path / "run")), result.stdout
