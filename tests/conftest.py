@@ -1,10 +1,13 @@
 """Shared fixtures for the end-to-end tests: a busy multi-threaded process, the
-agent attached to it, and a real Prometheus server scraping the agent."""
+agent attached to it, and a real Prometheus server scraping the agent; and the
+test tiers: what makes a test slow, and a fast tier that never imports slow files."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -13,7 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
@@ -42,6 +46,76 @@ def agent_env() -> dict[str, str]:
     return env
 
 
+# Fixtures that start a real Prometheus, agent or job: a test that asks for one is
+# slow whatever its file says, so a new end-to-end test cannot land in the fast tier
+# by forgetting its mark. Likewise the e2e and gpu markers imply slow.
+SLOW_FIXTURES = frozenset({"prometheus", "agent", "busy", "processes"})
+SLOW_MARKERS = frozenset({"e2e", "gpu"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        markers = {mark.name for mark in item.iter_markers()}
+        if fixtures & SLOW_FIXTURES or markers & SLOW_MARKERS:
+            item.add_marker(pytest.mark.slow)
+
+
+def _mark_names(node: ast.AST) -> set[str]:
+    """Names X of every ``pytest.mark.X`` under ``node``."""
+    return {each.attr for each in ast.walk(node)
+            if isinstance(each, ast.Attribute) and isinstance(each.value, ast.Attribute)
+            and each.value.attr == "mark"}
+
+
+def file_markers(path: Path) -> tuple[set[str], set[str]]:
+    """A test file's markers, read from its source without importing it: those of
+    its top-level ``pytestmark`` (slow added where e2e or gpu imply it), and those
+    any of its tests may add."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return set(), set()
+    whole: set[str] = set()
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "pytestmark"
+                for target in statement.targets):
+            whole |= _mark_names(statement.value)
+    if whole & SLOW_MARKERS:
+        whole.add("slow")
+    return whole, _mark_names(tree) - whole
+
+
+def _has_marker(markers: set[str]) -> Callable[..., bool]:
+    return lambda name, /, **_: name in markers
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m``, a file marked slow as a whole is not even imported when the
+    expression leaves out every test it could hold: importing torch or TensorFlow
+    to collect tests that are then deselected would cost the fast tier most of its
+    minute. Every other file is collected, and ``-m`` deselects as usual."""
+    expression = config.getoption("markexpr", "")
+    if not expression or collection_path.suffix != ".py" \
+            or not collection_path.name.startswith("test_"):
+        return None
+    whole, per_test = file_markers(collection_path)
+    if "slow" not in whole or len(per_test) > 8:
+        return None
+    try:
+        from _pytest.mark.expression import Expression  # no public API evaluates -m
+        compiled = Expression.compile(expression)
+        for extra in itertools.chain.from_iterable(
+                itertools.combinations(sorted(per_test), size)
+                for size in range(len(per_test) + 1)):
+            if compiled.evaluate(_has_marker(whole | set(extra))):
+                return None
+    except Exception:  # another pytest's private API: collect, and let -m deselect
+        return None
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -49,16 +123,8 @@ def free_port() -> int:
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-        except OSError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    """``wait_until`` with the argument order these fixtures' callers use."""
+    return wait_until(condition, timeout, interval=0.2, what=what)
 
 
 def http_get(url: str) -> bytes:

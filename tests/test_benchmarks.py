@@ -42,6 +42,7 @@ def run_smoke(name: str, out: Path) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow  # runs each benchmark on real jobs
 @pytest.mark.parametrize("name", list(POSITIVE))
 def test_smoke_run_writes_a_complete_result(name: str, tmp_path: Path) -> None:
     data = run_smoke(name, tmp_path)

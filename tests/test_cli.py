@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from tests.conftest import agent_env
+from tests.helpers import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NO_SUCH_PID = 4_194_000  # above every default pid_max; checked before use
@@ -66,14 +67,6 @@ def target(spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> int:
     return spawn(["sleep", "60"]).pid
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 # --- errors ------------------------------------------------------------------------
 
 
@@ -115,7 +108,8 @@ def test_a_zombie_target_is_no_target(
         spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> None:
     zombie = spawn(["sleep", "60"])
     os.kill(zombie.pid, signal.SIGKILL)  # not reaped yet
-    wait_for(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE, "a zombie")
+    wait_until(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE, 10,
+               what="a zombie")
     line = assert_one_line_error(agent("attach", str(zombie.pid)), 3)
     assert "has exited" in line
 
@@ -140,8 +134,9 @@ def test_another_users_process_without_cap_sys_ptrace_is_exit_4(
         pytest.skip("needs root, to start a target as another user")
     nobody = spawn([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups",
                     "sleep", "60"])
-    wait_for(lambda: psutil.Process(nobody.pid).uids().real == 65534
-             and psutil.Process(nobody.pid).name() == "sleep", "the target to run as nobody")
+    wait_until(lambda: psutil.Process(nobody.pid).uids().real == 65534
+               and psutil.Process(nobody.pid).name() == "sleep", 10,
+               what="the target to run as nobody")
     no_ptrace = (setpriv, "--bounding-set", "-sys_ptrace", "--inh-caps", "-sys_ptrace")
     probe = subprocess.run(
         [*no_ptrace, sys.executable, "-c", f"open('/proc/{nobody.pid}/io').read()"],
@@ -201,6 +196,7 @@ def test_snapshot_passes_promtool_check_metrics(target: int) -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.slow  # a real agent for a timing window of seconds
 def test_attach_serves_metrics_until_the_duration(target: int) -> None:
     started = time.monotonic()
     process = subprocess.Popen(
@@ -236,6 +232,7 @@ def test_attach_serves_metrics_until_the_duration(target: int) -> None:
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow  # a real agent for a timing window of seconds
 def test_attach_ends_soon_after_the_target_exits(
         spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> None:
     short = spawn(["sleep", "2"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,13 @@ def proc_cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
+def agent_passes(port: int) -> float:
+    for line in http_get(f"http://127.0.0.1:{port}/metrics").decode().splitlines():
+        if line.startswith("dlprof_agent_samples_total "):
+            return float(line.split()[1])
+    raise AssertionError("the agent exports no dlprof_agent_samples_total")
+
+
 def test_prometheus_scrapes_cpu_and_threads_that_match_procfs(
         busy: subprocess.Popen[bytes], agent: tuple[subprocess.Popen[bytes], int],
         prometheus: Prometheus) -> None:
@@ -35,7 +41,10 @@ def test_prometheus_scrapes_cpu_and_threads_that_match_procfs(
     # Freeze the target so the agent's sample, Prometheus's scrape and our own
     # /proc read all see the same moment.
     os.kill(pid, signal.SIGSTOP)
-    time.sleep(3.0)  # one sampling interval plus a scrape interval, with room
+    # Passes so far: the last may have read before the stop, the one after it did not.
+    passes = agent_passes(agent[1])
+    wait_for(lambda: prometheus.value("dlprof_agent_samples_total") >= passes + 2,
+             "Prometheus to scrape a pass that began after the stop")
     user, system = proc_cpu_seconds(pid)
     scraped_user = prometheus.value(
         f'dlprof_process_cpu_seconds_total{{{selector},mode="user"}}')

@@ -685,6 +685,7 @@ def test_runnable_threads_count_the_threads_that_compute(
     assert max(c or 0 for c in counts) >= 2, counts
 
 
+@pytest.mark.slow  # a timing window: the findings' window
 def test_the_sampler_judges_on_its_own_passes_and_a_scrape_only_renders_them(
         spinning: subprocess.Popen[bytes]) -> None:
     from dlprof_agent.agent.serve import make_sampler

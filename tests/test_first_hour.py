@@ -32,6 +32,7 @@ def test_run_of_a_job_that_dies_at_import_says_it_exited_with_its_code() -> None
     assert "--no-inject" not in result.stderr
 
 
+@pytest.mark.slow  # a job and its agent for seconds
 def test_run_without_a_scraper_ends_with_the_job_and_says_so() -> None:
     started = time.monotonic()
     result = agent("run", "--port", "0", "--", sys.executable, "-c",
@@ -42,6 +43,7 @@ def test_run_without_a_scraper_ends_with_the_job_and_says_so() -> None:
     assert time.monotonic() - started < 15  # not the 15 s grace
 
 
+@pytest.mark.slow  # a job and its agent for seconds
 def test_run_that_was_scraped_says_why_it_holds_the_terminal() -> None:
     port = free_port()
     run = subprocess.Popen(
@@ -61,6 +63,7 @@ def test_run_that_was_scraped_says_why_it_holds_the_terminal() -> None:
             "scrape sees it (Ctrl-C stops now; --grace sets how long)") in stderr
 
 
+@pytest.mark.slow  # trains with torch
 def test_demo_warms_up_for_the_documented_default_of_10_steps() -> None:
     pytest.importorskip("torch")
     result = agent("demo", "--duration", "8", "--port", "0", "--threads", "1")

@@ -31,6 +31,9 @@ from dlprof_agent.cli.grafana import (
 from dlprof_agent.grafana.provision import DATASOURCE_UID, folder_uid
 from tests.conftest import agent_env, free_port
 
+# Each test runs the command as a subprocess against the stand-in: seconds apiece.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "dlprof_agent" / "grafana" / "dashboards"
 PROVISIONING = REPO / "dlprof_agent" / "grafana" / "provisioning"

@@ -59,6 +59,7 @@ def scrape(port: int) -> int:
         return int(response.status)
 
 
+@pytest.mark.slow  # a timing window: the request timeout
 def test_half_sent_requests_cost_no_threads_and_are_closed_after_the_timeout() -> None:
     server = make_server(request_timeout=2.0)
     server.start()
@@ -95,6 +96,7 @@ def test_the_serving_threads_are_bounded() -> None:
         server.stop()
 
 
+@pytest.mark.slow  # a timing window for the handshakes
 def test_a_hundred_scrapers_arriving_at_once_are_all_answered() -> None:
     """They connect while the server is not yet accepting (as when it is busy): the
     kernel's queue must hold them all, where a backlog of 5 dropped their handshakes.
@@ -129,6 +131,7 @@ def test_a_hundred_scrapers_arriving_at_once_are_all_answered() -> None:
         server.stop()
 
 
+@pytest.mark.slow  # a timing window after the resets
 def test_a_scraper_that_leaves_mid_answer_prints_no_traceback(
         capfd: pytest.CaptureFixture[str]) -> None:
     server = make_server(series=40000)  # a few MiB: more than the socket buffers hold

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +30,7 @@ from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.remote_exec import inject_with_remote_exec
 from dlprof_agent.reach.runtime import REQUIRED_SYMBOLS, PythonRuntime, find_python_runtime
+from tests.helpers import wait_until
 
 HAS_GDB = shutil.which("gdb") is not None
 # Tests of what only the gdb path meets; 3.14+ uses sys.remote_exec.
@@ -96,14 +97,6 @@ def interpreter(version: str) -> str:
     return real[0]
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 4.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
-
-
 def still_running(process: subprocess.Popen[str]) -> bool:
     time.sleep(0.2)  # a process killed by an injection dies within milliseconds
     return process.poll() is None
@@ -155,7 +148,8 @@ def test_the_version_comes_from_the_binary_when_the_name_says_nothing(
 
 def test_sleep_is_not_python(spawn: Spawn) -> None:
     sleep = spawn(["sleep", "30"], ready=False)
-    wait_for(lambda: os.readlink(f"/proc/{sleep.pid}/exe").endswith("sleep"), "sleep's exec")
+    wait_until(lambda: os.readlink(f"/proc/{sleep.pid}/exe").endswith("sleep"), 10,
+               what="sleep's exec")
     assert find_python_runtime(sleep.pid) is None
 
 
@@ -174,7 +168,8 @@ def test_a_pid_without_a_process_is_target_not_found() -> None:
 
 def test_a_non_python_process_is_left_alone(spawn: Spawn) -> None:
     sleep = spawn(["sleep", "30"], ready=False)
-    wait_for(lambda: os.readlink(f"/proc/{sleep.pid}/exe").endswith("sleep"), "sleep's exec")
+    wait_until(lambda: os.readlink(f"/proc/{sleep.pid}/exe").endswith("sleep"), 10,
+               what="sleep's exec")
     with pytest.raises(NotPython) as raised:
         inject(sleep.pid, "pass")
     assert still_running(sleep), "the injection attempt killed the process"
@@ -193,7 +188,7 @@ def test_injected_code_runs_in_the_target(spawn: Spawn, tmp_path: Path, version:
     stop, out = tmp_path / "stop", tmp_path / "pid"
     child = spawn([python, "-c", LOOP, str(stop)])
     inject(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
-    wait_for(out.exists, "the injected code to write its file")
+    wait_until(out.exists, 10, what="the injected code to write its file")
     assert out.read_text() == str(child.pid)
     assert still_running(child)
     stop.touch()
@@ -270,7 +265,7 @@ def test_a_target_with_another_tmp(spawn: Spawn) -> None:
                        'mount -t tmpfs none /tmp && exec "$0" -c "$1" "$2"',
                        python, LOOP, str(stop)])
         inject(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
-        wait_for(out.exists, "the injected code to write its file")
+        wait_until(out.exists, 10, what="the injected code to write its file")
         assert still_running(child)
         stop.touch()
         assert child.wait(5) == 0
@@ -278,6 +273,7 @@ def test_a_target_with_another_tmp(spawn: Spawn) -> None:
         shutil.rmtree(shared, ignore_errors=True)
 
 
+@pytest.mark.slow  # a timing window of seconds
 @gdb_path
 def test_a_job_that_never_releases_the_gil_is_left_running(
         spawn: Spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,8 +311,8 @@ def test_the_bootstrap_file_lands_in_the_targets_tmp(spawn: Spawn, tmp_path: Pat
     (tmp_path / "stop").touch()
     assert child.wait(5) == 0
     remove_later(bootstrap, 0.05)
-    wait_for(lambda: not os.path.exists(os.path.dirname(bootstrap.seen_as)),
-             "the bootstrap's removal")  # the child shared our /tmp
+    wait_until(lambda: not os.path.exists(os.path.dirname(bootstrap.seen_as)), 10,
+               what="the bootstrap's removal")  # the child shared our /tmp
 
 
 def test_the_remote_exec_path_with_a_stand_in(spawn: Spawn, tmp_path: Path) -> None:
@@ -330,7 +326,7 @@ def test_the_remote_exec_path_with_a_stand_in(spawn: Spawn, tmp_path: Path) -> N
     child = spawn([sys.executable, "-c", LOOP, str(stop)])
     inject_with_remote_exec(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)),
                         remote_exec)
-    wait_for(out.exists, "the bootstrap file to run")
+    wait_until(out.exists, 10, what="the bootstrap file to run")
     assert out.read_text() == str(child.pid)
 
     def refuse(pid: int, path: str) -> None:

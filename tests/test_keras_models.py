@@ -25,6 +25,8 @@ import numpy as np
 from dlprof_agent.workloads import keras_models
 from dlprof_agent.workloads.models import MODELS
 
+pytestmark = pytest.mark.slow  # it imports TensorFlow
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The same exact counts as tests/test_torch_models.py. Dense: in * out + out; conv:

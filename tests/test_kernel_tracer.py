@@ -538,6 +538,7 @@ def kineto_behind_torch(cupti: FakeCupti, monkeypatch: pytest.MonkeyPatch) -> Fa
     return kineto
 
 
+@pytest.mark.slow  # imports torch
 def test_torch_profiler_gets_every_kernel_while_the_probe_traces(
         cupti: FakeCupti, kineto_behind_torch: FakeKineto) -> None:
     # GPU evidence item 3: with the probe tracing, torch.profiler got 0 kernels over
@@ -592,6 +593,7 @@ def test_a_profiler_the_hooks_missed_is_still_stood_aside_for(cupti: FakeCupti) 
     assert len(kineto.kernels) == 1
 
 
+@pytest.mark.slow  # imports TensorFlow
 def test_tensorflows_profiler_is_stood_aside_for_too(cupti: FakeCupti, tmp_path: Any) -> None:
     tf = pytest.importorskip("tensorflow")
     world = World()
@@ -614,6 +616,7 @@ def test_tensorflows_profiler_is_stood_aside_for_too(cupti: FakeCupti, tmp_path:
     assert tf.profiler.experimental.start.__module__ == "tensorflow.python.profiler.profiler_v2"
 
 
+@pytest.mark.slow  # imports torch
 def test_a_profiler_already_running_when_tracing_starts_is_waited_for(cupti: FakeCupti) -> None:
     """The fallback for a profiler the hooks did not see start: checked on the
     probe's own thread, where torch's per-thread profiler flag reads false."""

@@ -25,11 +25,13 @@ def test_ruff_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow  # strict mypy over the package, its tests and torch's stubs: a minute
 def test_mypy_strict_is_clean() -> None:
     result = run([sys.executable, "-m", "mypy"])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow  # builds a wheel
 def test_wheel_holds_only_the_dlprof_agent_package(tmp_path: Path) -> None:
     result = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                   "-q", "-w", str(tmp_path), str(REPO)])

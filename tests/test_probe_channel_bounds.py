@@ -136,6 +136,7 @@ def test_the_largest_reply_the_limits_allow_keeps_memory_bounded() -> None:
     assert peak < 4 * MAX_REPLY_BYTES, f"{peak} bytes to refuse a {len(worst)}-byte frame"
 
 
+@pytest.mark.slow  # a timing window: each frame's deadline
 def test_a_frame_must_arrive_whole_within_its_deadline_however_it_is_sent() -> None:
     """One byte every 0.2 s never trips a per-read timeout of 1 s; the frame's
     deadline still ends it."""
@@ -288,6 +289,7 @@ def hostile_frames(draw: st.DrawFn) -> bytes:
     return frame(b'{"command":"snapshot"}', length=draw(st.integers(0, 2**32 - 1)))
 
 
+@pytest.mark.slow  # hundreds of connections to a real listener
 def test_the_probe_serves_on_whatever_its_clients_send(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Random frames to a real probe's listener, before and inside a session:

@@ -53,6 +53,7 @@ def gil_holding_job() -> Iterator[subprocess.Popen[str]]:
     job.wait(10)
 
 
+@pytest.mark.slow  # a real job holding the GIL for seconds
 def test_a_job_holding_the_gil_answers_late_and_keeps_its_probe(
         gil_holding_job: subprocess.Popen[str]) -> None:
     client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False, warmup_steps=0),
@@ -88,6 +89,7 @@ def test_a_job_holding_the_gil_answers_late_and_keeps_its_probe(
 
 
 
+@pytest.mark.slow  # a real job holding the GIL for seconds
 def test_a_probe_silent_past_the_limit_is_dropped(
         monkeypatch: pytest.MonkeyPatch, gil_holding_job: subprocess.Popen[str]) -> None:
     client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False), interval=0.1)

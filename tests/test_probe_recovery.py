@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.probe import session
+from tests import short_waits
 from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +32,16 @@ pytestmark = pytest.mark.e2e
 # unless --inject-me: then the agent injects it. Between steps it looks in its
 # control folder: "hold" holds the GIL in one C call for that many seconds (libc's
 # sleep through ctypes.PyDLL, which keeps the GIL: wall time, whatever the load),
-# "exec" execs the Python code in it.
+# "exec" execs the Python code in it. --short-lease: its probe takes a silent
+# agent for gone after SHORT_LEASE_SECONDS (three intervals and a margin at 0.2 s),
+# not the 2 s minimum.
+SHORT_LEASE_SECONDS = 1.6
 JOB = textwrap.dedent("""
     import ctypes, os, sys, time
     control = sys.argv[1]
+    if "--short-lease" in sys.argv:
+        from dlprof_agent.probe import session
+        session.MIN_LEASE_SECONDS = SHORT_LEASE_SECONDS
     if "--inject-me" not in sys.argv:
         from dlprof_agent import probe
         probe.enable()
@@ -56,7 +65,7 @@ JOB = textwrap.dedent("""
             code = open(program).read()
             os.unlink(program)
             os.execv(sys.executable, [sys.executable, "-c", code])
-""")
+""").replace("SHORT_LEASE_SECONDS", repr(SHORT_LEASE_SECONDS))
 
 
 LOGS: dict[int, Path] = {}  # an agent's pid: the file its stderr goes to
@@ -99,13 +108,16 @@ def start_job(processes: list[subprocess.Popen[str]], tmp_path: Path, *args: str
     return Job(process, control)
 
 
-def attach(processes: list[subprocess.Popen[str]], pid: int, *args: str
-           ) -> tuple[subprocess.Popen[str], int]:
+def attach(processes: list[subprocess.Popen[str]], pid: int, *args: str,
+           short_waits: bool = False) -> tuple[subprocess.Popen[str], int]:
+    """An agent attached to ``pid``; ``short_waits``: with the channel's late limit
+    and pause before reaching a lost probe shortened (``tests/short_waits.py``)."""
     port = free_port()
+    command = ["-m", "tests.short_waits"] if short_waits else ["-m", "dlprof_agent"]
     log = Path(tempfile.mkstemp(prefix="dlprof-agent-", suffix=".log")[1])
     with log.open("w") as stderr:
         agent = subprocess.Popen(
-            [sys.executable, "-m", "dlprof_agent", "attach", str(pid), "--port", str(port),
+            [sys.executable, *command, "attach", str(pid), "--port", str(port),
              "--interval", "0.2", "--quiet", "--warmup-steps", "0", *args],
             cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     LOGS[agent.pid] = log
@@ -149,6 +161,13 @@ def stderr_of(agent: subprocess.Popen[str]) -> str:
     text = log.read_text()
     log.unlink()
     return text
+
+
+def sockets(pid: int) -> int:
+    """How many sockets ``pid`` has open: its probe's listening one and a connection
+    per agent in session."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("socket:"))
 
 
 def probe_path(pid: int) -> str:
@@ -227,12 +246,12 @@ def test_a_client_sending_one_byte_at_a_time_denies_no_agent(
 def test_the_agent_waits_through_a_stopped_job_and_says_when_the_probe_is_back(
         processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     job = start_job(processes, tmp_path)
-    agent, port = attach(processes, job.pid, "--no-inject")
+    agent, port = attach(processes, job.pid, "--no-inject", short_waits=True)
     wait_for(lambda: steps(port) >= 10, "steps before the stop", 30)
     os.kill(job.pid, signal.SIGSTOP)
-    try:
-        time.sleep(13)  # past the agent's late limit (10 s) and the probe's lease
-        assert not probe_up(port)
+    try:  # the late limit (3 s here) outlasts the probe's lease (2 s)
+        wait_until(lambda: not probe_up(port), 30,
+                   what="the probe to count as down past the agent's late limit")
     finally:
         os.kill(job.pid, signal.SIGCONT)
     before = steps(port)
@@ -246,12 +265,14 @@ def test_a_stopped_agent_reaches_the_probe_again(
         processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     """The probe took the silent agent for gone (rightly): the agent, resumed,
     connects again instead of giving up."""
-    job = start_job(processes, tmp_path)
-    agent, port = attach(processes, job.pid, "--no-inject")
+    job = start_job(processes, tmp_path, "--short-lease")
+    agent, port = attach(processes, job.pid, "--no-inject", short_waits=True)
     wait_for(lambda: steps(port) >= 10, "steps before the stop", 30)
+    connected = sockets(job.pid)
     os.kill(agent.pid, signal.SIGSTOP)
     try:
-        time.sleep(6)  # past the probe's lease (2 s)
+        wait_until(lambda: sockets(job.pid) < connected, 30,
+                   what="the probe to close the silent agent's connection past its lease")
     finally:
         os.kill(agent.pid, signal.SIGCONT)
     wait_for(lambda: f"probe back in pid {job.pid}" in said(agent), "the probe back", 40)
@@ -276,11 +297,11 @@ def test_attaching_during_a_long_hold_of_the_gil_gets_the_probe_once_it_ends(
 def test_an_injected_probe_survives_a_hold_longer_than_the_agents_late_limit(
         processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     job = start_job(processes, tmp_path, "--inject-me")
-    agent, port = attach(processes, job.pid)
+    agent, port = attach(processes, job.pid, short_waits=True)
     wait_for(lambda: steps(port) >= 10, "steps from the injected probe", 60)
-    job.hold(13)
+    job.hold(short_waits.LATE_LIMIT_SECONDS + 4)
     wait_for(lambda: not probe_up(port), "the probe to count as down during the hold", 20)
-    assert job.held() > 10, "the hold was too short to test"
+    assert job.held() > short_waits.LATE_LIMIT_SECONDS + 1, "the hold was too short to test"
     before = steps(port)
     wait_for(lambda: probe_up(port) and steps(port) > before + 10, "the probe back", 30)
     assert os.path.exists(probe_path(job.pid))  # it did not take the hold for a departure
@@ -366,12 +387,12 @@ def test_a_probe_kept_from_running_does_not_take_it_for_the_agents_departure(
     """Job and agent stopped together (a frozen cgroup, a suspended VM), the job
     resumed first: the probe finds the agent's lease long expired, and nothing
     sent. It could not run either; the session goes on, nothing is reconnected."""
-    job = start_job(processes, tmp_path)
+    job = start_job(processes, tmp_path)  # the whole lease: a loaded machine must not end it
     agent, port = attach(processes, job.pid, "--no-inject")
     wait_for(lambda: steps(port) >= 10, "steps before the freeze", 30)
     os.kill(agent.pid, signal.SIGSTOP)
     os.kill(job.pid, signal.SIGSTOP)
-    time.sleep(5)  # past the probe's lease (2 s)
+    time.sleep(session.MIN_LEASE_SECONDS + 1)  # both stopped past the probe's lease
     os.kill(job.pid, signal.SIGCONT)
     time.sleep(0.3)  # the probe's thread wakes first
     os.kill(agent.pid, signal.SIGCONT)

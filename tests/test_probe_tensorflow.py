@@ -25,7 +25,8 @@ from dlprof_agent.probe.tensorflow_hooks import TensorFlowHooks
 from dlprof_agent.probe.tensorflow_settings import GRAPH_MODE
 
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None
-pytestmark = pytest.mark.skipif(not HAVE_TF, reason="tensorflow is not installed")
+pytestmark = [pytest.mark.skipif(not HAVE_TF, reason="tensorflow is not installed"),
+              pytest.mark.slow]  # it imports TensorFlow
 
 if HAVE_TF:  # one import for the module: TensorFlow takes seconds to load
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # it imports torch
 
 from dlprof_agent.probe.recorder import Recorder  # noqa: E402
 from dlprof_agent.probe.torch_hooks import TorchHooks  # noqa: E402

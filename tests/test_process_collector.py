@@ -8,8 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -20,6 +19,7 @@ import dlprof_agent
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, _PeakTracker
 from dlprof_agent.errors import TargetGone
+from tests.helpers import wait_until
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20
@@ -64,18 +64,10 @@ def busy(spawn: Spawn, *, threads: int = 2, children: int = 0) -> subprocess.Pop
     return process
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def stopped(pid: int) -> None:
     """SIGSTOP ``pid`` and wait until every thread is stopped, so /proc holds still."""
     os.kill(pid, signal.SIGSTOP)
-    wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "SIGSTOP")
+    wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 10, what="SIGSTOP")
 
 
 def target_of(samples: tuple[ProcessSample, ...]) -> ProcessSample:
@@ -93,7 +85,7 @@ def stat_ticks(pid: int) -> tuple[int, int]:
 
 def test_pid_threads_and_cpu_match_procfs(spawn: Spawn) -> None:
     process = busy(spawn, threads=2)
-    wait_for(lambda: stat_ticks(process.pid)[0] >= 0.3 * CLK_TCK, "0.3 s of CPU use")
+    wait_until(lambda: stat_ticks(process.pid)[0] >= 0.3 * CLK_TCK, 10, what="0.3 s of CPU use")
     stopped(process.pid)
     errors = ErrorLog()
 
@@ -125,13 +117,14 @@ def test_thread_groups_show_the_named_worker_threads(spawn: Spawn) -> None:
         names = {g.name: g for g in target_of(collector.sample()).thread_groups}
         return {"busy-0", "busy-1"} <= set(names)
 
-    wait_for(named_workers, "threads named busy-0 and busy-1 (busy.py names them via prctl)")
+    wait_until(named_workers, 10,
+               what="threads named busy-0 and busy-1 (busy.py names them via prctl)")
     groups = {g.name: g for g in target_of(collector.sample()).thread_groups}
     assert groups["busy-0"].threads == 1
     assert groups["busy-1"].threads == 1
-    wait_for(lambda: all(
+    wait_until(lambda: all(
         g.user_seconds > 0 for g in target_of(collector.sample()).thread_groups
-        if g.name.startswith("busy-")), "the workers to use CPU")
+        if g.name.startswith("busy-")), 10, what="the workers to use CPU")
 
 
 def test_children_are_reported_under_their_own_pid_only_when_asked(spawn: Spawn) -> None:
@@ -142,7 +135,7 @@ def test_children_are_reported_under_their_own_pid_only_when_asked(spawn: Spawn)
     def worker_children() -> list[ProcessSample]:
         return [s for s in with_children.sample() if s.name == "busy-child"]
 
-    wait_for(lambda: len(worker_children()) == 1, "the busy-child process")
+    wait_until(lambda: len(worker_children()) == 1, 10, what="the busy-child process")
     child = worker_children()[0]
     expected_child_pids = {c.pid for c in psutil.Process(process.pid).children()
                            if c.name() == "busy-child"}
@@ -222,7 +215,8 @@ def test_target_gone_while_the_process_is_a_zombie(spawn: Spawn) -> None:
     collector.sample()
 
     os.kill(process.pid, signal.SIGKILL)  # not reaped: it stays a zombie
-    wait_for(lambda: psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE, "zombie")
+    wait_until(lambda: psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE, 10,
+               what="zombie")
     with pytest.raises(TargetGone):
         collector.sample()
 

@@ -17,6 +17,7 @@ from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.model.snapshot import Snapshot
+from tests.helpers import wait_until
 
 
 class BrokenHost(HostCollector):
@@ -57,7 +58,7 @@ def test_the_loop_ends_with_target_down_when_the_target_exits(
     seen: list[Snapshot] = []
     loop = threading.Thread(target=sampler.run, args=(threading.Event(), seen.append))
     loop.start()
-    time.sleep(0.3)
+    wait_until(lambda: seen, 10, what="the loop's first pass")
     sleeper.kill()
     sleeper.wait()
     loop.join(5)
@@ -67,6 +68,7 @@ def test_the_loop_ends_with_target_down_when_the_target_exits(
     assert sum(1 for s in seen if not s.target_up) == 1
 
 
+@pytest.mark.slow  # a timing window: half a second of passes, counted
 def test_the_loop_keeps_to_its_interval_and_stops_on_request(
         sleeper: subprocess.Popen[bytes]) -> None:
     sampler = make_sampler(sleeper.pid, ErrorLog())

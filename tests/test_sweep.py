@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from dlprof_agent.workloads import sweep
 from tests.conftest import REPO, agent_env
 
@@ -47,6 +49,7 @@ def test_without_the_agent_the_tables_use_the_runs_own_rusage() -> None:
     assert "| pytorch | lstm | 32 | 0.000 | 0.000 |" in text
 
 
+@pytest.mark.slow  # imports matplotlib: seconds
 def test_the_plot_has_a_row_of_panels_per_framework(tmp_path: Path) -> None:
     import matplotlib.image
 
@@ -66,6 +69,7 @@ def test_framework_and_model_can_be_swept() -> None:
         "model": "lstm", "threads": 2}
 
 
+@pytest.mark.slow  # real training jobs under the agent
 def test_a_sweep_under_the_agent_records_what_the_agent_saw(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     result = subprocess.run(

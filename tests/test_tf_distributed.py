@@ -15,6 +15,7 @@ from dlprof_agent.workloads.tf_distributed import run_distributed
 from tests.conftest import agent_env
 
 pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.slow  # it imports TensorFlow
 
 # The smallest model, two steps: each rank trains on its own synthetic batch.
 TWO_STEPS = RunConfig(framework="tensorflow", model="alexnet-r", scale="tiny", iterations=1,

@@ -16,6 +16,8 @@ from torch import nn
 from dlprof_agent.workloads import torch_models
 from dlprof_agent.workloads.models import MODELS
 
+pytestmark = pytest.mark.slow  # it imports torch
+
 # Exact counts of the architectures in MODELS' descriptions, next to the papers' figures.
 # fcn-s is twice the paper's ~55M: 26752 x 2048 weights at both ends are ~54.8M each.
 TRAINABLE = {

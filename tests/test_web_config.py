@@ -5,11 +5,11 @@ real agent, and with a real Prometheus server scraping it with credentials."""
 from __future__ import annotations
 
 import base64
+import functools
 import shutil
 import ssl
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -91,6 +91,7 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     stop(process)
 
 
+@pytest.mark.slow  # a real agent serving
 def test_basic_auth_refuses_a_scrape_without_credentials_and_serves_one_with_them(
         tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     config = write_config(tmp_path, tls=False, users=True)
@@ -116,6 +117,7 @@ def test_basic_auth_refuses_a_scrape_without_credentials_and_serves_one_with_the
         stop(agent)
 
 
+@pytest.mark.slow  # a real agent serving TLS
 def test_a_tls_scrape_with_a_self_signed_certificate(
         tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     config = write_config(tmp_path, tls=True, users=True)
@@ -224,6 +226,7 @@ def test_without_bcrypt_the_error_names_the_pip_command(tmp_path: Path) -> None:
                              f"{config} needs bcrypt: pip install 'dlprof-agent[web]'\n")
 
 
+@pytest.mark.slow  # a real agent serving
 def test_the_agent_starts_without_the_libraries_when_no_file_is_given(
         sleeper: subprocess.Popen[bytes]) -> None:
     code = ("import sys; sys.modules['bcrypt'] = sys.modules['yaml'] = None; "
@@ -235,13 +238,16 @@ def test_the_agent_starts_without_the_libraries_when_no_file_is_given(
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow  # three real agents
 def test_serving_beyond_loopback_without_a_config_warns(
         tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
-    warned = start_agent(sleeper.pid, None, free_port(), listen="0.0.0.0")
+    ports = [free_port() for _ in range(3)]
+    warned = start_agent(sleeper.pid, None, ports[0], listen="0.0.0.0")
     locked = start_agent(sleeper.pid, write_config(tmp_path, tls=False, users=True),
-                         free_port(), listen="0.0.0.0")
-    local = start_agent(sleeper.pid, None, free_port())
-    time.sleep(3)
+                         ports[1], listen="0.0.0.0")
+    local = start_agent(sleeper.pid, None, ports[2])
+    for url in [f"http://127.0.0.1:{port}/healthz" for port in ports]:
+        wait_for(functools.partial(fetch, url), f"{url} to answer")  # it has warned, or not
     outputs = []
     for agent in (warned, locked, local):
         agent.terminate()

@@ -23,6 +23,7 @@ from tests.conftest import agent_env
 
 pytest.importorskip("torch")
 pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.slow  # it imports torch and TensorFlow
 
 
 def workload(*args: str) -> subprocess.CompletedProcess[str]:

@@ -22,8 +22,13 @@ from dlprof_agent.probe.recorder import (
     Recorder,
 )
 
+# An agent silent longer than its lease is taken for gone: three of its intervals
+# and a margin, at least MIN_LEASE_SECONDS. Module values, read at each check, so
+# tests can shorten them.
 MIN_LEASE_SECONDS = 2.0
 MAX_LEASE_SECONDS = 3600.0
+LEASE_INTERVALS = 3
+LEASE_MARGIN_SECONDS = 1.0
 MAX_TRACE_STEPS = 100_000
 
 DEFAULT_OPTIONS: SessionOptions = {"interval_seconds": 1.0, "layers": False,
@@ -109,7 +114,8 @@ class Session:
     def lease_seconds(self) -> float:
         """Silence past this ends the session: the agent asked for it (tests shorten
         it), or three intervals and a second."""
-        return self.lease_override or max(MIN_LEASE_SECONDS, 3 * self.interval + 1)
+        return self.lease_override or max(MIN_LEASE_SECONDS,
+                                          LEASE_INTERVALS * self.interval + LEASE_MARGIN_SECONDS)
 
     def options(self) -> SessionOptions:
         """What this session runs with now, as ``configure`` starts from."""

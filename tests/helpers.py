@@ -1,0 +1,47 @@
+"""Waiting in tests: poll for a precondition up to a deadline instead of sleeping
+a fixed time, so a test is as fast as the machine allows and a slow machine only
+makes it slower, never wrong."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def _describe(predicate: Callable[[], object]) -> str:
+    """The predicate's source line for a lambda, else its name."""
+    name = getattr(predicate, "__qualname__", repr(predicate))
+    if name.endswith("<lambda>"):
+        try:
+            return inspect.getsource(predicate).strip()
+        except (OSError, TypeError):
+            pass
+    return str(name)
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, *,
+               what: str | None = None) -> T:
+    """Call ``predicate`` every ``interval`` seconds until it returns something
+    truthy, and return that. An OSError counts as not yet (a server that is not
+    listening yet refuses the connection). Past ``timeout`` seconds, raises
+    AssertionError naming ``what`` was awaited (the predicate's source by default)
+    and its last value or error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last: object
+        try:
+            value = predicate()
+        except OSError as error:
+            last = error
+        else:
+            if value:
+                return value
+            last = value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for "
+                                 f"{what or _describe(predicate)} (last: {last!r})")
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
