@@ -15,7 +15,7 @@ from dlprof_agent.collectors.probe_samples import KernelSample, ProbeSample
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.probe import kernel_tracer as kt
 from tests.cupti_records import DTOH, HTOD, BufferBuilder
-from tests.fake_cupti import FakeBinding
+from tests.fake_cupti import FakeBinding, now_on_cupti_clock
 from tests.full_snapshot import full_snapshot
 
 PID = 4242
@@ -41,12 +41,13 @@ def traced_snapshot() -> dict[str, Any]:
     tracer.set_layers(["conv"])
     tracer.tick()
     base = tracer.correlator.base
+    t = now_on_cupti_clock() - 100_000  # work that just ended, on CUPTI's clock
     binding.deliver(BufferBuilder()
-                    .external(1, base).api(1).kernel("ampere_sgemm_128x64_nn", 0, 30_000,
+                    .external(1, base).api(1).kernel("ampere_sgemm_128x64_nn", t, t + 30_000,
                                                      correlation=1)
-                    .kernel("ampere_sgemm_128x64_nn", 0, 10_000, device=1)
-                    .memcpy(HTOD, 1 << 20, 0, 100_000).memcpy(DTOH, 4, 0, 1_000)
-                    .overhead(0, 2_000))
+                    .kernel("ampere_sgemm_128x64_nn", t, t + 10_000, device=1)
+                    .memcpy(HTOD, 1 << 20, t, t + 100_000).memcpy(DTOH, 4, t, t + 1_000)
+                    .overhead(t, t + 2_000))
     binding.dropped = 7
     tracer.tick()
     snapshot: dict[str, Any] = dict(tracer.snapshot())
