@@ -123,3 +123,18 @@ def test_eager_fit_without_layer_timing_says_forward_was_not_seen(attach: Any) -
     phases = assert_adds_up(snapshot)
     assert phases["backward"] > 0 and phases["optimizer"] > 0 and "other" not in phases
     assert snapshot["phase_split"] == "forward not seen"
+
+
+def test_remove_puts_back_the_tape_and_the_optimizer() -> None:
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    gradient, apply = tf.GradientTape.__dict__["gradient"], BaseOptimizer.__dict__["apply"]
+    hooks = TensorFlowHooks(Recorder(warmup_steps=WARMUP), layers=True)
+    hooks.install()
+    x, y = data(4 * BATCH)
+    model(run_eagerly=True).fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert tf.GradientTape.__dict__["gradient"] is not gradient
+    assert BaseOptimizer.__dict__["apply"] is not apply
+    hooks.remove()
+    assert tf.GradientTape.__dict__["gradient"] is gradient
+    assert BaseOptimizer.__dict__["apply"] is apply
