@@ -147,6 +147,9 @@ def test_a_manual_sgd_loop_without_torch_optim_splits_to_the_step_time() -> None
         hooks.remove()
     snapshot = recorder.snapshot()
     assert snapshot["step_source"] == "forward"
+    # Its input is (sequence, batch): the batch is dimension 1, not the 20 tokens.
+    assert snapshot["samples"] == {phase: BATCH * steps
+                                   for phase, steps in snapshot["steps"].items()}
     assert_windows_add_up(windows)
     phases = totals(windows)
     assert phases["forward"] > 0 and phases["backward"] > 0 and "optimizer" not in phases

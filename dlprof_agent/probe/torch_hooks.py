@@ -51,7 +51,12 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.probe.recorder import OTHER_PHASE, UNSPLIT_PHASE, Recorder
-from dlprof_agent.probe.torch_values import batch_tensor, first_tensor, output_node
+from dlprof_agent.probe.torch_values import (
+    batch_dimension,
+    batch_tensor,
+    first_tensor,
+    output_node,
+)
 
 if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import LayerCorrelator, LayerIdSource
@@ -84,6 +89,7 @@ class TorchHooks:
         self._segment_label: str | None = None  # the layer whose backward is running
         self._segment_start = 0.0
         self._root_calls = 0
+        self._batch_dim = 0  # where the batch is in the model's input (torch_values)
         self._observed: dict[str, str] = {}
         self._blas: str | None = None
         self.model_name = ""
@@ -212,6 +218,7 @@ class TorchHooks:
         first = next(root.parameters(), None)
         if first is not None:
             self._observed["device"] = first.device.type
+        self._batch_dim = batch_dimension(root, self._torch.nn.RNNBase)
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         if self.layers:
             self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
@@ -264,7 +271,8 @@ class TorchHooks:
             self._segment_label = None  # a backward pass that failed never closed
             batch = batch_tensor(args, kwargs, self._torch.Tensor)
             if batch is not None:
-                recorder.add_samples(int(batch.shape[0]))
+                dim = self._batch_dim if batch.dim() > self._batch_dim else 0
+                recorder.add_samples(int(batch.shape[dim]))
             if self._root_calls % SETTINGS_EVERY_CALLS == 0:
                 self._observe(batch)
             self._root_calls += 1

@@ -32,6 +32,17 @@ def batch_tensor(args: Any, kwargs: Any, tensor_type: type) -> Any:
     return None
 
 
+def batch_dimension(root: Any, rnn_type: type) -> int:
+    """Where the batch is in the model's input: 1 for a sequence-first recurrent
+    model (an ``nn.RNN``/``LSTM``/``GRU`` left at ``batch_first=False``, as in
+    pytorch/examples' word_language_model, whose input is (sequence, batch)),
+    else 0."""
+    for module in root.modules():
+        if isinstance(module, rnn_type):
+            return 0 if getattr(module, "batch_first", True) else 1
+    return 0
+
+
 def output_node(output: Any, tensor_type: type) -> Any:
     """The autograd node of the model's first output that has one."""
     node = getattr(output, "grad_fn", None)
