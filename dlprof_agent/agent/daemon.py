@@ -164,7 +164,9 @@ class Daemon:
         self.budget = SeriesBudget(per_target=options.max_series_per_target,
                                    total=options.max_series)
         self._builder = SnapshotBuilder(host=host, gpu=gpu, errors=errors, clock=clock,
-                                        wall_clock=wall_clock, budget=self.budget)
+                                        wall_clock=wall_clock, budget=self.budget,
+                                        probe_deadline_seconds=options.channel.exchange_deadline(
+                                            options.interval))
         self._next_scan = float("-inf")
         self._gpu_pids: frozenset[int] = frozenset()
         self._latest: NodeSnapshot | None = None
@@ -249,6 +251,7 @@ class Daemon:
         run_on_deadlines(stop, self.options.interval, one_pass, self._clock)
 
     def close(self) -> None:
+        self._builder.close()
         for target in list(self.targets.values()):
             self._drop(target, "the daemon is stopping")
 

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
 from dlprof_agent.agent.sampler import Sampler
-from dlprof_agent.agent.snapshot_builder import error_log
+from dlprof_agent.agent.snapshot_builder import PROBE_DEADLINE_SECONDS, error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
@@ -67,7 +67,8 @@ class ServeOptions:
 
 def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
                  probe: bool = False,
-                 max_series: int = DEFAULT_TARGET_SERIES) -> Sampler:
+                 max_series: int = DEFAULT_TARGET_SERIES,
+                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS) -> Sampler:
     errors = error_log(gpu=gpu, probe=probe)
     gpu_collector = None
     if gpu:
@@ -80,7 +81,8 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
                    gpu=gpu_collector, errors=errors, interval_seconds=interval,
                    limits=LimitsCollector(pid), findings=FindingsTracker(),
-                   budget=SeriesBudget(per_target=max_series))
+                   budget=SeriesBudget(per_target=max_series),
+                   probe_deadline_seconds=probe_deadline_seconds)
 
 
 def _first_sample(sampler: Sampler) -> Snapshot:
@@ -133,7 +135,9 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     configure_logging(status)
     sampler = make_sampler(pid, interval=options.interval, children=options.children,
                            gpu=options.gpu, probe=options.probe is not None,
-                           max_series=options.max_series_per_target)
+                           max_series=options.max_series_per_target,
+                           probe_deadline_seconds=options.channel.exchange_deadline(
+                               options.interval))
     server = _start_server(sampler, options)
     summary = Summary()
     probe_source: ProbeSource | None = None
@@ -196,6 +200,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         if before_stop is not None:
             before_stop(server.port)
     finally:
+        sampler.close()
         if probe_source is not None:
             probe_source.stop()  # the probe removes its hooks: the job is as it was
         server.stop()
