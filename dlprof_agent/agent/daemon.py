@@ -250,6 +250,22 @@ class Daemon:
 
         run_on_deadlines(stop, self.options.interval, one_pass, self._clock)
 
+    def probe_report(self) -> dict[str, dict[str, str]]:
+        """For the status page: the targets whose probe figures are stale or
+        missing, each with the reason (pid as text, as JSON keys are)."""
+        latest = self._latest
+        stale_in_pass = {snapshot.target_pid for snapshot in latest.targets
+                         if snapshot.probe_stale} if latest is not None else set()
+        report: dict[str, dict[str, str]] = {"stale": {}, "dropped": {}}
+        for pid, target in sorted(self.targets.items()):
+            source = target.probe
+            state, reason = source.condition if source is not None else ("", "")
+            if state in report:
+                report[state][str(pid)] = reason
+            elif pid in stale_in_pass:
+                report["stale"][str(pid)] = "no whole reply within the pass's deadline"
+        return report
+
     def close(self) -> None:
         self._builder.close()
         for target in list(self.targets.values()):
@@ -275,8 +291,11 @@ def serve_node(options: DaemonOptions, listen: str, port: int,
                web_config: WebConfig | None = None, max_requests: int = MAX_REQUESTS) -> int:
     """Run the daemon, serving /metrics on ``listen``:``port``, until SIGTERM or Ctrl-C."""
     daemon = make_daemon(options)
+    # The daemon's own loop: healthy while its passes keep coming, whatever one
+    # target does; the probes that are stale or dropped are listed, with why.
     health = sample_health(lambda: daemon.latest, options.interval,
-                           lambda latest: {"targets": sorted(daemon.targets)})
+                           lambda latest: {"targets": sorted(daemon.targets),
+                                           "probes": daemon.probe_report()})
     server = start_metrics_server(
         NodeCollector(lambda: daemon.latest, interval_seconds=options.interval), health,
         listen, port, version=lambda: daemon.latest, web_config=web_config,

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
+from dlprof_agent.agent.probe_exchanges import ReportsCondition
 from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.snapshot_builder import PROBE_DEADLINE_SECONDS, error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
@@ -98,9 +99,14 @@ def _collector(sampler: Sampler) -> SnapshotCollector:
 
 
 def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
-    health = sample_health(lambda: sampler.latest, sampler.interval_seconds,
-                           lambda latest: {"target_pid": sampler.target_pid,
-                                           "target_up": bool(latest and latest.target_up)})
+    def details(latest: Snapshot | None) -> dict[str, Any]:
+        probe = sampler.probe
+        state, reason = probe.condition if isinstance(probe, ReportsCondition) else ("", "")
+        return {"target_pid": sampler.target_pid,
+                "target_up": bool(latest and latest.target_up),
+                **({"probe": {"state": state, "reason": reason}} if state else {})}
+
+    health = sample_health(lambda: sampler.latest, sampler.interval_seconds, details)
     return start_metrics_server(_collector(sampler), health, options.listen, options.port,
                                 version=lambda: sampler.latest,
                                 web_config=options.web_config,
