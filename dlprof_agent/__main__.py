@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
+from dlprof_agent.cli.main import entry
 
-from dlprof_agent.cli.main import main
-
-sys.exit(main())
+entry()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -59,6 +60,9 @@ from dlprof_agent.reach.channel import (
 from dlprof_agent.reach.connect import ProbeOptions
 
 log = logging.getLogger("dlprof_agent")
+
+# On a stop, how long probes being reached may take to come up and be stopped.
+STOP_INJECTION_WAIT_SECONDS = 3.0
 
 # Where probes of any user put their sockets (probe.protocol.runtime_dir_candidates).
 PROBE_SOCKET_DIRS = ("/tmp/dlprof-agent-*", "/run/user/*/dlprof-agent")
@@ -170,6 +174,7 @@ class Daemon:
         self._next_scan = float("-inf")
         self._gpu_pids: frozenset[int] = frozenset()
         self._latest: NodeSnapshot | None = None
+        self._connecting: list[threading.Thread] = []  # reaching probes, off the loop
 
     @property
     def latest(self) -> NodeSnapshot | None:
@@ -201,8 +206,11 @@ class Daemon:
             "gpu": "it uses a GPU", "probe": "it loaded the probe",
             "match": "its command line matches"}[reason])
         if self.options.probe is not None:
-            threading.Thread(target=self._connect, args=(target, self.options.probe),
-                             name=f"dlprof-probe-{pid}", daemon=True).start()
+            connecting = threading.Thread(target=self._connect,
+                                          args=(target, self.options.probe),
+                                          name=f"dlprof-probe-{pid}", daemon=True)
+            self._connecting = [t for t in self._connecting if t.is_alive()] + [connecting]
+            connecting.start()
 
     def _connect(self, target: Target, options: ProbeOptions) -> None:
         """Off the sampling loop: an injection can take seconds."""
@@ -270,6 +278,11 @@ class Daemon:
         self._builder.close()
         for target in list(self.targets.values()):
             self._drop(target, "the daemon is stopping")
+        # A probe being reached (or injected) now is stopped as it comes up (the
+        # target is dropped): give those a moment, within the time a stop may take.
+        deadline = time.monotonic() + STOP_INJECTION_WAIT_SECONDS
+        for connecting in self._connecting:
+            connecting.join(max(0.0, deadline - time.monotonic()))
 
 
 def _name(pid: int) -> str:
@@ -306,8 +319,11 @@ def serve_node(options: DaemonOptions, listen: str, port: int,
             log.info("daemon serving http://%s:%d/metrics; looking for jobs every %g s",
                      listen, server.port, options.scan_interval)
             daemon.run(stop)
-    except (KeyboardInterrupt, StopRequested):
+    except (KeyboardInterrupt, StopRequested) as stopped:
         stop.set()
+        print("dlprof-agent: daemon stopped by "
+              f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
+              file=sys.stderr)
     finally:
         daemon.close()
         server.stop()

@@ -86,6 +86,52 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
                    probe_deadline_seconds=probe_deadline_seconds)
 
 
+# After a stop during start-up, how long an injection under way may take to end,
+# so that the probe it started is stopped too, within the 5 s a stop may take.
+STOP_INJECTION_WAIT_SECONDS = 3.0
+
+
+def _open_probe_stoppably(pid: int, options: ServeOptions, probe: ProbeOptions
+                          ) -> ProbeSource:
+    """open_probe, on a thread of its own, so that a stop (SIGTERM, Ctrl-C) never
+    lands inside an injection: the main thread only waits for it. On a stop, the
+    probe it started is stopped, whenever it comes up; the stop goes on."""
+    outcome: list[ProbeSource | BaseException] = []
+    lock = threading.Lock()
+    abandoned = threading.Event()
+
+    def opening() -> None:
+        try:
+            source: ProbeSource | BaseException = open_probe(
+                pid, probe, interval=options.interval,
+                wait_seconds=options.probe_wait_seconds, timeouts=options.channel)
+        except BaseException as error:  # handed to the main thread
+            source = error
+        with lock:
+            outcome.append(source)
+            late = abandoned.is_set()
+        if late and isinstance(source, ProbeSource):
+            source.stop()  # the agent is stopping: the probe removes its hooks
+
+    worker = threading.Thread(target=opening, name="dlprof-attaching", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except (KeyboardInterrupt, StopRequested):
+        worker.join(STOP_INJECTION_WAIT_SECONDS)
+        with lock:
+            abandoned.set()
+            reached = outcome[0] if outcome else None
+        if isinstance(reached, ProbeSource):
+            reached.stop()
+        raise
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 def _first_sample(sampler: Sampler) -> Snapshot:
     snapshot = sampler.sample_once()
     if not snapshot.target_up:
@@ -149,9 +195,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     probe_source: ProbeSource | None = None
     try:
         if options.probe is not None:
-            probe_source = sampler.probe = open_probe(
-                pid, options.probe, interval=options.interval,
-                wait_seconds=options.probe_wait_seconds, timeouts=options.channel)
+            probe_source = sampler.probe = _open_probe_stoppably(pid, options, options.probe)
             if (client := probe_source.client) is not None:
                 log.info("probe active in pid %d (%s)", pid,
                          ", ".join(client.hello.get("frameworks", [])) or
