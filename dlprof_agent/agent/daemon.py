@@ -32,6 +32,7 @@ from dlprof_agent.agent.loop import (
     sample_health,
     sigterm_stops,
 )
+from dlprof_agent.agent.probe_exchanges import ReportsCondition
 from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
@@ -267,7 +268,8 @@ class Daemon:
         report: dict[str, dict[str, str]] = {"stale": {}, "dropped": {}}
         for pid, target in sorted(self.targets.items()):
             source = target.probe
-            state, reason = source.condition if source is not None else ("", "")
+            state, reason = (source.condition if isinstance(source, ReportsCondition)
+                             else ("", ""))
             if state in report:
                 report[state][str(pid)] = reason
             elif pid in stale_in_pass:
