@@ -323,7 +323,7 @@ def serve_node(options: DaemonOptions, listen: str, port: int,
             daemon.run(stop)
     except (KeyboardInterrupt, StopRequested) as stopped:
         stop.set()
-        print("dlprof-agent: daemon stopped by "
+        print("dlprof-agent: stopped by "
               f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
               file=sys.stderr)
     finally:

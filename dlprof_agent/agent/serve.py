@@ -245,8 +245,11 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                         status.clear()
                     _linger(server, options.grace,
                             describe_exit() if describe_exit else f"process {pid} exited")
-        except (KeyboardInterrupt, StopRequested):
+        except (KeyboardInterrupt, StopRequested) as stopped:
             stop.set()
+            print(f"dlprof-agent: stopped by "
+                  f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
+                  file=sys.stderr)
         if before_stop is not None:
             before_stop(server.port)
     finally:

@@ -79,13 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_stops():
             return COMMANDS[args.command].run(args)
     except StopRequested:
-        print(f"dlprof-agent: {args.command} stopped by SIGTERM", file=sys.stderr)
+        print("dlprof-agent: stopped by SIGTERM", file=sys.stderr)
         return ExitCode.FINISHED
     except DlprofError as error:
         print(f"dlprof-agent: error: {error.one_line()}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
-        print(f"dlprof-agent: {args.command} interrupted (Ctrl-C)", file=sys.stderr)
+        print("dlprof-agent: stopped by Ctrl-C", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `dlprof-agent snapshot PID | head`: the reader left; that is not a failure.
