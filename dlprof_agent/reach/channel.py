@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from dlprof_agent.collectors.probe import REPLY_SECONDS, ProbeClient, ReplyLate
@@ -118,6 +118,7 @@ class ProbeSource:
         self._reached: ProbeClient | None = None  # from the connecting thread
         self._reach_failure: str | None = None
         self._stopped = False
+        self._adopted = False  # a client was ever taken
         if client is not None:
             self._adopt(client)
 
@@ -131,6 +132,7 @@ class ProbeSource:
         self.client, self._answering, self._late_since = client, True, None
         self._tries, self._lost = self._strikes, None
         self._trickles = 0
+        self._adopted = True
 
     @property
     def condition(self) -> ProbeCondition:
@@ -352,6 +354,21 @@ class ProbeSource:
             client.stop()
         if reached is not None:
             reached.stop()
+        elif client is None and not self._adopted:
+            self._stop_unclaimed()
+
+    def _stop_unclaimed(self) -> None:
+        """A probe this channel may have injected but never got an answer from
+        (a first reply too slow on a loaded machine) waits for an agent for a
+        minute: claim it and stop it, so that nothing of the agent stays."""
+        options = self._options
+        if options is None or not options.inject or not running(self.pid):
+            return
+        try:
+            client = try_connect(self.pid, replace(options, inject=False), self._interval, 0.0)
+        except Exception:  # none, or another agent's: nothing of ours to stop
+            return
+        client.stop()
 
 
 def open_probe(pid: int, options: ProbeOptions, *, interval: float,
