@@ -114,12 +114,13 @@ def _open_probe_stoppably(pid: int, options: ServeOptions, probe: ProbeOptions
             source.stop()  # the agent is stopping: the probe removes its hooks
 
     worker = threading.Thread(target=opening, name="dlprof-attaching", daemon=True)
-    worker.start()
     try:
+        worker.start()  # within the try: a stop may land as soon as it has started
         while worker.is_alive():
             worker.join(0.1)
     except (KeyboardInterrupt, StopRequested):
-        worker.join(STOP_INJECTION_WAIT_SECONDS)
+        if worker.ident is not None:
+            worker.join(STOP_INJECTION_WAIT_SECONDS)
         with lock:
             abandoned.set()
             reached = outcome[0] if outcome else None
