@@ -178,18 +178,24 @@ def test_sigterm_at_any_instant_of_attachs_start_leaves_nothing_behind(
     exits, codes, lines = [], set(), set()
     for _ in range(20):
         attach = start(processes, [sys.executable, "-m", "dlprof_agent", "attach",
-                                   str(job.pid), "--port", "0", "--quiet", "--no-gpu",
+                                   str(job.pid), "--port", "0", "--no-gpu",
                                    "--interval", "0.5"])
         time.sleep(pick.uniform(0.0, 1.5))  # start-up, injection and the first passes
         exits.append(stop_within(attach, STOP_SECONDS))
         _, stderr = attach.communicate(timeout=10)
         codes.add(attach.returncode)
         lines.add(stderr.strip().splitlines()[-1] if stderr.strip() else "")
-        # The probe leaves with its agent: within one of its intervals.
+        # The probe leaves with its agent, within one of its intervals, and none
+        # comes up later (an injection the stop cut short): nothing 3 s after.
+        exited = time.monotonic()
         try:
             wait_for(lambda: not ours_in(job.pid), "the probe to leave the job", timeout=3)
+            while time.monotonic() < exited + 3:
+                assert not ours_in(job.pid)
+                time.sleep(0.1)
         except AssertionError:
-            pytest.fail(f"left in the job after attach's exit: {ours_in(job.pid)}")
+            pytest.fail(f"left in the job after attach's exit: {ours_in(job.pid)} (threads "
+                        f"{[t.name for t in read_task_stats(job.pid)]}; attach said {stderr!r})")
     print(f"\nsignals: 20 SIGTERMs during attach's start: exits {min(exits):.2f}-"
           f"{max(exits):.2f} s after, codes {sorted(codes)}, nothing left in the job")
     assert codes == {0}, (codes, lines)

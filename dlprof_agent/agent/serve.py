@@ -98,7 +98,7 @@ def _open_probe_stoppably(pid: int, options: ServeOptions, probe: ProbeOptions
     probe it started is stopped, whenever it comes up; the stop goes on."""
     outcome: list[ProbeSource | BaseException] = []
     lock = threading.Lock()
-    abandoned = threading.Event()
+    abandoned, done = threading.Event(), threading.Event()
 
     def opening() -> None:
         try:
@@ -110,17 +110,20 @@ def _open_probe_stoppably(pid: int, options: ServeOptions, probe: ProbeOptions
         with lock:
             outcome.append(source)
             late = abandoned.is_set()
+        done.set()
         if late and isinstance(source, ProbeSource):
             source.stop()  # the agent is stopping: the probe removes its hooks
 
+    # Waited for on an Event, not Thread.join: a join that a signal interrupts
+    # marks a thread that still runs as ended (CPython's bpo-45274 handling).
     worker = threading.Thread(target=opening, name="dlprof-attaching", daemon=True)
     try:
         worker.start()  # within the try: a stop may land as soon as it has started
-        while worker.is_alive():
-            worker.join(0.1)
+        while not done.wait(0.1):
+            pass
     except (KeyboardInterrupt, StopRequested):
         if worker.ident is not None:
-            worker.join(STOP_INJECTION_WAIT_SECONDS)
+            done.wait(STOP_INJECTION_WAIT_SECONDS)
         with lock:
             abandoned.set()
             reached = outcome[0] if outcome else None
