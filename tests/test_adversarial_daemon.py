@@ -7,16 +7,21 @@
   counted and listed, and the daemon exits within 5 s of SIGTERM;
 - signals: SIGTERM at random instants of `attach`'s start on a small real job
   (injection included): every exit within 5 s, with one line, and nothing of
-  the agent left in the job (no probe thread, no probe socket).
+  the agent left in the job (no probe thread, no probe socket); and SIGTERM
+  just after a flood of wrong passwords, while a password check runs: an exit
+  with its line, never an abort.
 
 The figures each test measures are printed (`pytest -s`) for docs/security.md."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import random
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +37,7 @@ from dlprof_agent.collectors.probe import held_sockets
 from dlprof_agent.collectors.procfs import read_task_stats
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.probe.protocol import socket_name
-from tests.conftest import PROMETHEUS, agent_env, wait_for
+from tests.conftest import PROMETHEUS, agent_env, free_port, wait_for
 from tests.test_adversarial_tenancy import (
     runtime_dir,  # noqa: F401  (a fixture)
     sample,
@@ -97,7 +103,7 @@ def status_of(url: str) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
-def stop_within(process: subprocess.Popen[str], seconds: float) -> float:
+def stop_within(process: subprocess.Popen[Any], seconds: float) -> float:
     """Seconds from SIGTERM to ``process``'s exit; fails past ``seconds``."""
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
@@ -200,3 +206,52 @@ def test_sigterm_at_any_instant_of_attachs_start_leaves_nothing_behind(
           f"{max(exits):.2f} s after, codes {sorted(codes)}, nothing left in the job")
     assert codes == {0}, (codes, lines)
     assert lines == {"dlprof-agent: stopped by SIGTERM"}, lines
+
+
+def test_sigterm_just_after_an_auth_flood_exits_with_its_line_never_an_abort(
+        processes: list[subprocess.Popen[Any]], tmp_path: Path) -> None:
+    bcrypt = pytest.importorskip("bcrypt", reason="bcrypt is not installed: "
+                                 "pip install 'dlprof-agent[web]'")
+    password = "the scraper's password"
+    config = tmp_path / "web-config.yml"
+    config.write_text("basic_auth_users:\n  prometheus: "
+                      f"'{bcrypt.hashpw(password.encode(), bcrypt.gensalt(10)).decode()}'\n")
+    job = start(processes, [sys.executable, "-c", JOB, "plain", MARKER])
+    assert job.stdout is not None and job.stdout.readline().strip() == "ready"
+    port = free_port()
+    attach = start(processes, [sys.executable, "-m", "dlprof_agent", "attach", str(job.pid),
+                               "--port", str(port), "--quiet", "--no-probe", "--interval", "0.5",
+                               "--web.config.file", str(config)])
+
+    def scrape_with_password() -> bool:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={
+            "Authorization": "Basic " + base64.b64encode(
+                f"prometheus:{password}".encode()).decode()})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return bool(response.status == 200)
+
+    wait_for(scrape_with_password, "a first scrape with the password")
+    # Two seconds of new wrong passwords from clients that stay: the checking
+    # thread is inside bcrypt when SIGTERM comes.
+    clients, end = [], time.monotonic() + 2
+    try:
+        while time.monotonic() < end:
+            try:
+                client = socket.create_connection(("127.0.0.1", port), timeout=1)
+                client.sendall(("GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic "
+                                + base64.b64encode(f"prometheus:{secrets.token_hex(8)}".encode()
+                                                   ).decode() + "\r\n\r\n").encode())
+                clients.append(client)
+            except OSError:
+                pass
+            time.sleep(0.005)
+        took = stop_within(attach, STOP_SECONDS)
+    finally:
+        for client in clients:
+            client.close()
+    _, stderr = attach.communicate(timeout=10)
+    print(f"\nauth flood then SIGTERM: {len(clients)} wrong passwords in 2 s, exit {took:.2f} s "
+          f"after SIGTERM, code {attach.returncode}")
+    assert "FATAL" not in stderr, stderr
+    assert attach.returncode == 0, stderr
+    assert stderr.strip().splitlines()[-1] == "dlprof-agent: stopped by SIGTERM"
