@@ -125,8 +125,9 @@ class ProbeExchanges:
             self._on_error(pid, error)
             target.last = None
             return True
-        if sample is not None or not late:
-            target.last = sample
+        # The channel's word stands: its last sample while a reply is late, none
+        # once it counts the probe as down.
+        target.last = sample
         return not late
 
     def close(self) -> None:
