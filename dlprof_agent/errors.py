@@ -31,7 +31,7 @@ class ExitCode(enum.IntEnum):
 
 
 _EXIT_CODE_MEANINGS = {
-    ExitCode.FINISHED: "finished: duration reached, Ctrl-C, or the target exited",
+    ExitCode.FINISHED: "finished: duration reached, Ctrl-C or SIGTERM, or the target exited",
     ExitCode.BUG: "unexpected failure: a bug; please report it with the traceback",
     ExitCode.USAGE: "bad arguments",
     ExitCode.NO_TARGET: "no such process, or it exited while the agent was starting",

@@ -345,6 +345,12 @@ dlprof_gpu_available 0.0
 # HELP dlprof_probe_up 1 while the agent reads the in-process probe of the process, else 0.
 # TYPE dlprof_probe_up gauge
 dlprof_probe_up{{pid="4242"}} 0.0
+# HELP dlprof_probe_stale 1 while the probe's figures are its last good sample, kept because this pass's read missed its deadline, else 0.
+# TYPE dlprof_probe_stale gauge
+dlprof_probe_stale{{pid="4242"}} 0.0
+# HELP dlprof_probe_deadline_misses_total Probe reads that missed their deadline (no whole reply in time).
+# TYPE dlprof_probe_deadline_misses_total counter
+dlprof_probe_deadline_misses_total{{pid="4242"}} 0.0
 """  # noqa: E501 - exposition lines are as long as their HELP text
 
 

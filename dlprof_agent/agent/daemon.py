@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +39,7 @@ from dlprof_agent.agent.loop import (
     sample_health,
     sigterm_stops,
 )
+from dlprof_agent.agent.probe_exchanges import ReportsCondition
 from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
@@ -67,6 +69,9 @@ from dlprof_agent.reach.channel import (
 from dlprof_agent.reach.connect import ProbeOptions
 
 log = logging.getLogger("dlprof_agent")
+
+# On a stop, how long probes being reached may take to come up and be stopped.
+STOP_INJECTION_WAIT_SECONDS = 3.0
 
 # Where probes of any user put their sockets (probe.protocol.runtime_dir_candidates).
 PROBE_SOCKET_DIRS = ("/tmp/dlprof-agent-*", "/run/user/*/dlprof-agent")
@@ -175,11 +180,14 @@ class Daemon:
         self.budget = SeriesBudget(per_target=options.max_series_per_target,
                                    total=options.max_series)
         self._builder = SnapshotBuilder(host=host, gpu=gpu, errors=errors, clock=clock,
-                                        wall_clock=wall_clock, budget=self.budget)
+                                        wall_clock=wall_clock, budget=self.budget,
+                                        probe_deadline_seconds=options.channel.exchange_deadline(
+                                            options.interval))
         self._next_scan = float("-inf")
         self._gpu_pids: frozenset[int] = frozenset()
         self._latest: NodeSnapshot | None = None
         self.exited = ExitedTargets(options.grace)
+        self._connecting: list[threading.Thread] = []  # reaching probes, off the loop
 
     @property
     def latest(self) -> NodeSnapshot | None:
@@ -212,8 +220,11 @@ class Daemon:
             "gpu": "it uses a GPU", "probe": "it loaded the probe",
             "match": "its command line matches"}[reason])
         if self.options.probe is not None:
-            threading.Thread(target=self._connect, args=(target, self.options.probe),
-                             name=f"dlprof-probe-{pid}", daemon=True).start()
+            connecting = threading.Thread(target=self._connect,
+                                          args=(target, self.options.probe),
+                                          name=f"dlprof-probe-{pid}", daemon=True)
+            self._connecting = [t for t in self._connecting if t.is_alive()] + [connecting]
+            connecting.start()
 
     def _connect(self, target: Target, options: ProbeOptions) -> None:
         """Off the sampling loop: an injection can take seconds."""
@@ -277,9 +288,32 @@ class Daemon:
 
         run_on_deadlines(stop, self.options.interval, one_pass, self._clock)
 
+    def probe_report(self) -> dict[str, dict[str, str]]:
+        """For the status page: the targets whose probe figures are stale or
+        missing, each with the reason (pid as text, as JSON keys are)."""
+        latest = self._latest
+        stale_in_pass = {snapshot.target_pid for snapshot in latest.targets
+                         if snapshot.probe_stale} if latest is not None else set()
+        report: dict[str, dict[str, str]] = {"stale": {}, "dropped": {}}
+        for pid, target in sorted(self.targets.items()):
+            source = target.probe
+            state, reason = (source.condition if isinstance(source, ReportsCondition)
+                             else ("", ""))
+            if state in report:
+                report[state][str(pid)] = reason
+            elif pid in stale_in_pass:
+                report["stale"][str(pid)] = "no whole reply within the pass's deadline"
+        return report
+
     def close(self) -> None:
+        self._builder.close()
         for target in list(self.targets.values()):
             self._drop(target, "the daemon is stopping")
+        # A probe being reached (or injected) now is stopped as it comes up (the
+        # target is dropped): give those a moment, within the time a stop may take.
+        deadline = time.monotonic() + STOP_INJECTION_WAIT_SECONDS
+        for connecting in self._connecting:
+            connecting.join(max(0.0, deadline - time.monotonic()))
 
 
 def _name(pid: int) -> str:
@@ -301,8 +335,11 @@ def serve_node(options: DaemonOptions, listen: str, port: int,
                web_config: WebConfig | None = None, max_requests: int = MAX_REQUESTS) -> int:
     """Run the daemon, serving /metrics on ``listen``:``port``, until SIGTERM or Ctrl-C."""
     daemon = make_daemon(options)
+    # The daemon's own loop: healthy while its passes keep coming, whatever one
+    # target does; the probes that are stale or dropped are listed, with why.
     health = sample_health(lambda: daemon.latest, options.interval,
-                           lambda latest: {"targets": sorted(daemon.targets)})
+                           lambda latest: {"targets": sorted(daemon.targets),
+                                           "probes": daemon.probe_report()})
     server = start_metrics_server(
         NodeCollector(lambda: daemon.latest, interval_seconds=options.interval), health,
         listen, port, version=lambda: daemon.latest, web_config=web_config,
@@ -313,8 +350,11 @@ def serve_node(options: DaemonOptions, listen: str, port: int,
             log.info("daemon serving http://%s:%d/metrics; looking for jobs every %g s",
                      listen, server.port, options.scan_interval)
             daemon.run(stop)
-    except (KeyboardInterrupt, StopRequested):
+    except (KeyboardInterrupt, StopRequested) as stopped:
         stop.set()
+        print("dlprof-agent: stopped by "
+              f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
+              file=sys.stderr)
     finally:
         daemon.close()
         server.stop()

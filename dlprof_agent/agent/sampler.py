@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from dlprof_agent.agent.exit_totals import final_probe_totals
 from dlprof_agent.agent.loop import run_on_deadlines
 from dlprof_agent.agent.snapshot_builder import (
+    PROBE_DEADLINE_SECONDS,
     GpuReader,
     HostReader,
     LimitsReader,
@@ -44,6 +45,7 @@ class Sampler:
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     budget: SeriesBudget | None = None  # folds the probe's rows past the series budget
+    probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS  # a pass's wait for the probe
     _latest: Snapshot | None = field(default=None, init=False)
     _target_up: bool = field(default=True, init=False)
     _builder: SnapshotBuilder = field(init=False)
@@ -52,7 +54,8 @@ class Sampler:
     def __post_init__(self) -> None:
         self._builder = SnapshotBuilder(host=self.host, gpu=self.gpu, errors=self.errors,
                                         clock=self.clock, wall_clock=self.wall_clock,
-                                        budget=self.budget)
+                                        budget=self.budget,
+                                        probe_deadline_seconds=self.probe_deadline_seconds)
 
     @property
     def latest(self) -> Snapshot | None:
@@ -78,6 +81,10 @@ class Sampler:
             snapshot = replace(snapshot, probe=self._last_probe)
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
+
+    def close(self) -> None:
+        """No more probe reads; one in progress ends within its deadline."""
+        self._builder.close()
 
     def run(self, stop: threading.Event, on_sample: Callable[[Snapshot], None]) -> None:
         """Sample every interval, on fixed deadlines, until ``stop`` is set or the

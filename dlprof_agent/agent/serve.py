@@ -14,8 +14,9 @@ from typing import Any, TextIO
 
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
+from dlprof_agent.agent.probe_exchanges import ReportsCondition
 from dlprof_agent.agent.sampler import Sampler
-from dlprof_agent.agent.snapshot_builder import error_log
+from dlprof_agent.agent.snapshot_builder import PROBE_DEADLINE_SECONDS, error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
@@ -67,7 +68,8 @@ class ServeOptions:
 
 def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
                  probe: bool = False,
-                 max_series: int = DEFAULT_TARGET_SERIES) -> Sampler:
+                 max_series: int = DEFAULT_TARGET_SERIES,
+                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS) -> Sampler:
     errors = error_log(gpu=gpu, probe=probe)
     gpu_collector = None
     if gpu:
@@ -80,7 +82,58 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
                    gpu=gpu_collector, errors=errors, interval_seconds=interval,
                    limits=LimitsCollector(pid), findings=FindingsTracker(),
-                   budget=SeriesBudget(per_target=max_series))
+                   budget=SeriesBudget(per_target=max_series),
+                   probe_deadline_seconds=probe_deadline_seconds)
+
+
+# After a stop during start-up, how long an injection under way may take to end,
+# so that the probe it started is stopped too, within the 5 s a stop may take.
+STOP_INJECTION_WAIT_SECONDS = 3.0
+
+
+def _open_probe_stoppably(pid: int, options: ServeOptions, probe: ProbeOptions
+                          ) -> ProbeSource:
+    """open_probe, on a thread of its own, so that a stop (SIGTERM, Ctrl-C) never
+    lands inside an injection: the main thread only waits for it. On a stop, the
+    probe it started is stopped, whenever it comes up; the stop goes on."""
+    outcome: list[ProbeSource | BaseException] = []
+    lock = threading.Lock()
+    abandoned, done = threading.Event(), threading.Event()
+
+    def opening() -> None:
+        try:
+            source: ProbeSource | BaseException = open_probe(
+                pid, probe, interval=options.interval,
+                wait_seconds=options.probe_wait_seconds, timeouts=options.channel)
+        except BaseException as error:  # handed to the main thread
+            source = error
+        with lock:
+            outcome.append(source)
+            late = abandoned.is_set()
+        done.set()
+        if late and isinstance(source, ProbeSource):
+            source.stop()  # the agent is stopping: the probe removes its hooks
+
+    # Waited for on an Event, not Thread.join: a join that a signal interrupts
+    # marks a thread that still runs as ended (CPython's bpo-45274 handling).
+    worker = threading.Thread(target=opening, name="dlprof-attaching", daemon=True)
+    try:
+        worker.start()  # within the try: a stop may land as soon as it has started
+        while not done.wait(0.1):
+            pass
+    except (KeyboardInterrupt, StopRequested):
+        if worker.ident is not None:
+            done.wait(STOP_INJECTION_WAIT_SECONDS)
+        with lock:
+            abandoned.set()
+            reached = outcome[0] if outcome else None
+        if isinstance(reached, ProbeSource):
+            reached.stop()
+        raise
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _first_sample(sampler: Sampler) -> Snapshot:
@@ -96,9 +149,14 @@ def _collector(sampler: Sampler) -> SnapshotCollector:
 
 
 def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
-    health = sample_health(lambda: sampler.latest, sampler.interval_seconds,
-                           lambda latest: {"target_pid": sampler.target_pid,
-                                           "target_up": bool(latest and latest.target_up)})
+    def details(latest: Snapshot | None) -> dict[str, Any]:
+        probe = sampler.probe
+        state, reason = probe.condition if isinstance(probe, ReportsCondition) else ("", "")
+        return {"target_pid": sampler.target_pid,
+                "target_up": bool(latest and latest.target_up),
+                **({"probe": {"state": state, "reason": reason}} if state else {})}
+
+    health = sample_health(lambda: sampler.latest, sampler.interval_seconds, details)
     return start_metrics_server(_collector(sampler), health, options.listen, options.port,
                                 version=lambda: sampler.latest,
                                 web_config=options.web_config,
@@ -133,15 +191,15 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     configure_logging(status)
     sampler = make_sampler(pid, interval=options.interval, children=options.children,
                            gpu=options.gpu, probe=options.probe is not None,
-                           max_series=options.max_series_per_target)
+                           max_series=options.max_series_per_target,
+                           probe_deadline_seconds=options.channel.exchange_deadline(
+                               options.interval))
     server = _start_server(sampler, options)
     summary = Summary()
     probe_source: ProbeSource | None = None
     try:
         if options.probe is not None:
-            probe_source = sampler.probe = open_probe(
-                pid, options.probe, interval=options.interval,
-                wait_seconds=options.probe_wait_seconds, timeouts=options.channel)
+            probe_source = sampler.probe = _open_probe_stoppably(pid, options, options.probe)
             if (client := probe_source.client) is not None:
                 log.info("probe active in pid %d (%s)", pid,
                          ", ".join(client.hello.get("frameworks", [])) or
@@ -191,11 +249,15 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                         status.clear()
                     _linger(server, options.grace,
                             describe_exit() if describe_exit else f"process {pid} exited")
-        except (KeyboardInterrupt, StopRequested):
+        except (KeyboardInterrupt, StopRequested) as stopped:
             stop.set()
+            print(f"dlprof-agent: stopped by "
+                  f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
+                  file=sys.stderr)
         if before_stop is not None:
             before_stop(server.port)
     finally:
+        sampler.close()
         if probe_source is not None:
             probe_source.stop()  # the probe removes its hooks: the job is as it was
         server.stop()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol, TypeVar
 
+from dlprof_agent.agent.probe_exchanges import Exchange, ProbeExchanges
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
@@ -99,6 +100,11 @@ class PassStart(NamedTuple):
     monotonic_seconds: float
 
 
+# How long a pass waits for the probes' replies when its caller does not say
+# (ChannelTimeouts.exchange_deadline does, from the interval).
+PROBE_DEADLINE_SECONDS = 2.0
+
+
 def error_log(*, gpu: bool, probe: bool) -> ErrorLog:
     """The agent's one error counter, with every collector a pass runs at 0, so
     that a rate() over dlprof_collector_errors_total exists before any failure."""
@@ -113,8 +119,13 @@ class SnapshotBuilder:
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  agent_self: Callable[[], AgentSelfSample] = AgentSelfSample.read,
-                 budget: SeriesBudget | None = None) -> None:
+                 budget: SeriesBudget | None = None,
+                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS) -> None:
         self.errors = errors
+        # Every target's probe at once, all within one deadline per pass.
+        self.exchanges = ProbeExchanges(
+            deadline_seconds=probe_deadline_seconds,
+            on_error=lambda pid, error: self._record("probe", error, pid))
         self.budget = budget  # folds the probes' rows past the series budgets
         self.clock = clock
         self._host = host
@@ -143,19 +154,17 @@ class SnapshotBuilder:
         host = self._guarded("host", self._host.sample)
         gpu = self._sample_gpu(frozenset(p.pid for _, samples in read for p in samples))
         agent = self._agent_self()
-        probes: list[ProbeSample | None] = []
-        for target, _ in read:
-            probe_reader = target.probe
-            probes.append(None if probe_reader is None
-                          else self._guarded("probe", probe_reader.sample, target.pid))
+        exchanges = self.exchanges.read([(target.pid, target.probe) for target, _ in read])
+        probes = [exchange.sample for exchange in exchanges]
         if self.budget is not None:  # all targets at once: the daemon's budget is shared
             probes = self.budget.fold([(probe, process_series(processes))
                                        for probe, (_, processes) in zip(probes, read,
                                                                         strict=True)])
         snapshots = tuple(
             self._target_snapshot(target, processes, probe, started, agent=agent,
-                                  node=(host, gpu))
-            for (target, processes), probe in zip(read, probes, strict=True))
+                                  node=(host, gpu), exchange=exchange)
+            for (target, processes), probe, exchange in zip(read, probes, exchanges,
+                                                            strict=True))
         self.samples_total += 1
         return NodeSnapshot(
             timestamp_seconds=started.wall_seconds,
@@ -165,10 +174,15 @@ class SnapshotBuilder:
             samples_total=self.samples_total, agent=agent,
             series_dropped=self.budget.dropped() if self.budget is not None else ())
 
+    def close(self) -> None:
+        """No more probe reads (the loop is ending)."""
+        self.exchanges.close()
+
     def _target_snapshot(self, target: Watched, processes: tuple[ProcessSample, ...],
                          probe: ProbeSample | None, started: PassStart, *,
                          agent: AgentSelfSample,
-                         node: tuple[HostSample | None, GpuSample | None]) -> Snapshot:
+                         node: tuple[HostSample | None, GpuSample | None],
+                         exchange: Exchange) -> Snapshot:
         limits_reader = target.limits
         # Limits come from the same /proc tree as the processes: counted with them.
         limits = (None if limits_reader is None
@@ -176,8 +190,9 @@ class SnapshotBuilder:
         snapshot = Snapshot(
             timestamp_seconds=started.wall_seconds,
             monotonic_seconds=started.monotonic_seconds, target_pid=target.pid,
-            target_up=True, processes=processes, probe=probe, probe_up=probe is not None,
-            limits=limits, agent=agent)
+            target_up=True, processes=processes, probe=probe,
+            probe_up=probe is not None,
+            probe_stale=exchange.stale, probe_misses=exchange.misses, limits=limits, agent=agent)
         tracker = target.findings
         if tracker is None:
             return snapshot

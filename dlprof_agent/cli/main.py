@@ -5,14 +5,17 @@ a deliberate error in one line."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from dlprof_agent import __version__
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT
+from dlprof_agent.agent.loop import StopRequested, sigterm_stops
 from dlprof_agent.cli import attach, daemon, demo, grafana, run, snapshot, trace, workload
 from dlprof_agent.cli.arguments import OneLineErrorParser, paragraph
 from dlprof_agent.errors import EXIT_CODES_HELP, DlprofError, ExitCode
@@ -71,13 +74,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return ExitCode.USAGE
     try:
-        return COMMANDS[args.command].run(args)
+        # From the first instant: a SIGTERM during start-up unwinds what was
+        # started (the probe first) instead of killing the agent where it stands.
+        with sigterm_stops():
+            return COMMANDS[args.command].run(args)
+    except StopRequested:
+        print("dlprof-agent: stopped by SIGTERM", file=sys.stderr)
+        return ExitCode.FINISHED
     except DlprofError as error:
         print(f"dlprof-agent: error: {error.one_line()}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
+        print("dlprof-agent: stopped by Ctrl-C", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `dlprof-agent snapshot PID | head`: the reader left; that is not a failure.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return ExitCode.FINISHED
+
+
+def exit_with(code: int) -> NoReturn:
+    """Leave the process with ``code`` once a command has cleaned up: its threads
+    (the server's, a probe read) are not torn down by the interpreter's exit in
+    the middle of a native call, which aborts the process (SIGABRT)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def entry() -> NoReturn:
+    """The ``dlprof-agent`` program."""
+    exit_with(main())

@@ -12,6 +12,7 @@ import re
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -185,7 +186,13 @@ def probe_socket_pids(directories: Iterable[str]) -> set[int]:
 class ReplyLate(TimeoutError):
     """The probe has not answered yet. Its reply is still expected, and the next
     call reads it first: a job holding the GIL (an import, a long native call)
-    answers late, and that is not a lost probe."""
+    answers late, and that is not a lost probe. ``received_bytes``: how much of
+    the reply came before the deadline; a reply that has begun but trickles is
+    not a job holding the GIL (the probe writes a reply at once)."""
+
+    def __init__(self, message: str, *, received_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.received_bytes = received_bytes
 
 
 class ProbeClient:
@@ -201,6 +208,9 @@ class ProbeClient:
         self.layers = layers  # the agent asked for layer times: without, none is kept
         self._received = bytearray()  # a reply's bytes so far, kept across timeouts
         self._awaiting: str | None = None  # the command whose reply has not arrived
+        # The whole of one read of a reply, however the probe spreads its bytes: a
+        # timeout per recv() would be reset by every byte of a reply that drips.
+        self._reply_seconds = connection.gettimeout() or REPLY_SECONDS
 
     @staticmethod
     def _open(pid: int, path: str, message: Request) -> tuple[socket.socket, Frame]:
@@ -273,18 +283,27 @@ class ProbeClient:
         return cls(pid, connection, {}), reply
 
     def set_timeout(self, seconds: float) -> None:
-        """How long a reply may take from here on."""
+        """How long a reply may take from here on, all of its bytes together."""
+        self._reply_seconds = seconds
         self._connection.settimeout(seconds)
 
     def _reply(self) -> Frame:
-        while (reply := take_frame(self._received, max_bytes=MAX_REPLY_BYTES)) is None:
-            try:
+        deadline = time.monotonic() + self._reply_seconds
+        try:
+            while (reply := take_frame(self._received, max_bytes=MAX_REPLY_BYTES)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self._connection.settimeout(left)
                 chunk = self._connection.recv(1 << 16)
-            except TimeoutError:
-                raise ReplyLate(f"no reply to {self._awaiting} yet") from None
-            if not chunk:
-                raise ConnectionClosed
-            self._received += chunk
+                if not chunk:
+                    raise ConnectionClosed
+                self._received += chunk
+        except TimeoutError:
+            raise ReplyLate(f"no whole reply to {self._awaiting} yet ({len(self._received)} "
+                            "bytes of it)", received_bytes=len(self._received)) from None
+        finally:
+            self._connection.settimeout(self._reply_seconds)
         self._awaiting = None
         return reply
 

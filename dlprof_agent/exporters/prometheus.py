@@ -15,6 +15,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from dlprof_agent.exporters.exchange_families import exchange_families
 from dlprof_agent.exporters.families import (
     agent_families,
     finding_families,
@@ -57,6 +58,7 @@ class SnapshotCollector(_LatestCollector[Snapshot]):
         yield from gpu_families(snapshot.gpu)
         yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe,
                                   snapshot.gpu)
+        yield from exchange_families(snapshot)
         yield from finding_families(snapshot.target_pid, snapshot.findings)
 
 
@@ -91,6 +93,7 @@ class NodeCollector(_LatestCollector[NodeSnapshot]):
         yield from merged(probe_families(target.target_pid, target.probe_up, target.probe,
                                          node.gpu)
                           for target in node.targets)
+        yield from merged(exchange_families(target) for target in node.targets)
         yield from merged(finding_families(target.target_pid, target.findings)
                           for target in node.targets)
 

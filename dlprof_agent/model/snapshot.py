@@ -53,6 +53,8 @@ class Snapshot:
     series_dropped: tuple[tuple[str, int], ...] = ()  # (reason, series left out so far)
     probe: ProbeSample | None = None
     probe_up: bool = False
+    probe_stale: bool = False  # `probe` is the last good sample: this pass's read missed
+    probe_misses: int = 0  # probe reads so far that missed their deadline
     limits: LimitsSample | None = None
     findings: tuple[Finding, ...] = ()  # every rule that could judge this pass
 

@@ -9,7 +9,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from dlprof_agent.collectors.probe import REPLY_SECONDS, ProbeClient, ReplyLate
 from dlprof_agent.collectors.probe_samples import ProbeSample
@@ -33,6 +34,9 @@ SILENT_LIMIT_SECONDS = 120.0
 RETRY_SECONDS = (2.0, 4.0, 8.0, 16.0, 30.0, 60.0, 120.0, 300.0)
 # A reply's wait on the sampling pass: half an interval, within these bounds.
 REPLY_WAIT_BOUNDS_SECONDS = (0.25, REPLY_SECONDS)
+# Passes in a row whose reply began but did not end within its wait: a probe
+# writes its reply at once, so one that trickles is not a job holding the GIL.
+TRICKLE_LIMIT = 3
 
 
 @dataclass(frozen=True)
@@ -45,13 +49,27 @@ class ChannelTimeouts:
     silent_limit_seconds: float = SILENT_LIMIT_SECONDS
     retry_seconds: tuple[float, ...] = RETRY_SECONDS
     reply_wait_bounds_seconds: tuple[float, float] = REPLY_WAIT_BOUNDS_SECONDS
+    trickle_limit: int = TRICKLE_LIMIT
 
     def reply_wait(self, interval: float) -> float:
         low, high = self.reply_wait_bounds_seconds
         return max(low, min(high, interval / 2))
 
+    def exchange_deadline(self, interval: float) -> float:
+        """A pass's wait for all its probes: a reply's wait, and time to decode it."""
+        return self.reply_wait(interval) + max(0.1, interval / 4)
+
 
 DEFAULT_TIMEOUTS = ChannelTimeouts()
+
+
+class ProbeCondition(NamedTuple):
+    """What the last pass got from the probe, for the status page: "ok" (a fresh
+    sample), "stale" (the last good sample kept: its reply is late) or "dropped"
+    (none: lost, or not reached yet), and why."""
+
+    state: str
+    reason: str = ""
 
 
 class ProbeSource:
@@ -88,12 +106,19 @@ class ProbeSource:
         self._answering = False
         self._waiting = waiting  # why there is no probe, once said
         self._tries = 0
+        self._trickles = 0  # passes in a row whose reply began and did not end in time
+        self._strikes = 0  # drops in a row for a trickling reply: the retries back off
+        self._condition = ProbeCondition("ok") if client is not None else ProbeCondition(
+            "dropped", waiting or "not reached yet")
         self._next_try = clock() + timeouts.retry_seconds[0]
         self._lock = threading.Lock()
+        # Held through a read: a pass's worker may still be reading when stop() comes.
+        self._reading = threading.Lock()
         self._connecting: threading.Thread | None = None
         self._reached: ProbeClient | None = None  # from the connecting thread
         self._reach_failure: str | None = None
         self._stopped = False
+        self._adopted = False  # a client was ever taken
         if client is not None:
             self._adopt(client)
 
@@ -105,9 +130,27 @@ class ProbeSource:
     def _adopt(self, client: ProbeClient) -> None:
         client.set_timeout(self._timeouts.reply_wait(self._interval))
         self.client, self._answering, self._late_since = client, True, None
-        self._tries, self._lost = 0, None
+        self._tries, self._lost = self._strikes, None
+        self._trickles = 0
+        self._adopted = True
+
+    @property
+    def condition(self) -> ProbeCondition:
+        return self._condition
 
     def sample(self) -> ProbeSample | None:
+        with self._reading:
+            if self._stopped:
+                return None
+            sample = self._sample()
+            if sample is None and self.client is not None:
+                self._condition = ProbeCondition("stale", self._waiting or "no reply yet")
+            elif sample is None:
+                self._condition = ProbeCondition("dropped", self._waiting or (
+                    self._lost[1] if self._lost is not None else "no probe"))
+            return sample
+
+    def _sample(self) -> ProbeSample | None:
         client = self.client
         if client is None:
             self._check_program(probe_answers=False)
@@ -119,12 +162,18 @@ class ProbeSource:
         now = self._clock()
         try:
             sample = client.snapshot()
-        except ReplyLate:
+        except ReplyLate as late:
             self._check_program(probe_answers=False)
             if self._late_since is None:
                 self._late_since = now
             silent = now - self._late_since
+            self._trickles = self._trickles + 1 if late.received_bytes else 0
+            if self._trickles >= self._timeouts.trickle_limit:
+                self._drop_trickling(client, late.received_bytes)
+                return None
             if silent < self._timeouts.late_limit_seconds:
+                if self._last is not None:
+                    self._condition = ProbeCondition("stale", str(late))
                 return self._last
             if silent >= self._timeouts.silent_limit_seconds:
                 self._drop(client, f"no reply for {silent:.0f} s")
@@ -149,6 +198,8 @@ class ProbeSource:
             self._answering = True
             self._say_back(client)
         self._late_since, self._last = None, sample
+        self._trickles = self._strikes = 0
+        self._condition = ProbeCondition("ok")
         self._report_kernel_state(sample)
         return sample
 
@@ -165,6 +216,18 @@ class ProbeSource:
             return None
         self._last = sample
         return sample
+
+    def _drop_trickling(self, client: ProbeClient, received: int) -> None:
+        """A reply that keeps coming a few bytes at a time: closed, and the probe
+        reached again after a pause that grows while it keeps doing so."""
+        why = (f"its reply trickled: {received} bytes in {self._trickles} passes, "
+               "none of them whole")
+        self._drop(client, why)
+        retry = self._timeouts.retry_seconds
+        self._next_try = self._clock() + retry[min(self._strikes, len(retry) - 1)]
+        self._strikes += 1
+        self._lost = None
+        self._say_waiting(why)
 
     def _say_waiting(self, why: str) -> None:
         if not self._waiting:
@@ -294,10 +357,32 @@ class ProbeSource:
         with self._lock:
             self._stopped = True
             reached, self._reached = self._reached, None
-        client, self.client = self.client, None
-        for each in (client, reached):
-            if each is not None:
-                each.stop()
+        with self._reading:
+            client, self.client = self.client, None
+            answering = self._condition.state == "ok"
+        if client is not None and not answering:
+            # Its reply is late or trickles: waiting for the answer to "stop" would
+            # take as long. A probe whose agent hangs up removes its hooks as well.
+            client.close()
+        elif client is not None:
+            client.stop()
+        if reached is not None:
+            reached.stop()
+        elif client is None and not self._adopted:
+            self._stop_unclaimed()
+
+    def _stop_unclaimed(self) -> None:
+        """A probe this channel may have injected but never got an answer from
+        (a first reply too slow on a loaded machine) waits for an agent for a
+        minute: claim it and stop it, so that nothing of the agent stays."""
+        options = self._options
+        if options is None or not options.inject or not running(self.pid):
+            return
+        try:
+            client = try_connect(self.pid, replace(options, inject=False), self._interval, 0.0)
+        except Exception:  # none, or another agent's: nothing of ours to stop
+            return
+        client.stop()
 
 
 def open_probe(pid: int, options: ProbeOptions, *, interval: float,
