@@ -213,7 +213,9 @@ class SeriesBudget:
                 per_target.append((None, beside, 0))
                 continue
             folded = fold(sample, max(0, self.per_target - beside))
-            per_target.append((folded, beside, folded.series_folded - sample.series_folded))
+            # All of it: what the reply's rows lost to this budget before they were
+            # built (probe_samples, reply_rows) is counted here, once per pass.
+            per_target.append((folded, beside, folded.series_folded))
         dropped = dict.fromkeys(REASONS, 0)
         dropped["target_budget"] = sum(count for _, _, count in per_target)
         result = [probe for probe, _, _ in per_target]
