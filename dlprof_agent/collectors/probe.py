@@ -12,6 +12,7 @@ import re
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from dlprof_agent.collectors.procfs import (
     read_unix_sockets,
     socket_inodes,
 )
+from dlprof_agent.collectors.reply_pacing import ReplyPacing
 from dlprof_agent.errors import (
     ConnectionClosed,
     ProbeBusy,
@@ -35,8 +37,10 @@ from dlprof_agent.errors import (
 )
 from dlprof_agent.probe.messages import Frame, Request
 from dlprof_agent.probe.protocol import (
+    HEADER,
     MAX_REPLY_BYTES,
     VERSION,
+    bytes_wanted,
     encode,
     read_frame,
     runtime_dir_candidates,
@@ -198,6 +202,8 @@ class ProbeClient:
         # The HelloReply as received: only "ok" and "version" are checked (connect),
         # so readers take the rest with .get and a default.
         self.hello = hello
+        self.max_series: int | None = None  # the target's series budget: rows past it fold
+        self.pacing = ReplyPacing()  # replies larger than a pass's byte budget: decoded less often
         self.layers = layers  # the agent asked for layer times: without, none is kept
         self._received = bytearray()  # a reply's bytes so far, kept across timeouts
         self._awaiting: str | None = None  # the command whose reply has not arrived
@@ -302,11 +308,42 @@ class ProbeClient:
     def snapshot(self) -> ProbeSample:
         """Raises ReplyLate when the probe has not answered within the timeout; the
         next call then takes that late reply."""
+        held = self.pacing.hold() if self._awaiting is None else None
+        if held is not None:
+            self._drop_snapshot_reply()
+            return held
         reply = self._reply() if self._awaiting == "snapshot" else self.request("snapshot")
         if not reply.get("ok"):
             raise ProbeUnavailable(f"snapshot refused: {reply.get('error')!r:.80}",
                                    pid=self.pid)
-        return ProbeSample.from_reply(self.pid, reply, layers=self.layers)
+        return self.pacing.decoded(ProbeSample.from_reply(
+            self.pid, reply, layers=self.layers, max_series=self.max_series))
+
+    def _drop_snapshot_reply(self) -> None:
+        """Ask for a snapshot, which keeps the probe's lease, and take its reply
+        off the socket undecoded. Raises ReplyLate as _reply does; the next call
+        then decodes that reply."""
+        self._connection.sendall(encode({"command": "snapshot"}))
+        self._awaiting = "snapshot"
+        # One deadline for the whole reply: a per-read timeout would let it drip.
+        timeout = self._connection.gettimeout() or REPLY_SECONDS
+        deadline = time.monotonic() + timeout
+        try:
+            while (wanted := bytes_wanted(self._received, max_bytes=MAX_REPLY_BYTES)) > 0:
+                if (left := deadline - time.monotonic()) <= 0:
+                    raise TimeoutError
+                self._connection.settimeout(left)
+                chunk = self._connection.recv(min(wanted, 1 << 16))
+                if not chunk:
+                    raise ConnectionClosed
+                self._received += chunk
+        except TimeoutError:
+            raise ReplyLate(f"no whole reply to {self._awaiting} yet") from None
+        finally:
+            self._connection.settimeout(timeout)
+        header = bytearray(self._received[:HEADER.size])
+        del self._received[:HEADER.size + bytes_wanted(header, max_bytes=MAX_REPLY_BYTES)]
+        self._awaiting = None
 
     def stop(self) -> None:
         with contextlib.suppress(OSError, ConnectionClosed, ProtocolError):

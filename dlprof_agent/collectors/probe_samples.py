@@ -260,6 +260,9 @@ class ProbeSample:
     # About what its layer, kernel and layer GPU rows took in the reply (names and
     # numbers), kept or not: what reading the reply cost (reply_pacing).
     reply_row_bytes: int = 0
+    # Replies of this probe dropped undecoded so far, their size past the agent's
+    # byte budget per pass (reply_pacing); this sample stood for them.
+    replies_held: int = 0
 
     @property
     def steady_steps(self) -> int:

@@ -42,6 +42,7 @@ PROCESS_SERIES = 16
 THREAD_GROUP_SERIES = 4
 REASONS = ("target_budget", "agent_budget")
 _Row = TypeVar("_Row")
+_Key = TypeVar("_Key")
 
 
 def histogram_series(bucket_counts: Sequence[int]) -> int:
@@ -123,6 +124,14 @@ def _keep_top(rows: Sequence[_Row], allowed: int, *, cost: Callable[[_Row], int]
             [row for row in rows if id(row) not in kept])
 
 
+def _grouped(rows: Iterable[_Row], key: Callable[[_Row], _Key]) -> dict[_Key, list[_Row]]:
+    """One pass: a reply may hold 64 devices of 201 kernels."""
+    groups: dict[_Key, list[_Row]] = {}
+    for row in rows:
+        groups.setdefault(key(row), []).append(row)
+    return groups
+
+
 def _fold_layers(layers: tuple[LayerSample, ...], allowed: int) -> tuple[LayerSample, ...]:
     kept, rest = _keep_top(layers, allowed, cost=_layer_series,
                            seconds=lambda r: r.forward_seconds + r.backward_seconds,
@@ -145,8 +154,9 @@ def _fold_kernels(rows: tuple[KernelRow, ...], allowed: int) -> tuple[KernelRow,
         return rows
     others = []
     room = allowed - 2 * len(kept)
+    by_device = _grouped(rest, lambda r: r.device)
     for device in devices:
-        folded = [r for r in rest if r.device == device]
+        folded = by_device.get(device, [])
         if folded and room >= 2:
             others.append(KernelRow(OTHER, device, sum(r.launches for r in folded),
                                     sum(r.seconds for r in folded)))
@@ -162,8 +172,9 @@ def _fold_layer_gpu(rows: tuple[LayerGpuRow, ...], allowed: int) -> tuple[LayerG
         return rows
     room = allowed - len(kept)
     others = []
+    by_phase = _grouped(rest, lambda r: r.phase)
     for phase in phases:
-        folded = [r for r in rest if r.phase == phase]
+        folded = by_phase.get(phase, [])
         if folded and room >= 1:
             others.append(LayerGpuRow(OTHER, phase, sum(r.seconds for r in folded)))
             room -= 1

@@ -1,0 +1,172 @@
+"""What a wide reply costs the agent: rows past the target's series budget are
+folded before any per-row object is built (collectors/reply_rows.py), with the
+same result as folding them after and the drops counted; every value is still
+checked; and a reply larger than a pass's byte budget is decoded only every few
+passes (collectors/reply_pacing.py), while a ResNet-sized one is decoded every
+pass and the probe is asked every pass."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from dlprof_agent.collectors import reply_pacing
+from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
+from dlprof_agent.collectors.probe_samples import OTHER, ProbeSample
+from dlprof_agent.collectors.series_budget import SeriesBudget, fold, probe_series
+from dlprof_agent.errors import ProtocolError
+from dlprof_agent.probe.protocol import MAX_REQUEST_BYTES, encode, read_frame
+from tests.test_probe_channel_bounds import real_reply
+from tests.test_series_budget import wide_reply
+
+BUDGET = 5_000
+
+
+def same_rows(ours: tuple[Any, ...], theirs: tuple[Any, ...]) -> bool:
+    """Equal, but for the order floating-point sums were taken in."""
+    if len(ours) != len(theirs):
+        return False
+    for mine, other in zip(ours, theirs, strict=True):
+        for a, b in zip(mine.__slots__, other.__slots__, strict=True):
+            x, y = getattr(mine, a), getattr(other, b)
+            if isinstance(x, float) and not math.isclose(x, y, rel_tol=1e-9):
+                return False
+            if not isinstance(x, float) and x != y:
+                return False
+    return True
+
+
+def test_rows_past_the_budget_are_folded_before_they_are_built_as_the_budget_would() -> None:
+    reply = wide_reply(kernels=6_000, devices=3)
+    whole = ProbeSample.from_reply(1, reply)
+    cut = ProbeSample.from_reply(1, reply, max_series=BUDGET)
+    assert cut.kernels is not None and whole.kernels is not None
+    # Each family holds no more rows than the budget alone could keep, and other.
+    assert len(cut.layers) <= BUDGET // 4 + 1 < len(whole.layers)
+    assert len(cut.kernels.kernels) <= BUDGET // 2 + 3 < len(whole.kernels.kernels)
+    assert cut.layers[-1].name == OTHER
+    assert sum(k.launches for k in cut.kernels.kernels) == sum(
+        k.launches for k in whole.kernels.kernels)
+    assert cut.series_folded == probe_series(whole) - probe_series(cut) > 0
+    # Folded to the budget, the cut reply gives what the whole one gives.
+    ours, theirs = fold(cut, BUDGET), fold(whole, BUDGET)
+    assert ours.kernels is not None and theirs.kernels is not None
+    assert same_rows(ours.layers, theirs.layers)
+    assert same_rows(ours.kernels.kernels, theirs.kernels.kernels)
+    assert ours.series_folded == theirs.series_folded
+
+
+def test_the_series_folded_before_the_rows_were_built_are_counted() -> None:
+    reply = wide_reply(kernels=4_000)
+    budget = SeriesBudget(per_target=BUDGET)
+    whole = budget.fold([(ProbeSample.from_reply(1, reply), 116)])[0]
+    counted = dict(budget.dropped())["target_budget"]
+    cut_budget = SeriesBudget(per_target=BUDGET)
+    cut = cut_budget.fold([(ProbeSample.from_reply(1, reply, max_series=BUDGET), 116)])[0]
+    assert whole is not None and cut is not None
+    assert dict(cut_budget.dropped())["target_budget"] == counted > 11_000
+    assert probe_series(cut) == probe_series(whole) <= BUDGET
+
+
+def resnet_reply() -> dict[str, Any]:
+    """About what a ResNet-50 with --layers and kernels sends."""
+    reply = real_reply(layers=160)
+    reply["kernels"] = {"state": "active", "reason": "", "kernels": [
+        [f"void cudnn::conv_kernel_{i}", 0, 10, 0.001 * (i + 1)] for i in range(300)],
+        "layers": [[f"features.{i}", phase, 0.001] for i in range(160)
+                   for phase in ("forward", "backward")], "memcpy": [], "durations": []}
+    return reply
+
+
+def test_a_resnet_sized_reply_is_kept_as_sent() -> None:
+    reply = resnet_reply()
+    assert ProbeSample.from_reply(1, reply, max_series=BUDGET) == ProbeSample.from_reply(
+        1, reply)
+
+
+@pytest.mark.parametrize("column, value", [
+    (1, -1.0), (1, float("nan")), (1, float("inf")), (2, True), (2, -1), (2, 1.5),
+    (0, "x" * 600), (0, None)])
+def test_a_bad_value_in_a_row_past_the_budget_still_refuses_the_reply(
+        column: int, value: object) -> None:
+    reply = wide_reply()
+    layers = reply["probe"]["layers"]  # type: ignore[index]
+    layers[0][column] = value  # the shortest layer: folded, never built
+    with pytest.raises(ProtocolError):
+        ProbeSample.from_reply(1, reply, max_series=BUDGET)
+
+
+class FakeProbe:
+    """Answers each snapshot request on ``server`` with ``reply(n)``, n from 1."""
+
+    def __init__(self, server: socket.socket, reply: Callable[[int], dict[str, Any]]) -> None:
+        self.requests = 0
+        self.answer = threading.Event()
+        self.answer.set()
+        self._server, self._reply = server, reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                read_frame(self._server, max_bytes=MAX_REQUEST_BYTES)
+            except Exception:
+                return
+            self.requests += 1
+            self.answer.wait()
+            self._server.sendall(encode(self._reply(self.requests)))
+
+
+def with_steps(reply: dict[str, Any], steps: int) -> dict[str, Any]:
+    return {**reply, "probe": {**reply["probe"], "steps": {"steady": steps}}}
+
+
+@pytest.fixture
+def client_and_probe(request: pytest.FixtureRequest) -> Iterator[tuple[ProbeClient, FakeProbe]]:
+    reply: dict[str, Any] = request.param
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10.0)
+    with ours, theirs:
+        probe = FakeProbe(theirs, lambda n: with_steps(reply, n))
+        yield ProbeClient(1, ours, {}, layers=True), probe
+
+
+@pytest.mark.parametrize("client_and_probe", [wide_reply(kernels=4_000)], indirect=True)
+def test_a_reply_past_the_byte_budget_is_decoded_every_few_passes_and_asked_for_every_pass(
+        client_and_probe: tuple[ProbeClient, FakeProbe]) -> None:
+    client, probe = client_and_probe
+    first = client.snapshot()
+    every = math.ceil(first.reply_row_bytes / reply_pacing.REPLY_BYTES_PER_PASS)
+    assert every >= 3  # a 4,096-layer tenant of 510-character names: 2.9 MB
+    steps = [first.steady_steps] + [client.snapshot().steady_steps for _ in range(2 * every)]
+    # Decoded on passes 1, every + 1, 2 * every + 1; the last decoded stands between.
+    assert steps == [1] * every + [every + 1] * every + [2 * every + 1]
+    assert probe.requests == 2 * every + 1  # the probe heard from us every pass
+    assert client.snapshot().replies_held == 2 * (every - 1) + 1
+
+
+@pytest.mark.parametrize("client_and_probe", [resnet_reply()], indirect=True)
+def test_a_resnet_sized_reply_is_decoded_every_pass(
+        client_and_probe: tuple[ProbeClient, FakeProbe]) -> None:
+    client, _ = client_and_probe
+    assert [client.snapshot().steady_steps for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert client.pacing.held_total == 0
+
+
+@pytest.mark.parametrize("client_and_probe", [wide_reply()], indirect=True)
+def test_a_late_reply_to_a_pass_that_drops_it_is_decoded_next(
+        client_and_probe: tuple[ProbeClient, FakeProbe]) -> None:
+    client, probe = client_and_probe
+    assert client.snapshot().steady_steps == 1
+    probe.answer.clear()
+    client.set_timeout(0.2)
+    with pytest.raises(ReplyLate):
+        client.snapshot()
+    probe.answer.set()
+    client.set_timeout(10.0)
+    assert client.snapshot().steady_steps == 2  # the late reply, decoded
