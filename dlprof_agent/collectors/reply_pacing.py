@@ -34,16 +34,18 @@ class ReplyPacing:
         self.held_total = 0  # replies dropped undecoded so far
 
     def hold(self) -> ProbeSample | None:
-        """The last sample, counted, when this pass's reply is to be dropped
-        undecoded; None when it is to be decoded."""
+        """The last sample, the same object, when this pass's reply is to be
+        dropped undecoded (what is built from it can be reused: series_budget,
+        exporters); None when it is to be decoded."""
         if self._last is None or self._passes_left <= 0:
             return None
         self._passes_left -= 1
         self.held_total += 1
-        return replace(self._last, replies_held=self.held_total)
+        return self._last
 
     def decoded(self, sample: ProbeSample) -> ProbeSample:
-        """``sample``, just decoded, kept to stand for the replies its size costs."""
+        """``sample``, just decoded, kept to stand for the replies its size costs;
+        with the replies dropped before it counted."""
         self._passes_left = math.ceil(sample.reply_row_bytes / REPLY_BYTES_PER_PASS) - 1
         self._last = replace(sample, replies_held=self.held_total)
         return self._last

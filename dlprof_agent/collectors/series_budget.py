@@ -210,6 +210,10 @@ class SeriesBudget:
 
     per_target: int = DEFAULT_TARGET_SERIES
     total: int | None = None  # None: one target, whose budget is the whole
+    # The last pass's folds, by (pid, series allowed): a probe read less often
+    # (reply_pacing) gives the same sample again, folded once.
+    _folds: dict[tuple[int, int], tuple[ProbeSample, ProbeSample]] = field(
+        default_factory=dict, init=False)
     _dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0),
                                      init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -219,11 +223,12 @@ class SeriesBudget:
         """Each target's probe sample (None: it has none), given the series its
         processes and findings take, folded to the budgets."""
         per_target: list[tuple[ProbeSample | None, int, int]] = []
+        folds: dict[tuple[int, int], tuple[ProbeSample, ProbeSample]] = {}
         for sample, beside in targets:
             if sample is None:
                 per_target.append((None, beside, 0))
                 continue
-            folded = fold(sample, max(0, self.per_target - beside))
+            folded = self._fold(sample, max(0, self.per_target - beside), folds)
             # All of it: what the reply's rows lost to this budget before they were
             # built (probe_samples, reply_rows) is counted here, once per pass.
             per_target.append((folded, beside, folded.series_folded))
@@ -238,13 +243,22 @@ class SeriesBudget:
                 probe = result[index]
                 if probe is None or grant >= want:
                     continue
-                folded = fold(probe, max(0, grant - per_target[index][1]))
+                folded = self._fold(probe, max(0, grant - per_target[index][1]), folds)
                 dropped["agent_budget"] += folded.series_folded - probe.series_folded
                 result[index] = folded
         with self._lock:
             for reason, count in dropped.items():
                 self._dropped[reason] += count
+            self._folds = folds
         return result
+
+    def _fold(self, probe: ProbeSample, max_series: int,
+              folds: dict[tuple[int, int], tuple[ProbeSample, ProbeSample]]) -> ProbeSample:
+        key = (probe.pid, max_series)
+        last = self._folds.get(key)
+        folded = last[1] if last is not None and last[0] is probe else fold(probe, max_series)
+        folds[key] = (probe, folded)
+        return folded
 
     def dropped(self) -> tuple[tuple[str, int], ...]:
         """Series left out so far, summed over sampling passes, by reason."""

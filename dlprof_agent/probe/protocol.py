@@ -145,7 +145,8 @@ def take_frame(received: bytearray, *, max_bytes: int) -> Frame | None:
     end = HEADER.size + _payload_length(bytes(received[:HEADER.size]), max_bytes)
     if len(received) < end:
         return None
-    payload = bytes(received[HEADER.size:end])
+    with memoryview(received) as view:  # one copy of the payload, not two
+        payload = bytes(view[HEADER.size:end])
     del received[:end]
     return _decode(payload, _max_values(max_bytes))
 
