@@ -143,13 +143,23 @@ def test_a_reply_past_the_byte_budget_is_decoded_every_few_passes_and_asked_for_
     first = client.snapshot()
     every = math.ceil(first.reply_row_bytes / reply_pacing.REPLY_BYTES_PER_PASS)
     assert every >= 3  # a 4,096-layer tenant of 510-character names: 2.9 MB
-    steps = [first.steady_steps] + [client.snapshot().steady_steps for _ in range(2 * every)]
-    # Decoded on passes 1, every + 1, 2 * every + 1; the last decoded stands between.
-    assert steps == [1] * every + [every + 1] * every + [2 * every + 1]
-    assert probe.requests == 2 * every + 1  # the probe heard from us every pass
+    steps, asked = [first.steady_steps], [probe.requests]
+    for _ in range(2 * every):
+        steps.append(client.snapshot().steady_steps)
+        asked.append(probe.requests)
+    # Decoded every `every` passes; the last decoded stands between, and stands
+    # for the replies of the probe that were dropped undecoded.
+    decoded = sorted(set(steps))
+    assert steps == [decoded[0]] * every + [decoded[1]] * every + [decoded[2]]
+    assert decoded[1] - decoded[0] == decoded[2] - decoded[1] == (every + 1) // 2
+    # The probe hears from us at least every other pass: its lease holds.
+    passes_asked = [i for i in range(1, len(asked)) if asked[i] > asked[i - 1]]
+    assert all(b - a <= reply_pacing.ASK_EVERY_PASSES
+               for a, b in zip([0, *passes_asked], passes_asked, strict=False))
+    assert asked[-1] < len(asked)  # but not every pass
     # A held pass gives the same sample, so what is built from it can be kept.
     assert client.snapshot() is client.snapshot()
-    # The replies dropped are counted on the next one decoded.
+    # The passes held are counted on the next sample decoded.
     assert [client.snapshot().replies_held for _ in range(every)][-1] == 3 * (every - 1)
 
 
@@ -168,7 +178,10 @@ def test_a_late_reply_to_a_pass_that_drops_it_is_decoded_next(
     assert client.snapshot().steady_steps == 1
     probe.answer.clear()
     client.set_timeout(0.2)
-    with pytest.raises(ReplyLate):
+    for _ in range(reply_pacing.ASK_EVERY_PASSES - 1):  # passes that ask nothing
+        assert client.snapshot().steady_steps == 1
+    assert probe.requests == 1
+    with pytest.raises(ReplyLate):  # the pass that asks, its reply held up
         client.snapshot()
     probe.answer.set()
     client.set_timeout(10.0)

@@ -310,8 +310,10 @@ class ProbeClient:
         next call then takes that late reply."""
         held = self.pacing.hold() if self._awaiting is None else None
         if held is not None:
-            self._drop_snapshot_reply()
-            return held
+            sample, ask = held
+            if ask:
+                self._drop_snapshot_reply()
+            return sample
         reply = self._reply() if self._awaiting == "snapshot" else self.request("snapshot")
         if not reply.get("ok"):
             raise ProbeUnavailable(f"snapshot refused: {reply.get('error')!r:.80}",

@@ -4,13 +4,15 @@ reply's rows are larger than a byte budget per pass.
 Why: decoding a reply (checking its shape, then JSON, then its rows) costs the
 agent in proportion to its size, about 45 ms for a 2.9 MB reply, every pass,
 whatever the series budget keeps of it; a tenant decides that size. After a
-reply of ``n`` times the budget, the next ``n - 1`` replies are received and
-dropped undecoded, and the last sample stands for them, so decoding costs at
-most about the budget's worth per pass per target, whatever a tenant sends.
-Its figures are totals since the agent attached, so a rate over them loses
-nothing; they are only older. The probe is still asked every pass, which keeps
-its lease and its CUPTI tracer's tick as before. A ResNet-50 with --layers and
-kernels sends about 60 KB: decoded every pass.
+reply of ``n`` times the budget, the last sample stands for the next ``n - 1``
+passes, so decoding costs at most about the budget's worth per pass per target,
+whatever a tenant sends. Its figures are totals since the agent attached, so a
+rate over them loses nothing; they are only older. During those passes the
+probe is still asked every other pass, its reply taken off the socket
+undecoded: that keeps its lease (three intervals and a second of silence), and
+receiving a reply costs as much as a quarter of decoding it, so it is not done
+every pass. A ResNet-50 with --layers and kernels sends about 40 KB of rows:
+decoded every pass.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from dataclasses import replace
 
 from dlprof_agent.collectors.probe_samples import ProbeSample
 
-# Read at each use: tests shorten it. About a probe at its largest max_layers
-# with short names; the 4,096-layer, 510-character tenant sends six times more.
-REPLY_BYTES_PER_PASS = 512 * 1024
+# Read at each use: tests change them. Six times a ResNet-50's rows; the
+# 4,096-layer, 510-character tenant sends twelve times more.
+REPLY_BYTES_PER_PASS = 256 * 1024
+# A probe whose replies are held is asked at least every this many passes: well
+# within its lease (probe/session.py), three intervals and a second.
+ASK_EVERY_PASSES = 2
 
 
 class ReplyPacing:
@@ -30,22 +35,29 @@ class ReplyPacing:
 
     def __init__(self) -> None:
         self._last: ProbeSample | None = None
-        self._passes_left = 0  # replies still to drop undecoded
-        self.held_total = 0  # replies dropped undecoded so far
+        self._passes_left = 0  # passes the last sample still stands for
+        self._unasked = 0  # passes since the probe was last asked
+        self.held_total = 0  # passes the last sample stood for, so far
 
-    def hold(self) -> ProbeSample | None:
-        """The last sample, the same object, when this pass's reply is to be
-        dropped undecoded (what is built from it can be reused: series_budget,
-        exporters); None when it is to be decoded."""
+    def hold(self) -> tuple[ProbeSample, bool] | None:
+        """The last sample, the same object (what is built from it can be
+        reused: series_budget, exporters), when this pass decodes nothing; and
+        whether to ask the probe all the same, dropping its reply undecoded.
+        None when this pass decodes a reply."""
         if self._last is None or self._passes_left <= 0:
             return None
         self._passes_left -= 1
         self.held_total += 1
-        return self._last
+        self._unasked += 1
+        ask = self._unasked >= ASK_EVERY_PASSES
+        if ask:
+            self._unasked = 0
+        return self._last, ask
 
     def decoded(self, sample: ProbeSample) -> ProbeSample:
         """``sample``, just decoded, kept to stand for the replies its size costs;
         with the replies dropped before it counted."""
         self._passes_left = math.ceil(sample.reply_row_bytes / REPLY_BYTES_PER_PASS) - 1
+        self._unasked = 0
         self._last = replace(sample, replies_held=self.held_total)
         return self._last
