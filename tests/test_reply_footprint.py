@@ -1,12 +1,14 @@
 """What a wide reply costs the agent: rows past the target's series budget are
 folded before any per-row object is built (collectors/reply_rows.py), with the
 same result as folding them after and the drops counted; every value is still
-checked; and a reply larger than a pass's byte budget is decoded only every few
+checked; a reply larger than a pass's byte budget is decoded only every few
 passes (collectors/reply_pacing.py), while a ResNet-sized one is decoded every
-pass and the probe is asked every pass."""
+pass; and what a sample kept from one pass to the next renders is built and
+written once (exporters/prometheus.py, exporters/text.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import threading
@@ -14,13 +16,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 
 from dlprof_agent.collectors import reply_pacing
 from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.collectors.probe_samples import OTHER, ProbeSample
 from dlprof_agent.collectors.series_budget import SeriesBudget, fold, probe_series
 from dlprof_agent.errors import ProtocolError
+from dlprof_agent.exporters import prometheus
+from dlprof_agent.exporters.probe_families import probe_families
+from dlprof_agent.exporters.text import render_text
+from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe.protocol import MAX_REQUEST_BYTES, encode, read_frame
+from tests.full_snapshot import full_snapshot
 from tests.test_probe_channel_bounds import real_reply
 from tests.test_series_budget import wide_reply
 
@@ -50,6 +59,9 @@ def test_rows_past_the_budget_are_folded_before_they_are_built_as_the_budget_wou
     assert len(cut.layers) <= BUDGET // 4 + 1 < len(whole.layers)
     assert len(cut.kernels.kernels) <= BUDGET // 2 + 3 < len(whole.kernels.kernels)
     assert cut.layers[-1].name == OTHER
+    # The families share the budget, as the fold shares it: together they keep
+    # about the budget's worth of rows, not a budget's worth each.
+    assert 4 * len(cut.layers) + 2 * len(cut.kernels.kernels) <= BUDGET + 4 + 2 * 3
     assert sum(k.launches for k in cut.kernels.kernels) == sum(
         k.launches for k in whole.kernels.kernels)
     assert cut.series_folded == probe_series(whole) - probe_series(cut) > 0
@@ -186,3 +198,31 @@ def test_a_late_reply_to_a_pass_that_drops_it_is_decoded_next(
     probe.answer.set()
     client.set_timeout(10.0)
     assert client.snapshot().steady_steps == 2  # the late reply, decoded
+
+
+def test_a_probe_sample_kept_from_one_scrape_to_the_next_is_built_once_and_written_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[int] = []
+
+    def counted(pid: int, *args: Any) -> list[Metric]:
+        built.append(pid)
+        return probe_families(pid, *args)
+
+    monkeypatch.setattr(prometheus, "probe_families", counted)
+    first, second = full_snapshot(100), full_snapshot(200)
+    node = NodeSnapshot(timestamp_seconds=1.0, monotonic_seconds=1.0, host=first.host,
+                        gpu=first.gpu, targets=(first, second), agent=first.agent)
+    registry = CollectorRegistry()
+    registry.register(prometheus.NodeCollector(lambda: node, interval_seconds=1.0))
+    written = [render_text(registry) for _ in range(3)]
+    # Merging the two targets' families leaves the kept ones as they were.
+    assert written[0] == written[1] == written[2] == generate_latest(registry)
+    assert sorted(built) == [100, 200]
+    # A new sample of one target is built and written anew; the other is kept.
+    assert first.probe is not None
+    stepped = dataclasses.replace(first.probe, steps=(("steady", 12345),))
+    node = dataclasses.replace(node, targets=(dataclasses.replace(first, probe=stepped),
+                                              second))
+    assert render_text(registry) == generate_latest(registry)
+    assert b'phase="steady",pid="100"} 12345.0' in render_text(registry)
+    assert sorted(built) == [100, 100, 200]

@@ -13,6 +13,8 @@ from typing import TypeVar, cast
 
 from dlprof_agent.collectors.reply_rows import (
     Trimmed,
+    family_budgets,
+    layer_series,
     trim_kernels,
     trim_layer_gpu,
     trim_layers,
@@ -190,13 +192,14 @@ class KernelSample:
     def from_reply(cls, kernels: Mapping[str, object], *, layers: bool = True
                    ) -> KernelSample:
         """Raises ProtocolError for anything a probe would not send."""
-        return parse_reply(lambda: cls._parse(_kernel_snapshot(kernels), layers, None)[0])
+        return parse_reply(lambda: cls._parse(_kernel_snapshot(kernels), layers,
+                                              (None, None))[0])
 
     @classmethod
-    def _parse(cls, kernels: KernelSnapshot, layers: bool, max_series: int | None
-               ) -> tuple[KernelSample, Trimmed, Trimmed]:
+    def _parse(cls, kernels: KernelSnapshot, layers: bool,
+               budgets: tuple[int | None, int | None]) -> tuple[KernelSample, Trimmed, Trimmed]:
         """The sample, with its kernel and layer GPU rows as ``trim_*`` cut them
-        to ``max_series`` (None: all kept)."""
+        to ``budgets`` (series; None: all kept)."""
         traced = "kernels" in kernels
         bounds = tuple(_seconds(b, "duration bucket") for b in _list(
             kernels.get("duration_buckets", []), MAX_BUCKETS, "duration buckets"))
@@ -208,9 +211,9 @@ class KernelSample:
                                              _seconds(total, "kernel seconds")))
         devices = _map(kernels.get("devices", {}), "devices", MAX_DEVICES)
         layer_rows = trim_layer_gpu(_list(kernels.get("layers", []), 2 * MAX_LAYER_ROWS,
-                                          "layer GPU rows"), max_series if layers else None)
+                                          "layer GPU rows"), budgets[1] if layers else None)
         kernel_rows = trim_kernels(_list(kernels.get("kernels", []), MAX_KERNEL_ROWS,
-                                         "kernel rows"), max_series)
+                                         "kernel rows"), budgets[0])
         return cls(
             state=_text(kernels["state"], "kernel state"),
             reason=_text(kernels.get("reason", ""), "kernel state reason"),
@@ -294,13 +297,20 @@ class ProbeSample:
         settings = _map(reply.get("settings", {}), "settings", 8)
         kernels = reply.get("kernels")
         # Checked whether asked for or not: a probe not asked for layers sends none.
-        layer_rows = trim_layers(_list(probe["layers"], MAX_LAYER_ROWS, "layers"),
-                                 max_series if layers else None)
+        raw_layers = _list(probe["layers"], MAX_LAYER_ROWS, "layers")
+        kernel_map = _kernel_snapshot(kernels) if isinstance(kernels, dict) else None
+        raw_kernels, raw_layer_gpu = ((kernel_map.get("kernels", []), kernel_map.get("layers", []))
+                                      if kernel_map is not None else ([], []))
+        budgets = family_budgets(max_series, (
+            layer_series(raw_layers) if layers else 0,
+            2 * len(raw_kernels) if isinstance(raw_kernels, list) else 0,
+            len(raw_layer_gpu) if layers and isinstance(raw_layer_gpu, list) else 0))
+        layer_rows = trim_layers(raw_layers, budgets[0] if layers else None)
         kernel_sample: KernelSample | None = None
         trimmed = [layer_rows]
-        if isinstance(kernels, dict):
+        if kernel_map is not None:
             kernel_sample, kernel_rows, layer_gpu_rows = KernelSample._parse(
-                _kernel_snapshot(kernels), layers, max_series)
+                kernel_map, layers, (budgets[1], budgets[2]))
             trimmed += [kernel_rows, layer_gpu_rows]
         return cls(
             pid=pid,

@@ -92,6 +92,46 @@ def _ranked(seconds: Sequence[float], costs: Sequence[int], names: Sequence[obje
     return sorted(kept)
 
 
+def share(wants: Sequence[int], total: int) -> list[int]:
+    """Split ``total`` among ``wants``: each gets what it wants up to one level,
+    the same for all, the highest level that fits (max-min fairness). A tenant
+    with few series keeps them all; only the widest are cut."""
+    if sum(wants) <= total:
+        return list(wants)
+    grants = [0] * len(wants)
+    left, waiting = max(0, total), sorted(range(len(wants)), key=lambda i: wants[i])
+    while waiting:
+        level = left // len(waiting)
+        index = waiting[0]
+        if wants[index] > level:
+            for i in waiting:
+                grants[i] = level
+            break
+        grants[index] = wants[index]
+        left -= wants[index]
+        waiting.pop(0)
+    return grants
+
+
+def family_budgets(max_series: int | None, wants: Sequence[int]) -> list[int | None]:
+    """What each family may keep of ``max_series`` (None: all), shared between
+    them as the budget's fold shares it: no family is cut below what the fold
+    would keep of it."""
+    return [None] * len(wants) if max_series is None else list(share(wants, max_series))
+
+
+def layer_series(rows: Sequence[object]) -> int:
+    """The series layer rows would render, or an upper bound if they are not
+    well formed (trim_layers then refuses them)."""
+    total = 0
+    try:
+        for row in cast(Sequence[Sequence[Any]], rows):
+            total += _layer_cost(row[2], row[4])
+    except (TypeError, IndexError, KeyError):
+        return 4 * len(rows)
+    return total
+
+
 def _layer_cost(forward_calls: int, backward_calls: int) -> int:
     return 2 * ((forward_calls > 0) + (backward_calls > 0))
 

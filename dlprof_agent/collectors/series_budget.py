@@ -30,6 +30,7 @@ from dlprof_agent.collectors.probe_samples import (
     ProbeSample,
 )
 from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.collectors.reply_rows import share
 
 DEFAULT_TARGET_SERIES = 5_000  # well above what a ResNet-50 with --layers and kernels exports
 DEFAULT_AGENT_SERIES = 50_000
@@ -41,6 +42,7 @@ FINDINGS_SERIES = 100
 PROCESS_SERIES = 16
 THREAD_GROUP_SERIES = 4
 REASONS = ("target_budget", "agent_budget")
+__all__ = ["share"]  # defined with the reply's rows, which share the budget the same way
 _Row = TypeVar("_Row")
 _Key = TypeVar("_Key")
 
@@ -81,27 +83,6 @@ def process_series(processes: Iterable[ProcessSample]) -> int:
     """The series of a target's process tree and findings, beside its probe's."""
     return FINDINGS_SERIES + sum(PROCESS_SERIES + THREAD_GROUP_SERIES * len(p.thread_groups)
                                  for p in processes)
-
-
-def share(wants: Sequence[int], total: int) -> list[int]:
-    """Split ``total`` among ``wants``: each gets what it wants up to one level,
-    the same for all, the highest level that fits (max-min fairness). A tenant
-    with few series keeps them all; only the widest are cut."""
-    if sum(wants) <= total:
-        return list(wants)
-    grants = [0] * len(wants)
-    left, waiting = max(0, total), sorted(range(len(wants)), key=lambda i: wants[i])
-    while waiting:
-        level = left // len(waiting)
-        index = waiting[0]
-        if wants[index] > level:
-            for i in waiting:
-                grants[i] = level
-            break
-        grants[index] = wants[index]
-        left -= wants[index]
-        waiting.pop(0)
-    return grants
 
 
 def _keep_top(rows: Sequence[_Row], allowed: int, *, cost: Callable[[_Row], int],
