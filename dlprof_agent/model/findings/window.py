@@ -139,6 +139,8 @@ class Window:
         before_kernels, after_kernels = probes[0].kernels, probes[1].kernels
         if after_kernels is None or not after_kernels.traced or before_kernels is None:
             return None
+        if after_kernels is before_kernels:  # a probe read less often: nothing new
+            return None
         before = {(r.kernel, r.device): r.seconds for r in before_kernels.kernels}
         spent: dict[str, float] = {}
         for row in after_kernels.kernels:
