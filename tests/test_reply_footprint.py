@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
@@ -28,6 +30,7 @@ from dlprof_agent.exporters import prometheus
 from dlprof_agent.exporters.probe_families import probe_families
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.model.snapshot import NodeSnapshot
+from dlprof_agent.probe import protocol
 from dlprof_agent.probe.protocol import MAX_REQUEST_BYTES, encode, read_frame
 from tests.full_snapshot import full_snapshot
 from tests.test_probe_channel_bounds import real_reply
@@ -184,7 +187,7 @@ def test_a_resnet_sized_reply_is_decoded_every_pass(
 
 
 @pytest.mark.parametrize("client_and_probe", [wide_reply()], indirect=True)
-def test_a_late_reply_to_a_pass_that_drops_it_is_decoded_next(
+def test_a_reply_to_drop_that_comes_late_is_taken_off_whole_and_the_next_is_read(
         client_and_probe: tuple[ProbeClient, FakeProbe]) -> None:
     client, probe = client_and_probe
     assert client.snapshot().steady_steps == 1
@@ -197,7 +200,10 @@ def test_a_late_reply_to_a_pass_that_drops_it_is_decoded_next(
         client.snapshot()
     probe.answer.set()
     client.set_timeout(10.0)
-    assert client.snapshot().steady_steps == 2  # the late reply, decoded
+    assert client.snapshot().steady_steps == 1  # the late reply, dropped: still held
+    # The stream is still in step: the next reply decoded is a later one, whole.
+    steps = [client.snapshot().steady_steps for _ in range(40)]
+    assert max(steps) > 2 and probe.requests > 2
 
 
 def test_a_probe_sample_kept_from_one_scrape_to_the_next_is_built_once_and_written_the_same(
@@ -226,3 +232,10 @@ def test_a_probe_sample_kept_from_one_scrape_to_the_next_is_built_once_and_writt
     assert render_text(registry) == generate_latest(registry)
     assert b'phase="steady",pid="100"} 12345.0' in render_text(registry)
     assert sorted(built) == [100, 100, 200]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b'"', b"[", b"]", b"{", b"}", b",", b":", b"a", b"\\", b"1"]),
+                max_size=60).map(b"".join))
+def test_strings_are_blanked_as_the_pattern_blanks_them(payload: bytes) -> None:
+    assert protocol.blank_strings(payload) == protocol._STRING.sub(b'""', payload)

@@ -204,6 +204,7 @@ class ProbeClient:
         self.hello = hello
         self.max_series: int | None = None  # the target's series budget: rows past it fold
         self.pacing = ReplyPacing()  # replies larger than a pass's byte budget: decoded less often
+        self._dropping = 0  # bytes of a reply still to take off the socket undecoded
         self.layers = layers  # the agent asked for layer times: without, none is kept
         self._received = bytearray()  # a reply's bytes so far, kept across timeouts
         self._awaiting: str | None = None  # the command whose reply has not arrived
@@ -308,6 +309,8 @@ class ProbeClient:
     def snapshot(self) -> ProbeSample:
         """Raises ReplyLate when the probe has not answered within the timeout; the
         next call then takes that late reply."""
+        if self._dropping:
+            self._drop_reply()  # the rest of a reply to drop that came late
         held = self.pacing.hold() if self._awaiting is None else None
         if held is not None:
             sample, ask = held
@@ -324,28 +327,51 @@ class ProbeClient:
     def _drop_snapshot_reply(self) -> None:
         """Ask for a snapshot, which keeps the probe's lease, and take its reply
         off the socket undecoded. Raises ReplyLate as _reply does; the next call
-        then decodes that reply."""
+        takes the rest off first."""
         self._connection.sendall(encode({"command": "snapshot"}))
         self._awaiting = "snapshot"
-        # One deadline for the whole reply: a per-read timeout would let it drip.
+        self._dropping = -1  # until its header says how long it is
+        self._drop_reply()
+
+    def _drop_reply(self) -> None:
+        """Take the rest of a reply off the socket within one deadline (a
+        per-read timeout would let it drip), through one buffer: nothing of it
+        is kept."""
         timeout = self._connection.gettimeout() or REPLY_SECONDS
         deadline = time.monotonic() + timeout
         try:
-            while (wanted := bytes_wanted(self._received, max_bytes=MAX_REPLY_BYTES)) > 0:
-                if (left := deadline - time.monotonic()) <= 0:
-                    raise TimeoutError
-                self._connection.settimeout(left)
-                chunk = self._connection.recv(min(wanted, 1 << 16))
-                if not chunk:
+            if self._dropping < 0:
+                while len(self._received) < HEADER.size:
+                    self._received += self._recv_by(deadline, HEADER.size - len(self._received))
+                frame = HEADER.size + bytes_wanted(bytearray(self._received[:HEADER.size]),
+                                                   max_bytes=MAX_REPLY_BYTES)
+                taken = min(frame, len(self._received))
+                del self._received[:taken]
+                self._dropping = frame - taken
+            scratch = memoryview(bytearray(1 << 16))
+            while self._dropping > 0:
+                self._wait_readable(deadline)
+                count = self._connection.recv_into(scratch, min(self._dropping, len(scratch)))
+                if not count:
                     raise ConnectionClosed
-                self._received += chunk
+                self._dropping -= count
         except TimeoutError:
             raise ReplyLate(f"no whole reply to {self._awaiting} yet") from None
         finally:
             self._connection.settimeout(timeout)
-        header = bytearray(self._received[:HEADER.size])
-        del self._received[:HEADER.size + bytes_wanted(header, max_bytes=MAX_REPLY_BYTES)]
         self._awaiting = None
+
+    def _wait_readable(self, deadline: float) -> None:
+        if (left := deadline - time.monotonic()) <= 0:
+            raise TimeoutError
+        self._connection.settimeout(left)
+
+    def _recv_by(self, deadline: float, wanted: int) -> bytes:
+        self._wait_readable(deadline)
+        chunk = self._connection.recv(min(wanted, 1 << 16))
+        if not chunk:
+            raise ConnectionClosed
+        return chunk
 
     def stop(self) -> None:
         with contextlib.suppress(OSError, ConnectionClosed, ProtocolError):
