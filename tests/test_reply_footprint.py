@@ -34,7 +34,7 @@ from dlprof_agent.probe import protocol
 from dlprof_agent.probe.protocol import MAX_REQUEST_BYTES, encode, read_frame
 from tests.full_snapshot import full_snapshot
 from tests.test_probe_channel_bounds import real_reply
-from tests.test_series_budget import wide_reply
+from tests.test_series_budget import rendered_series, wide_reply
 
 BUDGET = 5_000
 
@@ -239,3 +239,9 @@ def test_a_probe_sample_kept_from_one_scrape_to_the_next_is_built_once_and_writt
                 max_size=60).map(b"".join))
 def test_strings_are_blanked_as_the_pattern_blanks_them(payload: bytes) -> None:
     assert protocol.blank_strings(payload) == protocol._STRING.sub(b'""', payload)
+
+
+def test_the_passes_a_sample_stood_in_for_are_exported() -> None:
+    sample = dataclasses.replace(ProbeSample.from_reply(1, resnet_reply()), replies_held=7)
+    assert 'dlprof_probe_replies_held_total{pid="1"} 7.0' in rendered_series(
+        probe_families(1, True, sample))

@@ -68,7 +68,7 @@ def probe_series(probe: ProbeSample) -> int:
     """The series ``exporters/probe_families.py`` renders for ``probe``."""
     fixed = (1 + len(probe.steps) + len(probe.samples)
              + histogram_series(probe.step_bucket_counts) + len(probe.phase_seconds)
-             + (probe.layer_sampled_steps is not None) + len(probe.settings) + 1
+             + (probe.layer_sampled_steps is not None) + len(probe.settings) + 2
              + len(probe.dropped_messages) + (probe.phase_split is not None))
     kernels = probe.kernels
     if kernels is not None:
