@@ -208,7 +208,7 @@ def test_wide_three_tenants_stay_within_the_daemons_budget_and_footprint(
     tenants += start_tenants(processes, runtime_dir, 2, kernels=4_000)
     wait_for(lambda: all(f'dlprof_probe_up{{pid="{pid}"}} 1.0' in scrape(port)
                          for pid in tenants), "the daemon to read all three tenants")
-    # Whole cycles of the tenants' replies being decoded (each is twelve passes'
+    # Whole cycles of the tenants' replies being decoded (each is 24 passes'
     # worth of reply_pacing's byte budget): the share is not a matter of phase.
     three = footprint(agent, port, 24)
     exposition = three.exposition

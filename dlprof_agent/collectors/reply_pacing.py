@@ -23,9 +23,9 @@ from dataclasses import replace
 
 from dlprof_agent.collectors.probe_samples import ProbeSample
 
-# Read at each use: tests change them. Six times a ResNet-50's rows; the
-# 4,096-layer, 510-character tenant sends twelve times more.
-REPLY_BYTES_PER_PASS = 256 * 1024
+# Read at each use: tests change them. Three times a ResNet-50's rows; the
+# 4,096-layer, 510-character tenant sends 24 times more.
+REPLY_BYTES_PER_PASS = 128 * 1024
 # A probe whose replies are held is asked at least every this many passes: well
 # within its lease (probe/session.py), three intervals and a second.
 ASK_EVERY_PASSES = 2
