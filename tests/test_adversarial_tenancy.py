@@ -24,6 +24,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -173,9 +174,17 @@ def test_wide_one_tenant_gets_at_most_its_budget_on_every_scrape(
           f"{dropped:.0f} series dropped so far")
 
 
-def footprint(daemon: psutil.Process, port: int, seconds: int) -> tuple[float, int, str]:
-    """The daemon's CPU (share of a core) and peak RSS over ``seconds``, scraped
-    once a second as Prometheus would; and the last scrape."""
+class Footprint(NamedTuple):
+    busy: float  # CPU, share of a core
+    cpu_seconds_per_pass: float  # scrapes included
+    peak_rss_bytes: int
+    exposition: str  # the last scrape
+
+
+def footprint(daemon: psutil.Process, port: int, seconds: int) -> Footprint:
+    """The daemon's CPU and peak RSS over ``seconds``, scraped once a second as
+    Prometheus would."""
+    passes_before = sample(scrape(port), "dlprof_agent_samples_total") or 0.0
     before, started = daemon.cpu_times(), time.monotonic()
     peak_rss, exposition = 0, ""
     for _ in range(seconds):
@@ -183,8 +192,9 @@ def footprint(daemon: psutil.Process, port: int, seconds: int) -> tuple[float, i
         peak_rss = max(peak_rss, daemon.memory_info().rss)
         exposition = scrape(port)
     after, elapsed = daemon.cpu_times(), time.monotonic() - started
-    return ((after.user + after.system - before.user - before.system) / elapsed, peak_rss,
-            exposition)
+    cpu = after.user + after.system - before.user - before.system
+    passes = (sample(exposition, "dlprof_agent_samples_total") or 0.0) - passes_before
+    return Footprint(cpu / elapsed, cpu / max(passes, 1.0), peak_rss, exposition)
 
 
 def test_wide_three_tenants_stay_within_the_daemons_budget_and_footprint(
@@ -194,24 +204,39 @@ def test_wide_three_tenants_stay_within_the_daemons_budget_and_footprint(
     agent = psutil.Process(daemon.pid)
     wait_for(lambda: f'dlprof_probe_up{{pid="{tenants[0]}"}} 1.0' in scrape(port),
              "the daemon to read the first tenant")
-    busy_one, rss_one, _ = footprint(agent, port, 5)
+    one = footprint(agent, port, 5)
     tenants += start_tenants(processes, runtime_dir, 2, kernels=4_000)
     wait_for(lambda: all(f'dlprof_probe_up{{pid="{pid}"}} 1.0' in scrape(port)
                          for pid in tenants), "the daemon to read all three tenants")
-    busy, peak_rss, exposition = footprint(agent, port, 10)
+    # Whole cycles of the tenants' replies being decoded (each is 24 passes'
+    # worth of reply_pacing's byte budget): the share is not a matter of phase.
+    three = footprint(agent, port, 24)
+    exposition = three.exposition
     per_tenant = [len(series_of(exposition, pid)) for pid in tenants]
     assert all(count <= 5_000 for count in per_tenant), per_tenant
     assert sum(per_tenant) <= 12_000, per_tenant
     for reason in ("target_budget", "agent_budget"):
         dropped = sample(exposition, f'dlprof_agent_series_dropped_total{{reason="{reason}"}}')
         assert dropped is not None and dropped > 0, reason
-    # What the daemon keeps per tenant is bounded: two more add little.
-    assert peak_rss - rss_one < 32 << 20, (rss_one, peak_rss)
     lines = [line for line in exposition.splitlines() if not line.startswith("#")]
     print(f"\nwide, tenants of {LAYERS} layers and 4,000 kernels: one: RSS peak "
-          f"{rss_one / 2**20:.1f} MiB, CPU {busy_one:.1%} of a core; three: {per_tenant} "
+          f"{one.peak_rss_bytes / 2**20:.1f} MiB, CPU {one.busy:.1%} of a core "
+          f"({one.cpu_seconds_per_pass * 1e3:.0f} ms per pass); three: {per_tenant} "
           f"series each, {len(lines)} in all, {len(exposition.encode()) / 1e6:.2f} MB per "
-          f"scrape, RSS peak {peak_rss / 2**20:.1f} MiB, CPU {busy:.1%} of a core")
+          f"scrape, RSS peak {three.peak_rss_bytes / 2**20:.1f} MiB, CPU {three.busy:.1%} "
+          f"of a core ({three.cpu_seconds_per_pass * 1e3:.0f} ms per pass)")
+    # What the daemon keeps per tenant is bounded: two more add little.
+    assert three.peak_rss_bytes - one.peak_rss_bytes < 32 << 20, (one, three.peak_rss_bytes)
+    # The issue's bounds: what the daemon keeps and spends does not grow with
+    # what the tenants send.
+    assert three.peak_rss_bytes < 64 << 20, three.peak_rss_bytes
+    # Its CPU (the issue's 5% of a core) is a speed figure, printed above for
+    # docs/security.md, never asserted: a slow machine must not fail this test.
+    # What keeps it flat is asserted instead: every tenant's oversized replies
+    # are decoded only every few passes, the last sample standing between.
+    for pid in tenants:
+        held = sample(exposition, f'dlprof_probe_replies_held_total{{pid="{pid}"}}')
+        assert held is not None and held > 0, pid
 
 
 # ---- squatting -------------------------------------------------------------------------

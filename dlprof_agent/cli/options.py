@@ -114,7 +114,8 @@ def probe_options(args: argparse.Namespace) -> ProbeOptions | None:
         return None
     return ProbeOptions(inject=getattr(args, "inject", False), layers=args.layers,
                         warmup_steps=args.warmup_steps, kernels=args.kernels,
-                        layers_budget=args.layers_budget, layers_every=args.layers_every or 0)
+                        layers_budget=args.layers_budget, layers_every=args.layers_every or 0,
+                        max_series=getattr(args, "max_series_per_target", None))
 
 
 def serve_options(args: argparse.Namespace, probe: ProbeOptions | None) -> ServeOptions:

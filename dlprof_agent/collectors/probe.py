@@ -25,6 +25,7 @@ from dlprof_agent.collectors.procfs import (
     read_unix_sockets,
     socket_inodes,
 )
+from dlprof_agent.collectors.reply_pacing import ReplyPacing
 from dlprof_agent.errors import (
     ConnectionClosed,
     ProbeBusy,
@@ -36,8 +37,10 @@ from dlprof_agent.errors import (
 )
 from dlprof_agent.probe.messages import Frame, Request
 from dlprof_agent.probe.protocol import (
+    HEADER,
     MAX_REPLY_BYTES,
     VERSION,
+    bytes_wanted,
     encode,
     read_frame,
     runtime_dir_candidates,
@@ -205,6 +208,9 @@ class ProbeClient:
         # The HelloReply as received: only "ok" and "version" are checked (connect),
         # so readers take the rest with .get and a default.
         self.hello = hello
+        self.max_series: int | None = None  # the target's series budget: rows past it fold
+        self.pacing = ReplyPacing()  # replies larger than a pass's byte budget: decoded less often
+        self._dropping = 0  # bytes of a reply still to take off the socket undecoded
         self.layers = layers  # the agent asked for layer times: without, none is kept
         self._received = bytearray()  # a reply's bytes so far, kept across timeouts
         self._awaiting: str | None = None  # the command whose reply has not arrived
@@ -321,11 +327,69 @@ class ProbeClient:
     def snapshot(self) -> ProbeSample:
         """Raises ReplyLate when the probe has not answered within the timeout; the
         next call then takes that late reply."""
+        if self._dropping:
+            self._drop_reply()  # the rest of a reply to drop that came late
+        held = self.pacing.hold() if self._awaiting is None else None
+        if held is not None:
+            sample, ask = held
+            if ask:
+                self._drop_snapshot_reply()
+            return sample
         reply = self._reply() if self._awaiting == "snapshot" else self.request("snapshot")
         if not reply.get("ok"):
             raise ProbeUnavailable(f"snapshot refused: {reply.get('error')!r:.80}",
                                    pid=self.pid)
-        return ProbeSample.from_reply(self.pid, reply, layers=self.layers)
+        return self.pacing.decoded(ProbeSample.from_reply(
+            self.pid, reply, layers=self.layers, max_series=self.max_series))
+
+    def _drop_snapshot_reply(self) -> None:
+        """Ask for a snapshot, which keeps the probe's lease, and take its reply
+        off the socket undecoded. Raises ReplyLate as _reply does; the next call
+        takes the rest off first."""
+        self._connection.sendall(encode({"command": "snapshot"}))
+        self._awaiting = "snapshot"
+        self._dropping = -1  # until its header says how long it is
+        self._drop_reply()
+
+    def _drop_reply(self) -> None:
+        """Take the rest of a reply off the socket within one deadline (a
+        per-read timeout would let it drip), through one buffer: nothing of it
+        is kept."""
+        timeout = self._reply_seconds
+        deadline = time.monotonic() + timeout
+        try:
+            if self._dropping < 0:
+                while len(self._received) < HEADER.size:
+                    self._received += self._recv_by(deadline, HEADER.size - len(self._received))
+                frame = HEADER.size + bytes_wanted(bytearray(self._received[:HEADER.size]),
+                                                   max_bytes=MAX_REPLY_BYTES)
+                taken = min(frame, len(self._received))
+                del self._received[:taken]
+                self._dropping = frame - taken
+            scratch = memoryview(bytearray(1 << 16))
+            while self._dropping > 0:
+                self._wait_readable(deadline)
+                count = self._connection.recv_into(scratch, min(self._dropping, len(scratch)))
+                if not count:
+                    raise ConnectionClosed
+                self._dropping -= count
+        except TimeoutError:
+            raise ReplyLate(f"no whole reply to {self._awaiting} yet") from None
+        finally:
+            self._connection.settimeout(timeout)
+        self._awaiting = None
+
+    def _wait_readable(self, deadline: float) -> None:
+        if (left := deadline - time.monotonic()) <= 0:
+            raise TimeoutError
+        self._connection.settimeout(left)
+
+    def _recv_by(self, deadline: float, wanted: int) -> bytes:
+        self._wait_readable(deadline)
+        chunk = self._connection.recv(min(wanted, 1 << 16))
+        if not chunk:
+            raise ConnectionClosed
+        return chunk
 
     def stop(self) -> None:
         with contextlib.suppress(OSError, ConnectionClosed, ProtocolError):

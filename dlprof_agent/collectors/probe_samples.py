@@ -11,6 +11,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
+from dlprof_agent.collectors.reply_rows import (
+    Trimmed,
+    family_budgets,
+    layer_series,
+    trim_kernels,
+    trim_layer_gpu,
+    trim_layers,
+)
 from dlprof_agent.errors import ProtocolError
 from dlprof_agent.probe.messages import KernelSnapshot, RecorderSnapshot, SnapshotReply
 
@@ -184,10 +192,14 @@ class KernelSample:
     def from_reply(cls, kernels: Mapping[str, object], *, layers: bool = True
                    ) -> KernelSample:
         """Raises ProtocolError for anything a probe would not send."""
-        return parse_reply(lambda: cls._parse(_kernel_snapshot(kernels), layers))
+        return parse_reply(lambda: cls._parse(_kernel_snapshot(kernels), layers,
+                                              (None, None))[0])
 
     @classmethod
-    def _parse(cls, kernels: KernelSnapshot, layers: bool) -> KernelSample:
+    def _parse(cls, kernels: KernelSnapshot, layers: bool,
+               budgets: tuple[int | None, int | None]) -> tuple[KernelSample, Trimmed, Trimmed]:
+        """The sample, with its kernel and layer GPU rows as ``trim_*`` cut them
+        to ``budgets`` (series; None: all kept)."""
         traced = "kernels" in kernels
         bounds = tuple(_seconds(b, "duration bucket") for b in _list(
             kernels.get("duration_buckets", []), MAX_BUCKETS, "duration buckets"))
@@ -198,15 +210,17 @@ class KernelSample:
             durations.append(KernelDurations(_count(d, "device"), per_bucket,
                                              _seconds(total, "kernel seconds")))
         devices = _map(kernels.get("devices", {}), "devices", MAX_DEVICES)
-        layer_rows = _rows(kernels.get("layers", []), 2 * MAX_LAYER_ROWS, 3, "layer GPU rows")
+        layer_rows = trim_layer_gpu(_list(kernels.get("layers", []), 2 * MAX_LAYER_ROWS,
+                                          "layer GPU rows"), budgets[1] if layers else None)
+        kernel_rows = trim_kernels(_list(kernels.get("kernels", []), MAX_KERNEL_ROWS,
+                                         "kernel rows"), budgets[0])
         return cls(
             state=_text(kernels["state"], "kernel state"),
             reason=_text(kernels.get("reason", ""), "kernel state reason"),
             since=_seconds(kernels.get("since", 0.0), "state since"),
             kernels=tuple(KernelRow(_label(k, "kernel name"), _count(d, "device"),
                                     _count(n, "launches"), _seconds(t, "kernel seconds"))
-                          for k, d, n, t in _rows(kernels.get("kernels", []),
-                                                  MAX_KERNEL_ROWS, 4, "kernel rows")),
+                          for k, d, n, t in kernel_rows.rows),
             duration_bucket_bounds=bounds,
             durations=tuple(durations),
             memcpy=tuple(MemcpyRow(_count(d, "device"), _text(k, "copy kind"),
@@ -215,12 +229,12 @@ class KernelSample:
                                                  MAX_DEVICES * 8, 4, "copy rows")),
             layers=tuple(LayerGpuRow(_label(n, "layer name"), _text(p, "phase"),
                                      _seconds(t, "layer GPU seconds"))
-                         for n, p, t in layer_rows) if layers else (),
+                         for n, p, t in layer_rows.rows) if layers else (),
             overhead_seconds=_seconds(kernels.get("overhead_seconds", 0.0), "overhead"),
             dropped_records=_count(kernels.get("dropped_records", 0), "dropped records"),
             devices=tuple(sorted((int(_text(d, "device")), _text(u, "GPU UUID"))
                                  for d, u in devices.items())),
-            traced=traced)
+            traced=traced), kernel_rows, layer_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +260,12 @@ class ProbeSample:
     # "split", or why the latest steady step's phases are not (e.g. "backward not
     # seen"); None: no steady step yet, or a probe older than the field.
     phase_split: str | None = None
+    # About what its layer, kernel and layer GPU rows took in the reply (names and
+    # numbers), kept or not: what reading the reply cost (reply_pacing).
+    reply_row_bytes: int = 0
+    # Replies of this probe dropped undecoded so far, their size past the agent's
+    # byte budget per pass (reply_pacing); this sample stood for them.
+    replies_held: int = 0
 
     @property
     def steady_steps(self) -> int:
@@ -256,15 +276,20 @@ class ProbeSample:
         return dict(self.samples).get("steady", 0)
 
     @classmethod
-    def from_reply(cls, pid: int, reply: Mapping[str, object], *, layers: bool = True
-                   ) -> ProbeSample:
+    def from_reply(cls, pid: int, reply: Mapping[str, object], *, layers: bool = True,
+                   max_series: int | None = None) -> ProbeSample:
         """Raises ProtocolError for anything a probe would not send. Without
-        ``layers`` (the agent did not ask for them), layer rows are dropped."""
+        ``layers`` (the agent did not ask for them), layer rows are dropped.
+        With ``max_series`` (the target's series budget), each family's rows past
+        what that budget could keep are folded into ``other`` before they are
+        built (reply_rows), and counted in ``series_folded``."""
         # Typed for its keys only: each value is checked as it is read.
-        return parse_reply(lambda: cls._parse(pid, cast(SnapshotReply, reply), layers))
+        return parse_reply(lambda: cls._parse(pid, cast(SnapshotReply, reply), layers,
+                                              max_series))
 
     @classmethod
-    def _parse(cls, pid: int, reply: SnapshotReply, layers: bool) -> ProbeSample:
+    def _parse(cls, pid: int, reply: SnapshotReply, layers: bool, max_series: int | None
+               ) -> ProbeSample:
         probe = cast(RecorderSnapshot, _map(reply["probe"], "probe", 32))
         bounds, counts = _buckets(probe["step_buckets"], probe["step_bucket_counts"],
                                   "step buckets")
@@ -272,7 +297,21 @@ class ProbeSample:
         settings = _map(reply.get("settings", {}), "settings", 8)
         kernels = reply.get("kernels")
         # Checked whether asked for or not: a probe not asked for layers sends none.
-        layer_rows = _rows(probe["layers"], MAX_LAYER_ROWS, 5, "layers")
+        raw_layers = _list(probe["layers"], MAX_LAYER_ROWS, "layers")
+        kernel_map = _kernel_snapshot(kernels) if isinstance(kernels, dict) else None
+        raw_kernels, raw_layer_gpu = ((kernel_map.get("kernels", []), kernel_map.get("layers", []))
+                                      if kernel_map is not None else ([], []))
+        budgets = family_budgets(max_series, (
+            layer_series(raw_layers) if layers else 0,
+            2 * len(raw_kernels) if isinstance(raw_kernels, list) else 0,
+            len(raw_layer_gpu) if layers and isinstance(raw_layer_gpu, list) else 0))
+        layer_rows = trim_layers(raw_layers, budgets[0] if layers else None)
+        kernel_sample: KernelSample | None = None
+        trimmed = [layer_rows]
+        if kernel_map is not None:
+            kernel_sample, kernel_rows, layer_gpu_rows = KernelSample._parse(
+                kernel_map, layers, (budgets[1], budgets[2]))
+            trimmed += [kernel_rows, layer_gpu_rows]
         return cls(
             pid=pid,
             step_source=_text(probe["step_source"], "step source"),
@@ -288,7 +327,7 @@ class ProbeSample:
             layers=tuple(LayerSample(_label(n, "layer name"), _seconds(fs, "layer seconds"),
                                      _count(fc, "layer calls"), _seconds(bs, "layer seconds"),
                                      _count(bc, "layer calls"))
-                         for n, fs, fc, bs, bc in layer_rows) if layers else (),
+                         for n, fs, fc, bs, bc in layer_rows.rows) if layers else (),
             layer_sampled_steps=(_count(probe["layer_sampled_steps"], "layer sampled steps")
                                  if "layer_sampled_steps" in probe else None),
             phase_split=(_text(probe["phase_split"], "phase split")
@@ -300,6 +339,7 @@ class ProbeSample:
                  tuple(sorted((_text(k, "setting"), _text(v, "setting"))
                               for k, v in _map(values, "settings").items())))
                 for framework, values in settings.items())),
-            kernels=(KernelSample._parse(_kernel_snapshot(kernels), layers)
-                     if isinstance(kernels, dict) else None),
+            kernels=kernel_sample,
+            series_folded=sum(rows.folded_series for rows in trimmed),
+            reply_row_bytes=sum(rows.row_bytes for rows in trimmed),
         )

@@ -30,6 +30,7 @@ from dlprof_agent.collectors.probe_samples import (
     ProbeSample,
 )
 from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.collectors.reply_rows import share
 
 DEFAULT_TARGET_SERIES = 5_000  # well above what a ResNet-50 with --layers and kernels exports
 DEFAULT_AGENT_SERIES = 50_000
@@ -41,7 +42,9 @@ FINDINGS_SERIES = 100
 PROCESS_SERIES = 16
 THREAD_GROUP_SERIES = 4
 REASONS = ("target_budget", "agent_budget")
+__all__ = ["share"]  # defined with the reply's rows, which share the budget the same way
 _Row = TypeVar("_Row")
+_Key = TypeVar("_Key")
 
 
 def histogram_series(bucket_counts: Sequence[int]) -> int:
@@ -65,7 +68,7 @@ def probe_series(probe: ProbeSample) -> int:
     """The series ``exporters/probe_families.py`` renders for ``probe``."""
     fixed = (1 + len(probe.steps) + len(probe.samples)
              + histogram_series(probe.step_bucket_counts) + len(probe.phase_seconds)
-             + (probe.layer_sampled_steps is not None) + len(probe.settings) + 1
+             + (probe.layer_sampled_steps is not None) + len(probe.settings) + 2
              + len(probe.dropped_messages) + (probe.phase_split is not None))
     kernels = probe.kernels
     if kernels is not None:
@@ -80,27 +83,6 @@ def process_series(processes: Iterable[ProcessSample]) -> int:
     """The series of a target's process tree and findings, beside its probe's."""
     return FINDINGS_SERIES + sum(PROCESS_SERIES + THREAD_GROUP_SERIES * len(p.thread_groups)
                                  for p in processes)
-
-
-def share(wants: Sequence[int], total: int) -> list[int]:
-    """Split ``total`` among ``wants``: each gets what it wants up to one level,
-    the same for all, the highest level that fits (max-min fairness). A tenant
-    with few series keeps them all; only the widest are cut."""
-    if sum(wants) <= total:
-        return list(wants)
-    grants = [0] * len(wants)
-    left, waiting = max(0, total), sorted(range(len(wants)), key=lambda i: wants[i])
-    while waiting:
-        level = left // len(waiting)
-        index = waiting[0]
-        if wants[index] > level:
-            for i in waiting:
-                grants[i] = level
-            break
-        grants[index] = wants[index]
-        left -= wants[index]
-        waiting.pop(0)
-    return grants
 
 
 def _keep_top(rows: Sequence[_Row], allowed: int, *, cost: Callable[[_Row], int],
@@ -121,6 +103,14 @@ def _keep_top(rows: Sequence[_Row], allowed: int, *, cost: Callable[[_Row], int]
         used += cost(row)
     return ([row for row in rows if id(row) in kept],
             [row for row in rows if id(row) not in kept])
+
+
+def _grouped(rows: Iterable[_Row], key: Callable[[_Row], _Key]) -> dict[_Key, list[_Row]]:
+    """One pass: a reply may hold 64 devices of 201 kernels."""
+    groups: dict[_Key, list[_Row]] = {}
+    for row in rows:
+        groups.setdefault(key(row), []).append(row)
+    return groups
 
 
 def _fold_layers(layers: tuple[LayerSample, ...], allowed: int) -> tuple[LayerSample, ...]:
@@ -145,8 +135,9 @@ def _fold_kernels(rows: tuple[KernelRow, ...], allowed: int) -> tuple[KernelRow,
         return rows
     others = []
     room = allowed - 2 * len(kept)
+    by_device = _grouped(rest, lambda r: r.device)
     for device in devices:
-        folded = [r for r in rest if r.device == device]
+        folded = by_device.get(device, [])
         if folded and room >= 2:
             others.append(KernelRow(OTHER, device, sum(r.launches for r in folded),
                                     sum(r.seconds for r in folded)))
@@ -162,8 +153,9 @@ def _fold_layer_gpu(rows: tuple[LayerGpuRow, ...], allowed: int) -> tuple[LayerG
         return rows
     room = allowed - len(kept)
     others = []
+    by_phase = _grouped(rest, lambda r: r.phase)
     for phase in phases:
-        folded = [r for r in rest if r.phase == phase]
+        folded = by_phase.get(phase, [])
         if folded and room >= 1:
             others.append(LayerGpuRow(OTHER, phase, sum(r.seconds for r in folded)))
             room -= 1
@@ -199,6 +191,10 @@ class SeriesBudget:
 
     per_target: int = DEFAULT_TARGET_SERIES
     total: int | None = None  # None: one target, whose budget is the whole
+    # The last pass's folds, by (pid, series allowed): a probe read less often
+    # (reply_pacing) gives the same sample again, folded once.
+    _folds: dict[tuple[int, int], tuple[ProbeSample, ProbeSample]] = field(
+        default_factory=dict, init=False)
     _dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0),
                                      init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -208,12 +204,15 @@ class SeriesBudget:
         """Each target's probe sample (None: it has none), given the series its
         processes and findings take, folded to the budgets."""
         per_target: list[tuple[ProbeSample | None, int, int]] = []
+        folds: dict[tuple[int, int], tuple[ProbeSample, ProbeSample]] = {}
         for sample, beside in targets:
             if sample is None:
                 per_target.append((None, beside, 0))
                 continue
-            folded = fold(sample, max(0, self.per_target - beside))
-            per_target.append((folded, beside, folded.series_folded - sample.series_folded))
+            folded = self._fold(sample, max(0, self.per_target - beside), folds)
+            # All of it: what the reply's rows lost to this budget before they were
+            # built (probe_samples, reply_rows) is counted here, once per pass.
+            per_target.append((folded, beside, folded.series_folded))
         dropped = dict.fromkeys(REASONS, 0)
         dropped["target_budget"] = sum(count for _, _, count in per_target)
         result = [probe for probe, _, _ in per_target]
@@ -225,13 +224,22 @@ class SeriesBudget:
                 probe = result[index]
                 if probe is None or grant >= want:
                     continue
-                folded = fold(probe, max(0, grant - per_target[index][1]))
+                folded = self._fold(probe, max(0, grant - per_target[index][1]), folds)
                 dropped["agent_budget"] += folded.series_folded - probe.series_folded
                 result[index] = folded
         with self._lock:
             for reason, count in dropped.items():
                 self._dropped[reason] += count
+            self._folds = folds
         return result
+
+    def _fold(self, probe: ProbeSample, max_series: int,
+              folds: dict[tuple[int, int], tuple[ProbeSample, ProbeSample]]) -> ProbeSample:
+        key = (probe.pid, max_series)
+        last = self._folds.get(key)
+        folded = last[1] if last is not None and last[0] is probe else fold(probe, max_series)
+        folds[key] = (probe, folded)
+        return folded
 
     def dropped(self) -> tuple[tuple[str, int], ...]:
         """Series left out so far, summed over sampling passes, by reason."""

@@ -173,8 +173,12 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
                       "unknown, wrong version, from another user, or too slow.", ["pid", "reason"])
     for reason, count in probe.dropped_messages:
         dropped.add_metric([pid, reason], count)
+    held = counter("dlprof_probe_replies_held_total",
+                   "Passes that decoded no reply of the probe, its last sample standing in: "
+                   "its replies are larger than the agent's byte budget per pass.", ["pid"])
+    held.add_metric([pid], probe.replies_held)
     kernels = (kernel_families(pid, probe.kernels, gpu_labels(gpu))
                if probe.kernels is not None else [])
     return [probe_up, steps, samples, duration, phases, split, layer_seconds, layer_calls,
             sampled,
-            info, hook_errors, dropped, *kernels]
+            info, hook_errors, dropped, held, *kernels]

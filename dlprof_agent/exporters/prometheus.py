@@ -7,6 +7,8 @@ here are the contract documented in docs/metrics.md.
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
@@ -15,6 +17,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from dlprof_agent.collectors.gpu_samples import GpuSample
+from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.exporters.exchange_families import exchange_families
 from dlprof_agent.exporters.families import (
     agent_families,
@@ -24,7 +28,7 @@ from dlprof_agent.exporters.families import (
     process_families,
     target_families,
 )
-from dlprof_agent.exporters.probe_families import probe_families
+from dlprof_agent.exporters.probe_families import gpu_labels, probe_families
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 
 _Published = TypeVar("_Published", Snapshot, NodeSnapshot)
@@ -64,21 +68,62 @@ class SnapshotCollector(_LatestCollector[Snapshot]):
 
 def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
     """One family per name, holding every target's samples: an exposition may
-    name a family only once."""
+    name a family only once. The targets' families are left as they are (they
+    may be kept for the next scrape: ProbeFamilies)."""
     families: dict[str, Metric] = {}
+    copies: set[str] = set()  # the families here that are copies of our own
     for target in per_target:
         for family in target:
             known = families.get(family.name)
             if known is None:
                 families[family.name] = family
-            else:
-                known.samples.extend(family.samples)
+                continue
+            if family.name not in copies:
+                known = families[family.name] = copy.copy(known)
+                known.samples = list(known.samples)
+                copies.add(family.name)
+            known.samples.extend(family.samples)
     return list(families.values())
+
+
+class ProbeFamilies:
+    """``probe_families`` of each target, kept from one scrape to the next while
+    its probe sample is the same object: a probe whose replies are read every few
+    passes (collectors/reply_pacing.py) keeps its sample, and its thousands of
+    series are then neither built nor (exporters/text.py) written again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[int, tuple[bool, ProbeSample | None, object, list[Metric]]] = {}
+
+    def of(self, targets: Iterable[Snapshot], gpu: GpuSample | None) -> list[list[Metric]]:
+        devices = tuple(sorted(gpu_labels(gpu).items()))
+        with self._lock:
+            kept, self._kept = self._kept, {}
+            result = []
+            for target in targets:
+                last = kept.get(target.target_pid)
+                if (last is not None and last[0] == target.probe_up
+                        and last[1] is target.probe and target.probe is not None
+                        and last[2] == devices):
+                    families = last[3]
+                else:
+                    families = probe_families(target.target_pid, target.probe_up,
+                                              target.probe, gpu)
+                self._kept[target.target_pid] = (target.probe_up, target.probe, devices,
+                                                 families)
+                result.append(families)
+            return result
 
 
 class NodeCollector(_LatestCollector[NodeSnapshot]):
     """The daemon's latest pass: the node once, and every target, each under its
     own pid. A target that has gone is simply not in the pass."""
+
+    def __init__(self, latest: Callable[[], NodeSnapshot | None], *,
+                 interval_seconds: float) -> None:
+        super().__init__(latest, interval_seconds=interval_seconds)
+        self._probe_families = ProbeFamilies()
 
     def collect(self) -> Iterator[Metric]:
         node = self._latest()
@@ -90,9 +135,7 @@ class NodeCollector(_LatestCollector[NodeSnapshot]):
         if node.host is not None:
             yield from host_families(node.host)
         yield from gpu_families(node.gpu)
-        yield from merged(probe_families(target.target_pid, target.probe_up, target.probe,
-                                         node.gpu)
-                          for target in node.targets)
+        yield from merged(self._probe_families.of(node.targets, node.gpu))
         yield from merged(exchange_families(target) for target in node.targets)
         yield from merged(finding_families(target.target_pid, target.findings)
                           for target in node.targets)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from prometheus_client import utils
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 _WRITTEN_TYPES = frozenset({"gauge", "counter", "histogram"})
 # Values as Go writes floats (+Inf, 1e+06), the way Prometheus's own exporters do.
@@ -41,23 +42,44 @@ def _escape_value(value: str) -> str:
     return value.translate(_ESCAPES)
 
 
+# The lines of the last exposition, by sample: a sample kept from one scrape to
+# the next (exporters.prometheus.ProbeFamilies) is written once. Keyed by id,
+# holding the sample so that its id stays its own; replaced whole each time.
+class _Written:
+    def __init__(self) -> None:
+        self.by_sample: dict[int, tuple[Sample, str]] = {}
+
+
+_WRITTEN = _Written()
+
+
+def _line(sample: Sample) -> str:
+    labels = sample.labels
+    if labels:
+        pairs = ",".join(f'{key}="{_escape_value(labels[key])}"' for key in sorted(labels))
+        return f"{sample.name}{{{pairs}}} {_format_value(sample.value)}\n"
+    return f"{sample.name} {_format_value(sample.value)}\n"
+
+
 def render_text(registry: Collector) -> bytes:
     families = list(registry.collect())
     if any(family.type not in _WRITTEN_TYPES for family in families):
         return generate_latest(registry)
     lines: list[str] = []
+    before, written = _WRITTEN.by_sample, {}
     for family in families:
         name = family.name + "_total" if family.type == "counter" else family.name
         documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
         lines.append(f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n")
         for sample in family.samples:
-            if sample.name.endswith("_created") or sample.timestamp is not None:
+            known = before.get(id(sample))
+            if known is not None and known[0] is sample:
+                line = known[1]
+            elif sample.name.endswith("_created") or sample.timestamp is not None:
                 return generate_latest(registry)  # not what the agent writes
-            labels = sample.labels
-            if labels:
-                pairs = ",".join(f'{key}="{_escape_value(labels[key])}"'
-                                 for key in sorted(labels))
-                lines.append(f"{sample.name}{{{pairs}}} {_format_value(sample.value)}\n")
             else:
-                lines.append(f"{sample.name} {_format_value(sample.value)}\n")
+                line = _line(sample)
+            written[id(sample)] = (sample, line)
+            lines.append(line)
+    _WRITTEN.by_sample = written
     return "".join(lines).encode()

@@ -74,11 +74,22 @@ def _payload_length(header: bytes, max_bytes: int) -> int:
     return int(length)
 
 
+def blank_strings(payload: bytes) -> bytes:
+    """``payload`` with every string's content taken out. Without a backslash a
+    string is whatever lies between two quotes, and splitting on them is several
+    times faster than the pattern on a reply of long names."""
+    if b"\\" not in payload:
+        parts = payload.split(b'"')
+        if len(parts) % 2:  # every string closed
+            return b'""'.join(parts[::2])
+    return _STRING.sub(b'""', payload)
+
+
 def check_shape(payload: bytes, *, max_values: int, max_depth: int = MAX_DEPTH) -> None:
     """Refuse a payload nested deeper than ``max_depth`` or holding more than
     ``max_values`` values, before any parser sees it. Strings are blanked first,
     so brackets and commas inside them do not count."""
-    skeleton = _STRING.sub(b'""', payload)
+    skeleton = blank_strings(payload)
     containers = skeleton.count(b"[") + skeleton.count(b"{")
     if containers + skeleton.count(b",") + skeleton.count(b":") > max_values:
         raise ProtocolError("oversized", f"more than {max_values} values")
@@ -145,7 +156,8 @@ def take_frame(received: bytearray, *, max_bytes: int) -> Frame | None:
     end = HEADER.size + _payload_length(bytes(received[:HEADER.size]), max_bytes)
     if len(received) < end:
         return None
-    payload = bytes(received[HEADER.size:end])
+    with memoryview(received) as view:  # one copy of the payload, not two
+        payload = bytes(view[HEADER.size:end])
     del received[:end]
     return _decode(payload, _max_values(max_bytes))
 

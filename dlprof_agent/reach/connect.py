@@ -45,6 +45,7 @@ class ProbeOptions:
     # Silence after which the probe ends the session; None: the probe's own rule
     # (three intervals and a second, at least 2 s). Tests shorten it.
     lease_seconds: float | None = None
+    max_series: int | None = None  # the target's series budget, applied as replies are read
 
 
 def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
@@ -78,13 +79,15 @@ def _wait_for_socket(pid: int, seconds: float, refused: Mapping[str, str]) -> st
 
 def _connect(pid: int, path: str, options: ProbeOptions, interval: float) -> ProbeClient:
     try:
-        return ProbeClient.connect(pid, path, _start_options(options, interval))
+        client = ProbeClient.connect(pid, path, _start_options(options, interval))
     except ProbeBusy as busy:
         which = f" (pid {busy.agent_pid})" if busy.agent_pid else ""
         raise ProbeAlreadyAttached(
             f"process {pid} already has an agent attached{which}",
             "scrape that agent, or stop it first"
             + (f" (kill {busy.agent_pid})" if busy.agent_pid else ""), pid=pid) from None
+    client.max_series = options.max_series
+    return client
 
 
 class NoProbe(Exception):

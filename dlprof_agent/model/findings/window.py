@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
@@ -57,6 +57,10 @@ class Window:
     """The samples of the last few seconds, oldest first, at least two."""
 
     points: tuple[Point, ...]
+    # kernel_seconds, once per window: four rules read it, over up to a budget's
+    # worth of kernel rows per target.
+    _kernel_seconds: list[dict[str, float] | None] = field(
+        default_factory=list, init=False, compare=False, repr=False)
 
     @property
     def first(self) -> Point:
@@ -132,12 +136,20 @@ class Window:
         return group != NO_PROCESS_GROUP
 
     def kernel_seconds(self) -> dict[str, float] | None:
-        """GPU seconds per kernel name over the window, None without kernel records."""
+        """GPU seconds per kernel name over the window, None without kernel records.
+        Shared by every rule that asks: read it, never change it."""
+        if not self._kernel_seconds:
+            self._kernel_seconds.append(self._spent_per_kernel())
+        return self._kernel_seconds[0]
+
+    def _spent_per_kernel(self) -> dict[str, float] | None:
         probes = self.probes()
         if probes is None:
             return None
         before_kernels, after_kernels = probes[0].kernels, probes[1].kernels
         if after_kernels is None or not after_kernels.traced or before_kernels is None:
+            return None
+        if after_kernels is before_kernels:  # a probe read less often: nothing new
             return None
         before = {(r.kernel, r.device): r.seconds for r in before_kernels.kernels}
         spent: dict[str, float] = {}
