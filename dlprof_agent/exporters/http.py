@@ -235,6 +235,10 @@ class MetricsServer:
                         self._accept(selector, open_connections)
                     elif key.fileobj is self._wake_read:
                         continue
+                    elif key.fileobj not in open_connections:
+                        # Made room for a newer one by _accept in this same round:
+                        # closed and unregistered already.
+                        continue
                     else:
                         connection = key.data
                         if self._progress(connection):
