@@ -1,11 +1,13 @@
 """``python -m tests.short_waits attach PID ...``: the agent's command line with the
 probe channel's waits shortened, for tests that would otherwise sit out seconds of
 real time (the late limit, the pause before reaching a lost probe again). The
-values are module constants read at each use, so setting them before the command
-runs is enough; everything else is the agent as shipped."""
+commands take the channel's ``DEFAULT_TIMEOUTS`` as their options' default when
+their modules are imported, so it is replaced before the command runs;
+everything else is the agent as shipped."""
 
 from __future__ import annotations
 
+import dataclasses
 import runpy
 
 from dlprof_agent.reach import channel
@@ -16,8 +18,9 @@ RETRY_SECONDS = (0.5, 1.0, 2.0, 4.0, 7.5, 15.0, 30.0, 75.0)  # the shipped pause
 
 
 def shorten() -> None:
-    channel.LATE_LIMIT_SECONDS = LATE_LIMIT_SECONDS
-    channel.RETRY_SECONDS = RETRY_SECONDS
+    channel.DEFAULT_TIMEOUTS = dataclasses.replace(
+        channel.DEFAULT_TIMEOUTS, late_limit_seconds=LATE_LIMIT_SECONDS,
+        retry_seconds=RETRY_SECONDS)
 
 
 if __name__ == "__main__":
