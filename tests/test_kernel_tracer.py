@@ -374,6 +374,13 @@ def cupti(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupti]:
         cb._pool.trim()
 
 
+def kineto_ran(fake: FakeCupti) -> None:
+    """torch.profiler ran once in the job: Kineto's clock stays on CUPTI's records."""
+    kineto = FakeKineto(fake)
+    kineto.prepare()
+    kineto.stop()
+
+
 def settle_clock(world: World, tracer: kt.KernelTracer, fake: FakeCupti) -> float:
     """Kernels of a busy GPU until the tracer knows its records' clock; its
     ticks per ns. Their name, "calibration", is left out of ``kernels``."""
@@ -479,9 +486,7 @@ def test_durations_stay_in_ns_after_kineto_installed_its_clock(cupti: FakeCupti)
 
 
 def test_a_trace_after_kineto_ran_has_right_times_and_durations(cupti: FakeCupti) -> None:
-    kineto = FakeKineto(cupti)
-    kineto.prepare()
-    kineto.stop()
+    kineto_ran(cupti)
     world = World()
     tracer = real_tracer(world, cupti)
     world.tick(tracer)
@@ -817,37 +822,25 @@ def test_records_on_cuptis_own_clock_are_counted_at_once_and_never_rescaled(
     assert kernels(tracer.snapshot()) == {"gemm": (1, pytest.approx(10e-6))}
 
 
-def test_a_cupti_timestamp_on_kinetos_clock_gives_its_rate_at_open(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cupti_timestamp_on_kinetos_clock_gives_its_rate_at_open(cupti: FakeCupti) -> None:
     # Whether cuptiGetTimestamp follows a registered clock is not yet seen on a GPU:
     # if it does, its own rate against perf_counter gives the ticks per ns at once.
-    monkeypatch.setattr(cb, "_pool", None)
-    monkeypatch.setattr(cb, "_callbacks", None)
-    fake = FakeCupti(timestamp_follows_callback=True)
-    kineto = FakeKineto(fake)
-    kineto.prepare()
-    kineto.stop()
+    cupti.timestamp_follows_callback = True
+    kineto_ran(cupti)
     world = World()
-    tracer = real_tracer(world, fake)
-    try:
-        world.tick(tracer)
-        assert tracer._record_clock is not None
-        assert tracer._record_clock.state == "foreign"
-        assert tracer._record_clock.ticks_per_ns == pytest.approx(2.10, rel=1e-2)
-        fake.kernel("gemm", 10_000)
-        world.tick(tracer)
-        assert kernels(tracer.snapshot()) == {"gemm": (1, pytest.approx(10e-6, rel=1e-2))}
-    finally:
-        tracer.stop()
-        if cb._pool is not None:
-            cb._pool.trim()
+    tracer = real_tracer(world, cupti)
+    world.tick(tracer)
+    assert tracer._record_clock is not None
+    assert tracer._record_clock.state == "foreign"
+    assert tracer._record_clock.ticks_per_ns == pytest.approx(2.10, rel=1e-2)
+    cupti.kernel("gemm", 10_000)
+    world.tick(tracer)
+    assert kernels(tracer.snapshot()) == {"gemm": (1, pytest.approx(10e-6, rel=1e-2))}
 
 
 def test_records_held_for_a_clock_never_measured_are_dropped_and_counted(
         cupti: FakeCupti) -> None:
-    kineto = FakeKineto(cupti)
-    kineto.prepare()
-    kineto.stop()
+    kineto_ran(cupti)
     world = World()
     tracer = real_tracer(world, cupti)
     world.tick(tracer)
