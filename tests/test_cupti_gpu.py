@@ -121,6 +121,13 @@ def kernel_seconds(values: dict[str, float]) -> float:
                if name.startswith("dlprof_kernel_seconds_total{") and MEMSET not in name)
 
 
+def print_record_clock(values: dict[str, float]) -> None:
+    """Which clock the records counted in and how the probe told (for the evidence)."""
+    clock = {k: v for k, v in values.items() if k.startswith(("dlprof_cupti_record_clock",
+                                                               "dlprof_cupti_unmeasured"))}
+    print(f"\nrecord clock: {clock}")
+
+
 def active(port: int) -> bool:
     return metrics(port).get("dlprof_kernel_tracing_state{reason=,state=active}") == 1
 
@@ -161,6 +168,7 @@ def test_resnet50_kernel_totals_match_torch_profiler_within_5_percent(
     theirs = profiled["kernel_us"] / 1e6 / profiled["steps"]
     assert ours == pytest.approx(theirs, rel=0.05), (ours, theirs)
     values = metrics(port)
+    print_record_clock(values)
     assert values["dlprof_cupti_dropped_records_total{}"] == 0
     top = max((v, k) for k, v in values.items() if k.startswith("dlprof_kernel_seconds_total{"))
     assert "other" not in top[1]  # a named kernel leads, not the cap's bucket
@@ -270,6 +278,7 @@ def test_torch_profiler_makes_the_tracer_busy_and_both_keep_working(
     during = kernel_seconds(metrics(port))
     wait_for(lambda: kernel_seconds(metrics(port)) > during, "kernels counted again", 60)
     assert during >= before  # counters stayed monotonic throughout
+    print_record_clock(metrics(port))  # kernels counted again: the clock is known
     assert job.process.poll() is None
 
 

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuSample
 from dlprof_agent.collectors.probe_samples import KernelSample, ProbeSample
+from dlprof_agent.errors import ProtocolError
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.probe import kernel_tracer as kt
 from tests.cupti_records import DTOH, HTOD, BufferBuilder
@@ -99,6 +100,18 @@ def test_the_tracers_totals_become_the_documented_families() -> None:
                  {"pid": pid, "state": "busy", "reason": ""}) == 0
     assert value("dlprof_kernel_tracing_state_since_timestamp_seconds",
                  {"pid": pid}) == 1_795_000_000.5
+    # The fake's records end near cuptiGetTimestamp: CUPTI's own clock, told by them.
+    assert value("dlprof_cupti_record_clock_info",
+                 {"pid": pid, "clock": "native", "measured_by": "records"}) == 1
+    assert value("dlprof_cupti_record_clock_ticks_per_ns", {"pid": pid}) == 1
+    assert value("dlprof_cupti_unmeasured_batches_total", {"pid": pid}) == 0
+
+
+def test_a_record_clock_a_probe_would_not_send_is_refused() -> None:
+    snapshot = {**traced_snapshot(),
+                "record_clock": {"clock": "x" * 40, "measured_by": "", "ticks_per_ns": 1.0}}
+    with pytest.raises(ProtocolError, match="record clock"):
+        ProbeSample.from_reply(PID, reply(snapshot))
 
 
 def test_a_tracer_that_never_ran_shows_its_state_and_reason_only() -> None:

@@ -474,6 +474,7 @@ def test_durations_stay_in_ns_after_kineto_installed_its_clock(cupti: FakeCupti)
     assert kernels(tracer.snapshot()) == {}  # held until the records' clock is known
     assert settle_clock(world, tracer, cupti) == pytest.approx(2.10, rel=1e-2)
     assert kernels(tracer.snapshot()) == {"gemm": (1, pytest.approx(10e-6, rel=1e-2))}
+    assert tracer.snapshot()["record_clock"]["measured_by"] == "records"
     cupti.kernel("gemm", 30_000)
     world.tick(tracer)
     assert kernels(tracer.snapshot()) == {"gemm": (2, pytest.approx(40e-6, rel=1e-2))}
@@ -833,6 +834,8 @@ def test_a_cupti_timestamp_on_kinetos_clock_gives_its_rate_at_open(cupti: FakeCu
     assert tracer._record_clock is not None
     assert tracer._record_clock.state == "foreign"
     assert tracer._record_clock.ticks_per_ns == pytest.approx(2.10, rel=1e-2)
+    assert tracer.snapshot()["record_clock"] == {
+        "clock": "foreign", "measured_by": "rate", "ticks_per_ns": pytest.approx(2.10, rel=1e-2)}
     cupti.kernel("gemm", 10_000)
     world.tick(tracer)
     assert kernels(tracer.snapshot()) == {"gemm": (1, pytest.approx(10e-6, rel=1e-2))}
@@ -852,3 +855,4 @@ def test_records_held_for_a_clock_never_measured_are_dropped_and_counted(
     tracer.stop()  # no baseline to measure its rate on: never counted in ticks as ns
     assert kernels(tracer.snapshot()) == {}
     assert clock.dropped_batches == 1
+    assert tracer.snapshot()["unmeasured_batches"] == 1  # exported, not only kept

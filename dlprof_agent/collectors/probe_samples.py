@@ -39,6 +39,10 @@ OTHER = "other"  # the row that rows past a limit fold into, as the probe names 
 _T = TypeVar("_T")
 
 
+RECORD_CLOCKS = ("", "native", "foreign", "unknown")
+RECORD_CLOCK_MEASUREMENTS = ("", "rate", "records")
+
+
 def _malformed(what: str) -> ProtocolError:
     return ProtocolError("malformed", f"the reply's {what} is not what a probe sends")
 
@@ -186,6 +190,10 @@ class KernelSample:
     overhead_seconds: float = 0.0
     dropped_records: int = 0
     devices: tuple[tuple[int, str], ...] = ()  # (CUDA ordinal, GPU UUID)
+    record_clock: str = ""  # native, foreign, unknown; "" from probes that do not say
+    record_clock_measured_by: str = ""  # rate, records, ""
+    record_ticks_per_ns: float = 0.0
+    unmeasured_batches: int = 0  # dropped: their clock was never measured
     traced: bool = False  # the tracer has run at some point: its counters are real
 
     @classmethod
@@ -214,6 +222,11 @@ class KernelSample:
                                           "layer GPU rows"), budgets[1] if layers else None)
         kernel_rows = trim_kernels(_list(kernels.get("kernels", []), MAX_KERNEL_ROWS,
                                          "kernel rows"), budgets[0])
+        clock = _map(kernels.get("record_clock", {}), "record clock", 3)
+        clock_name = _text(clock.get("clock", ""), "record clock")
+        measured_by = _text(clock.get("measured_by", ""), "record clock measurement")
+        if clock_name not in RECORD_CLOCKS or measured_by not in RECORD_CLOCK_MEASUREMENTS:
+            raise _malformed("record clock")  # label values: only those a probe sends
         return cls(
             state=_text(kernels["state"], "kernel state"),
             reason=_text(kernels.get("reason", ""), "kernel state reason"),
@@ -232,6 +245,11 @@ class KernelSample:
                          for n, p, t in layer_rows.rows) if layers else (),
             overhead_seconds=_seconds(kernels.get("overhead_seconds", 0.0), "overhead"),
             dropped_records=_count(kernels.get("dropped_records", 0), "dropped records"),
+            record_clock=clock_name,
+            record_clock_measured_by=measured_by,
+            record_ticks_per_ns=_seconds(clock.get("ticks_per_ns", 0.0), "ticks per ns"),
+            unmeasured_batches=_count(kernels.get("unmeasured_batches", 0),
+                                      "unmeasured batches"),
             devices=tuple(sorted((int(_text(d, "device")), _text(u, "GPU UUID"))
                                  for d, u in devices.items())),
             traced=traced), kernel_rows, layer_rows

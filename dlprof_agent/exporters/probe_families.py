@@ -98,7 +98,25 @@ def kernel_families(pid: str, kernels: KernelSample, nvml_index: Mapping[str, st
     dropped = counter("dlprof_cupti_dropped_records_total",
                       "Activity records CUPTI dropped for want of buffer space.", ["pid"])
     dropped.add_metric([pid], kernels.dropped_records)
-    return [*families, seconds, launches, duration, copied, copying, layers, overhead, dropped]
+    families += [seconds, launches, duration, copied, copying, layers, overhead, dropped]
+    if kernels.record_clock:
+        clock = gauge("dlprof_cupti_record_clock_info",
+                      "1 for the clock CUPTI's records count in: native (CUPTI's ns) or "
+                      "foreign (another client registered its own, e.g. torch.profiler's "
+                      "TSC; converted to ns), and how that was measured.",
+                      ["pid", "clock", "measured_by"])
+        clock.add_metric([pid, kernels.record_clock, kernels.record_clock_measured_by], 1)
+        ticks = gauge("dlprof_cupti_record_clock_ticks_per_ns",
+                      "Rate of the clock CUPTI's records count in, per ns of real time "
+                      "(1 for CUPTI's own).", ["pid"])
+        ticks.add_metric([pid], kernels.record_ticks_per_ns)
+        unmeasured = counter("dlprof_cupti_unmeasured_batches_total",
+                             "Batches of records dropped because the clock they count in "
+                             "could not be measured (never reported in unknown units).",
+                             ["pid"])
+        unmeasured.add_metric([pid], kernels.unmeasured_batches)
+        families += [clock, ticks, unmeasured]
+    return families
 
 
 def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,

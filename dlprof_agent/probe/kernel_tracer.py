@@ -125,6 +125,7 @@ class KernelTracer:
         self._id_base = 0
         self._temporary = False  # started for a trace only: stop after it
         self._dropped_before = 0
+        self._unmeasured_before = 0  # batches earlier record clocks dropped
         self._dropped_base = 0
         self._devices: dict[str, str] = {}
 
@@ -216,6 +217,8 @@ class KernelTracer:
         from dlprof_agent.probe import kernel_records, kernel_totals, record_clock
 
         # Another client may have put its clock on the records since we last traced.
+        if self._record_clock is not None:
+            self._unmeasured_before += self._record_clock.dropped_batches
         self._record_clock = record_clock.RecordClock(binding.timestamp_ns)
         if self._aggregator is None:  # kept across restarts: the counters stay monotonic
             self._aggregator = kernel_totals.KernelAggregator()
@@ -600,6 +603,13 @@ class KernelTracer:
                     dropped += (self._binding.counters().get("dropped_records", 0)
                                 - self._dropped_base)
                 result["dropped_records"] = dropped
+                clock = self._record_clock
+                if clock is not None:
+                    result["record_clock"] = {"clock": clock.state,
+                                              "measured_by": clock.measured_by,
+                                              "ticks_per_ns": clock.ticks_per_ns}
+                    result["unmeasured_batches"] = (self._unmeasured_before
+                                                    + clock.dropped_batches)
                 result["devices"] = dict(self._devices)
         except Exception as error:
             self._fail(error)

@@ -148,6 +148,14 @@ class KernelTotals(TypedDict):
     undecoded_bytes: int
 
 
+class RecordClockState(TypedDict):
+    """Which clock CUPTI's records count in (probe/record_clock.py)."""
+
+    clock: str  # native (CUPTI's ns), foreign (another client's), unknown
+    measured_by: str  # rate (cuptiGetTimestamp's at open), records (their ends), ""
+    ticks_per_ns: float
+
+
 class _KernelStateBase(TypedDict):
     state: str  # active, busy, unavailable
     reason: str
@@ -170,6 +178,8 @@ class KernelSnapshot(_KernelStateBase, total=False):
     undecoded_bytes: int
     dropped_records: int
     devices: dict[str, str]  # CUDA ordinal -> GPU UUID
+    record_clock: RecordClockState  # absent from older probes
+    unmeasured_batches: int  # dropped: their clock was never measured
 
 
 class _SnapshotReplyBase(TypedDict):

@@ -65,6 +65,7 @@ class RecordClock:
         self._cupti_now_ns = cupti_now_ns
         self._perf_ns = perf_ns
         self.state = UNKNOWN
+        self.measured_by = ""  # "rate" (at open) or "records" (their ends); "" until known
         self.ticks_per_ns = 1.0
         self.offset_ns = 0  # CUPTI's ns clock minus perf_counter's, as converted
         self.dropped_batches = 0  # held too long, or on a clock never measured
@@ -78,7 +79,7 @@ class RecordClock:
         raw1, perf1 = self._tight_read()
         rate = (raw1 - raw0) / (perf1 - perf0) if perf1 > perf0 else 1.0
         if abs(rate - 1.0) > RATE_TOLERANCE:
-            self._decide(FOREIGN, rate, (raw1, perf1))
+            self._decide(FOREIGN, rate, (raw1, perf1), "rate")
         else:
             self.offset_ns = raw1 - perf1
 
@@ -99,8 +100,10 @@ class RecordClock:
         assert best is not None
         return best[1], best[2]
 
-    def _decide(self, state: str, ticks_per_ns: float, anchor: tuple[int, int]) -> None:
+    def _decide(self, state: str, ticks_per_ns: float, anchor: tuple[int, int],
+                measured_by: str) -> None:
         self.state, self.ticks_per_ns, self._anchor = state, ticks_per_ns, anchor
+        self.measured_by = measured_by
         if state == FOREIGN:
             self.offset_ns = 0  # converted timestamps are perf_counter ns
 
@@ -118,7 +121,7 @@ class RecordClock:
             now = perf + self.offset_ns
             if not self._implausible and now - PLAUSIBLE_LAG_NS <= newest <= now \
                     + PLAUSIBLE_LEAD_NS:
-                self._decide(NATIVE, 1.0, (0, 0))
+                self._decide(NATIVE, 1.0, (0, 0), "records")
             else:
                 self._implausible = True
                 self._observe(newest, perf)
@@ -168,7 +171,7 @@ class RecordClock:
             rate = (late[0] - early[0]) / (late[1] - early[1])
         if rate <= 0:
             return
-        self._decide(FOREIGN, rate, late)
+        self._decide(FOREIGN, rate, late, "records")
 
     def _convert(self, batch: Batch) -> Batch:
         raw0, perf0 = self._anchor
