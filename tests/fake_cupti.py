@@ -254,13 +254,15 @@ class FakeCupti:
       called at every open, the kernel totals after torch.profiler were still
       2.10x (GPU evidence 2026-11-26, gpu-tests.txt: 76.2 against 36.3 ms a step;
       one run on 2026-11-23 that looked right is not reproduced).
-      ``cuptiGetTimestamp`` is on CUPTI's own clock unless
-      ``timestamp_follows_callback`` (not yet seen either way on a GPU).
+      ``cuptiGetTimestamp`` follows the registered clock too, as it did on the H100
+      (GPU evidence 2026-11-26 run-2: the probe measured 2.10 ticks per ns from its
+      rate at open); ``timestamp_follows_callback=False`` models a CUPTI that keeps
+      it on its own clock, as CUPTI's documentation describes.
     """
 
     def __init__(self, *, version: str = "13.4", buffer_records: int | None = None,
                  now_ns: Callable[[], int] | None = None,
-                 timestamp_follows_callback: bool = False) -> None:
+                 timestamp_follows_callback: bool = True) -> None:
         self.version = version
         self.layouts = LAYOUTS[version]
         self.enabled: set[int] = set()
