@@ -1,0 +1,60 @@
+"""One rank of a two-"node" DistributedDataParallel job for the fleet test: gloo,
+one thread, a small CNN on tensors held in memory. Rank --slow-rank sleeps
+--input-sleep-ms before each step, where a job waits for its input, so the other
+rank waits for it in the gradient all-reduce."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--until", required=True, metavar="FILE",
+                        help="stop after the step during which FILE appears")
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--input-sleep-ms", type=float, default=20.0)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--max-seconds", type=float, default=600.0)
+    args = parser.parse_args()
+    import dlprof_agent.probe
+
+    dlprof_agent.probe.enable()  # dormant until a daemon finds it
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(32, 10)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    images = torch.randn(args.batch, 3, 32, 32)
+    labels = torch.randint(0, 10, (args.batch,))
+    deadline = time.monotonic() + args.max_seconds
+    stop = torch.zeros(1)
+    while True:
+        if rank == args.slow_rank:
+            time.sleep(args.input_sleep_ms / 1000)  # a slow input pipeline
+        optimizer.zero_grad()
+        loss_fn(model(images), labels).backward()
+        optimizer.step()
+        stop.fill_(1.0 if os.path.exists(args.until) or time.monotonic() > deadline else 0.0)
+        dist.all_reduce(stop)  # both ranks stop after the same step
+        if stop.item() > 0:
+            break
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

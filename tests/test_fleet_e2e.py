@@ -1,0 +1,138 @@
+"""One data-parallel job on two "nodes", end to end: two torchrun launchers
+(--nnodes 2, rendezvous on 127.0.0.1, gloo, one thread per rank), one
+`dlprof-agent daemon` per node (told apart by GROUP_RANK, each with its own
+--node-name), and a real Prometheus evaluating `dlprof-agent rules --rate-window
+10s --for 10s`. Rank 1 sleeps in its input before each step, so rank 0 waits for
+it in the gradient all-reduce and both report the same step time: only each
+rank's own time (step minus exchange) tells them apart.
+
+It holds that both ranks' step series carry one job_id and their own rank; that
+the straggler alert fires for rank 1 only, naming input as its cause; and that
+stopping one daemon raises the missing-ranks alert."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (PROMETHEUS, REPO, Prometheus, agent_env, free_port, http_get,
+                            wait_for)
+
+pytestmark = pytest.mark.slow
+
+JOB_ID = "fleet-e2e"
+SLOW_RANK = "1"
+INPUT_SLEEP_MS = 25
+
+
+def firing(prometheus: Prometheus, alertname: str) -> list[dict[str, str]]:
+    return [series["metric"] for series in prometheus.query(
+        f'ALERTS{{alertstate="firing",alertname=~"{alertname}"}}')]
+
+
+def start_prometheus(tmp_path: Path, processes: list[subprocess.Popen[bytes]],
+                     agent_ports: list[int]) -> Prometheus:
+    rules = tmp_path / "rules.yml"
+    generated = subprocess.run(
+        [sys.executable, "-m", "dlprof_agent", "rules", "--rate-window", "10s", "--for", "10s"],
+        env=agent_env(), capture_output=True, text=True, timeout=60, check=True)
+    rules.write_text(generated.stdout)
+    targets = ", ".join(f"'127.0.0.1:{port}'" for port in agent_ports)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{rules}']\n"
+        "scrape_configs:\n"
+        "  - job_name: dlprof\n"
+        f"    static_configs: [{{targets: [{targets}]}}]\n")
+    port = free_port()
+    assert PROMETHEUS is not None
+    processes.append(subprocess.Popen(
+        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    server = Prometheus(port)
+    wait_for(lambda: http_get(f"{server.url}/-/ready"), "Prometheus to be ready")
+    return server
+
+
+def start_node(processes: list[subprocess.Popen[bytes]], tmp_path: Path, node: int,
+               master_port: int) -> None:
+    """One node's torchrun launcher, one rank under it."""
+    processes.append(subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+         str(master_port), "--rdzv-id", JOB_ID, "tests/jobs/ddp_fleet.py",
+         "--until", str(tmp_path / "stop"), "--slow-rank", SLOW_RANK,
+         "--input-sleep-ms", str(INPUT_SLEEP_MS)],
+        cwd=REPO, env={**agent_env(), "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
+
+def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:
+    port = free_port()
+    processes.append(subprocess.Popen(
+        [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--quiet",
+         "--no-gpu", "--no-inject", "--interval", "0.5", "--scan-interval", "0.5",
+         "--env", f"GROUP_RANK={node}", "--node-name", f"node-{node}"],
+        cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    return port
+
+
+def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    if PROMETHEUS is None:
+        pytest.fail("the prometheus server is not installed (Debian package `prometheus`)")
+    ports = [start_daemon(processes, node) for node in (0, 1)]
+    daemons = list(processes)
+    prometheus = start_prometheus(tmp_path, processes, ports)
+    master_port = free_port()
+    for node in (0, 1):
+        start_node(processes, tmp_path, node, master_port)
+
+    def step_series() -> list[dict[str, str]]:
+        return [series["metric"] for series in prometheus.query(
+            'dlprof_steps_total{phase="steady"} > 20')]
+
+    try:
+        ranks = wait_for(lambda: len(step_series()) == 2 and step_series(),
+                         "steady steps from both ranks", 180)
+        assert {series["job_id"] for series in ranks} == {JOB_ID}
+        assert sorted(series["rank"] for series in ranks) == ["0", "1"]
+        info = prometheus.query("dlprof_target_info")
+        nodes = {series["metric"]["rank"]: series["metric"]["node"] for series in info
+                 if series["metric"].get("role") == "rank"}
+        assert nodes == {"0": "node-0", "1": "node-1"}
+
+        fast_rank_fired: list[dict[str, str]] = []
+
+        def straggler() -> list[dict[str, str]]:
+            alerts = firing(prometheus, ".*[Ss]traggler.*")
+            fast_rank_fired.extend(a for a in alerts if a.get("rank") != SLOW_RANK)
+            return alerts
+
+        alerts = wait_for(straggler, "the straggler alert for the slow rank", 180)
+        assert {(a["job_id"], a["rank"], a["cause"]) for a in alerts} == {
+            (JOB_ID, SLOW_RANK, "input")}
+        assert not fast_rank_fired, fast_rank_fired
+        # The rank that waits in the all-reduce is not called input-bound.
+        verdicts = prometheus.query('dlprof_finding{finding="input_bound"} == 1')
+        assert {v["metric"]["rank"] for v in verdicts} <= {SLOW_RANK}, verdicts
+
+        daemons[1].send_signal(signal.SIGTERM)  # node 1's agent goes away
+        daemons[1].wait(30)
+        missing = wait_for(lambda: firing(prometheus, ".*[Mm]issing.*"),
+                           "the missing-ranks alert", 120)
+        assert {a["job_id"] for a in missing} == {JOB_ID}
+    finally:
+        (tmp_path / "stop").touch()
+        for process in processes[3:]:
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
