@@ -68,6 +68,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
             memcpy=(MemcpyRow(0, "h2d", 1 << 20, 0.0001),),
             layers=(LayerGpuRow("features.0", "forward", 0.001),),
             overhead_seconds=0.0005, dropped_records=0, devices=((0, "GPU-0000"),),
+            record_clock="native", record_clock_measured_by="records", record_ticks_per_ns=1.0,
             traced=True),
         layer_sampled_steps=4, phase_split="split")
     return Snapshot(timestamp_seconds=time.time(), monotonic_seconds=time.monotonic(),
