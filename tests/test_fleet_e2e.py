@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (PROMETHEUS, REPO, Prometheus, agent_env, free_port, http_get,
-                            wait_for)
+from tests.conftest import PROMETHEUS, REPO, Prometheus, agent_env, free_port, http_get, wait_for
 
 pytestmark = pytest.mark.slow
 
