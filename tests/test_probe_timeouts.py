@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from dlprof_agent.collectors import procfs
 from dlprof_agent.collectors.probe import ProbeClient
 from dlprof_agent.errors import ProbeAlreadyAttached
 from dlprof_agent.probe.session import DEFAULT_OPTIONS, Session, checked_options
@@ -91,6 +92,11 @@ def test_a_silent_agent_loses_its_session_after_the_lease_it_asked_for(
         silent.close()
 
 
+def all_threads_stopped(pid: int) -> bool:
+    stats = [procfs.read_stat(pid, tid=tid) for tid in procfs.list_tasks(pid)]
+    return all(stat is not None and stat.state == "T" for stat in stats)
+
+
 def test_a_stopped_job_is_kept_then_dropped_on_the_channels_own_limits(
         probe_job: subprocess.Popen[str]) -> None:
     client = try_connect(probe_job.pid, ProbeOptions(inject=False), 0.1, 0.0)
@@ -102,6 +108,9 @@ def test_a_stopped_job_is_kept_then_dropped_on_the_channels_own_limits(
     first = source.sample()
     assert first is not None and source.up
     os.kill(probe_job.pid, signal.SIGSTOP)  # it cannot answer now
+    # Once every thread has stopped: a thread woken by the stop but not yet run
+    # could still read a request sent meanwhile and answer it.
+    wait_for(lambda: all_threads_stopped(probe_job.pid), "the job to stop", 10)
     assert source.sample() is first  # late: the last sample stands
     now[0] += 5.0
     assert source.sample() is None and not source.up  # past the late limit: down
