@@ -118,6 +118,7 @@ def test_options_change_the_window_for_and_scrape_job_only() -> None:
     (("--for", "2x"), "argument --for: '2x' is not a Prometheus duration"),
     (("--for", "m1"), "'m1' is not a Prometheus duration"),
     (("--scrape-job", "dlprof("), "'dlprof(' is not a regular expression"),
+    (("--scrape-job", "dlprof(?!-test)"), "Prometheus's regular expressions (RE2) do not"),
 ])
 def test_bad_values_are_one_line_errors(args: tuple[str, ...], message: str) -> None:
     code, out, err = command(*args)

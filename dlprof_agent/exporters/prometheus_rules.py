@@ -92,6 +92,8 @@ _RANKED = 'job_id!="",rank!=""'
 # Prometheus's duration syntax (model.ParseDuration): units largest first, each once.
 _DURATION = re.compile(r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?"
                        r"(?:(\d+)s)?(?:(\d+)ms)?")
+# What Python's regular expressions have and RE2's do not.
+_NOT_RE2 = re.compile(r"\(\?<?[=!]|\\[1-9]")
 _UNIT_MS = (365 * 86_400_000, 7 * 86_400_000, 86_400_000, 3_600_000, 60_000, 1000, 1)
 
 
@@ -124,6 +126,9 @@ class RuleOptions:
         except re.error as error:
             raise ValueError(f"{self.scrape_job!r} is not a regular expression: {error}"
                              ) from None
+        if _NOT_RE2.search(self.scrape_job):
+            raise ValueError(f"{self.scrape_job!r} needs lookaround or backreferences, which "
+                             "Prometheus's regular expressions (RE2) do not have")
 
 
 @dataclass(frozen=True)
