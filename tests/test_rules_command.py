@@ -175,7 +175,7 @@ def test_promtool_runs_the_job_cases_on_the_command_output(tmp_path: Path) -> No
     assert "SUCCESS" in result.stdout
     # The cases cover every cause the rank's own signals name, and every alert.
     cases = PROMTOOL_CASES.read_text()
-    for cause in ("input", "cpu_starved", "gpu_throttled", "compute"):
+    for cause in prometheus_rules.CAUSES:
         assert f"cause: {cause}\n" in cases, cause
     for alert in ("DlprofStragglerRank", "DlprofJobStalled", "DlprofMissingRanks",
                   "DlprofAgentDown", "DlprofProbeDown", "DlprofSlowExchange"):
