@@ -135,11 +135,11 @@ def _ranks() -> list[Panel]:
                "(outside the model's steps) and the step time. The straggler has the largest "
                "own time and the smallest wait; its largest column above the median is why.",
                "s",
-               [(f"{RANK_OWN_MEAN}{{{JOB_ID}}}", ""),
-                (f"{RANK_OWN_ABOVE_MEDIAN}{{{JOB_ID}}}", ""),
-                (_phase("exchange"), ""), (_phase("other"), ""),
-                (f"{RANK_STEP_MEAN}{{{JOB_ID}}}", "")],
-               names=names, hidden=("Time", "job_id", "phase", "__name__")),
+               # By rank alone: the merge joins rows on the labels the frames share.
+               [(f"sum by (rank) ({expr})", "") for expr in (
+                   f"{RANK_OWN_MEAN}{{{JOB_ID}}}", f"{RANK_OWN_ABOVE_MEDIAN}{{{JOB_ID}}}",
+                   _phase("exchange"), _phase("other"), f"{RANK_STEP_MEAN}{{{JOB_ID}}}")],
+               names=names, hidden=("Time",)),
         time_series("Own time per step by rank", "Step time less the wait in collectives, "
                     "per rank, with the job's median. A rank "
                     f"{STRAGGLER_SHARE:.0%} and {STRAGGLER_FLOOR_SECONDS * 1000:g} ms above "
