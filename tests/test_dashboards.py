@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from dlprof_agent.grafana import build as dashboards
+from dlprof_agent.grafana.job import IDENTITY_METRICS
 from dlprof_agent.grafana.overview import build_overview
 from dlprof_agent.grafana.panels import (
     CPU_RATE,
@@ -42,7 +44,9 @@ COMMITTED = REPO / "dlprof_agent" / "grafana" / "dashboards"
 DEPLOY = REPO / "deploy" / "prometheus"
 JOB = REPO / "tests" / "jobs" / "torch_cnn.py"
 REGENERATE = "regenerate with `python -m dlprof_agent.grafana.build` and commit the result"
-FILES = ("overview.json", "layers.json", "threads.json", "gpu.json")
+FILES = ("overview.json", "layers.json", "threads.json", "gpu.json", "job.json")
+# Its queries need the job_id and rank labels: tests/test_job_dashboard.py runs them.
+JOB_FILE = "job.json"
 UNITS = {"s", "bytes", "Bps", "percentunit", "watt", "hertz", "celsius", "short", "ops",
          "string"}
 # A metric or recording-rule name (rules carry colons around the metric's name).
@@ -50,7 +54,6 @@ NAME = re.compile(r"[a-z_:]*dlprof_[a-z0-9_:]*")
 HISTOGRAM_SERIES = re.compile(r"_(?:bucket|sum|count)$")
 # NVML metrics have series only where there is a GPU; dlprof_gpu_available is always there.
 GPU_METRIC = re.compile(r"^dlprof_(?:process_)?gpu_(?!available$)")
-RULE = re.compile(r"^ *- record: *(?P<name>\S+)\n *expr: *(?P<expr>.+)$", re.MULTILINE)
 LABEL_VALUES = re.compile(r"label_values\((?P<selector>.+), *(?P<label>[a-z_]+)\)")
 
 
@@ -59,9 +62,20 @@ def documented_metrics() -> set[str]:
     return set(re.findall(r"^\| `(dlprof_[a-z0-9_]+)` \|", text, re.MULTILINE))
 
 
+def shipped_rules() -> list[dict[str, Any]]:
+    """Every rule of the shipped rules.yml, recording and alerting, in file order."""
+    groups = yaml.safe_load((DEPLOY / "rules.yml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
 def recording_rules() -> dict[str, str]:
-    """Name -> expr of every rule in the shipped rules.yml (one line each)."""
-    return {m["name"]: m["expr"] for m in RULE.finditer((DEPLOY / "rules.yml").read_text())}
+    """Name -> expr of every recording rule in the shipped rules.yml."""
+    return {rule["record"]: rule["expr"] for rule in shipped_rules() if "record" in rule}
+
+
+def alerting_rules() -> dict[str, str]:
+    """Name -> expr of every alert (the straggler's causes share one name)."""
+    return {rule["alert"]: rule["expr"] for rule in shipped_rules() if "alert" in rule}
 
 
 def scrape_interval_seconds() -> int:
@@ -77,11 +91,13 @@ def substitutions() -> dict[str, str]:
     interval matches prometheus.yml."""
     interval = scrape_interval_seconds()
     return {"$__rate_interval": f"{4 * interval}s", "$__interval": f"{interval}s",
-            "$job": "dlprof", "$instance": ".*", "$pid": ".*", "$gpu": ".*"}
+            "$job": "dlprof", "$instance": ".*", "$pid": ".*", "$gpu": ".*",
+            "$job_id": "train"}
 
 
 def substitute(promql: str) -> str:
-    for variable, value in substitutions().items():
+    # Longest first: $job is the start of $job_id.
+    for variable, value in sorted(substitutions().items(), key=lambda item: -len(item[0])):
         promql = promql.replace(variable, value)
     assert "$" not in promql, promql
     return promql
@@ -147,6 +163,13 @@ def test_module_runs_as_a_script(tmp_path: Path) -> None:
 def test_variables_pick_the_datasource_then_job_instance_pids_and_gpus(
         model: dict[str, Any]) -> None:
     variables = {v["name"]: v for v in model["templating"]["list"]}
+    if model["uid"] == "dlprof-job":
+        # One job across its agents: picked by job_id alone.
+        assert list(variables) == ["datasource", "job_id"]
+        assert variables["job_id"]["query"] == \
+            'label_values(dlprof_target_info{job_id!=""}, job_id)'
+        assert not variables["job_id"].get("multi")
+        return
     uses_gpus = any('gpu=~"$gpu"' in expr for expr in dashboards.queries(model))
     assert list(variables) == ["datasource", "job", "instance", "pid",
                                *(["gpu"] if uses_gpus else [])]
@@ -239,8 +262,8 @@ def test_queries_use_only_documented_metrics_kernel_metrics_and_shipped_rules(
     names = {name for expr in exprs for name in NAME.findall(expr)}
     assert {n for n in names if ":" in n} - set(rules) == set(), "not in rules.yml"
     used = {metric for expr in exprs for metric in metrics_behind(expr)}
-    assert used - documented - set(KERNEL_METRICS) == set(), \
-        "neither in docs/metrics.md nor in KERNEL_METRICS"
+    assert used - documented - set(KERNEL_METRICS) - set(IDENTITY_METRICS) == set(), \
+        "neither in docs/metrics.md nor in KERNEL_METRICS nor IDENTITY_METRICS"
     for expr in exprs:
         substitute(expr)  # only variables the dashboards define
 
@@ -249,19 +272,24 @@ def test_recording_rules_are_named_by_convention_and_all_used(
         models: dict[str, dict[str, Any]]) -> None:
     rules = recording_rules()
     assert len(rules) == (DEPLOY / "rules.yml").read_text().count("- record:")
-    assert 1 <= len(rules) <= 8, "keep the rules few"
-    for name, expr in rules.items():
-        level, metric, operation = name.split(":")
-        assert level.startswith("instance"), name
+    assert 1 <= len(rules) <= 30, "keep the rules few"
+    per_process = {name: expr for name, expr in rules.items() if name.startswith("instance")}
+    for name, expr in per_process.items():
+        _, metric, operation = name.split(":")
         assert metric.startswith("dlprof_") and not metric.endswith("_total"), name
         assert re.fullmatch(r"(rate|mean)1m", operation), name
         assert f"[{operation.removeprefix('rate').removeprefix('mean')}]" in expr, name
+    # The job's rules (tests/test_rules_command.py checks their names) aggregate to job_id.
+    assert all(name.startswith("job_id") for name in set(rules) - set(per_process))
     used = {name for model in models.values() for expr in dashboards.queries(model)
             for name in NAME.findall(expr)}
-    assert set(rules) - used == set(), "a rule no dashboard reads"
+    read = {name for expr in [*rules.values(), *alerting_rules().values()]
+            for name in NAME.findall(expr)}
+    assert set(rules) - used - read == set(), "a rule no dashboard, rule or alert reads"
+    assert set(per_process) - used == set(), "a per-process rule no dashboard reads"
     constants = {CPU_RATE, THREAD_CPU_RATE, STEP_MEAN,
                  LAYER_RATE, KERNEL_RATE}
-    assert constants == set(rules)
+    assert constants == set(per_process)
 
 
 def test_gpu_and_kernel_panels_are_known(models: dict[str, dict[str, Any]]) -> None:
@@ -290,7 +318,7 @@ def test_promtool_accepts_the_shipped_config() -> None:
 def test_promtool_accepts_the_shipped_rules() -> None:
     result = promtool("check", "rules", str(DEPLOY / "rules.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(recording_rules())} rules found" in result.stdout
+    assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
 
 
 def test_shipped_config_scrapes_dlprof_from_file_targets_with_the_rules() -> None:
@@ -365,7 +393,8 @@ def test_every_query_of_every_dashboard_runs_on_the_shipped_prometheus(
     port, pid = training
     prometheus = shipped_prometheus
     rules = json.loads(http_get(f"{prometheus.url}/api/v1/rules"))["data"]["groups"]
-    assert {r["name"] for g in rules for r in g["rules"]} == set(recording_rules())
+    assert {r["name"] for g in rules for r in g["rules"]} == \
+        set(recording_rules()) | set(alerting_rules())
     # The last series to appear: steady steps and layers, through the recording rules.
     wait_for(lambda: all(prometheus.query(f"{rule} > 0") for rule in
                          (STEP_MEAN, LAYER_RATE)),
@@ -373,6 +402,8 @@ def test_every_query_of_every_dashboard_runs_on_the_shipped_prometheus(
 
     checked, owed, empty = [], [], []
     for name, model in models.items():
+        if name == JOB_FILE:
+            continue  # no job_id here: tests/test_job_dashboard.py runs it on its series
         for panel in dashboards.panels(model):
             title = f"{name}: {panel['title']}"
             # Prometheus answers every query, GPU or not: the PromQL is valid.
@@ -384,7 +415,8 @@ def test_every_query_of_every_dashboard_runs_on_the_shipped_prometheus(
             else:
                 empty.append(title)
     assert empty == [], "no series for these panels; only GPU and kernel panels may be empty"
-    assert sorted(owed) == sorted(owed_to_gpu(models))
+    assert sorted(owed) == sorted(owed_to_gpu(
+        {name: model for name, model in models.items() if name != JOB_FILE}))
     print(f"\n{len(checked)} panels checked for data here, {len(owed)} owed to a GPU machine")
 
     # The variables' label_values() queries, as Grafana sends them.

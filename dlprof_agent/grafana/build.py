@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dlprof_agent.grafana.gpu import build_gpu
+from dlprof_agent.grafana.job import build_job
 from dlprof_agent.grafana.layers import build_layers
 from dlprof_agent.grafana.overview import build_overview
 from dlprof_agent.grafana.threads import build_threads
@@ -27,7 +28,7 @@ DEFAULT_DIRECTORY = Path(__file__).parent / "dashboards"
 def dashboards() -> dict[str, dict[str, Any]]:
     """Every shipped dashboard by its file name."""
     return {"overview.json": build_overview(), "layers.json": build_layers(),
-            "threads.json": build_threads(), "gpu.json": build_gpu()}
+            "threads.json": build_threads(), "gpu.json": build_gpu(), "job.json": build_job()}
 
 
 def render(model: dict[str, Any]) -> str:

@@ -195,7 +195,10 @@ def _variables(*, gpu: bool) -> list[Builder[dashboard_models.VariableModel]]:
 
 
 def dashboard(uid: str, title: str, description: str,
-               rows: Sequence[tuple[str, Sequence[Panel]]], *, gpu: bool) -> dict[str, Any]:
+               rows: Sequence[tuple[str, Sequence[Panel]]], *, gpu: bool,
+               variables: Sequence[Builder[dashboard_models.VariableModel]] | None = None
+               ) -> dict[str, Any]:
+    """``variables``: instead of the data source, job, agent and process (and GPU)."""
     ids = itertools.count(1)
     # The other dashboards, one click away, with the same variables and time range.
     others = (dashboard_builders.DashboardLink("dlprof-agent")
@@ -205,7 +208,7 @@ def dashboard(uid: str, title: str, description: str,
                .tags(["dlprof-agent"]).links([others])
                .time("now-30m", "now").refresh("10s")
                .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR)
-               .variables(_variables(gpu=gpu)))
+               .variables(_variables(gpu=gpu) if variables is None else list(variables)))
     for row_title, row_panels in rows:
         builder = builder.with_row(dashboard_builders.Row(row_title).id(next(ids)))
         for panel in row_panels:
