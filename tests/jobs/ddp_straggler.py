@@ -1,0 +1,81 @@
+"""One rank of a two-rank DistributedDataParallel job (gloo on 127.0.0.1, one
+intra-op thread) with the probe's recorder and PyTorch hooks in this process, as
+tests/test_probe_torch_phases.py sets them up. Rank ``--slow-rank`` sleeps in
+its input before every step; each step ends with an all-reduce of the loss, as
+a loop that logs the mean loss does. Writes the recorder's snapshots (after the
+warm-up and at the end), the probe's process_group setting and the CPU time of
+the measured steps to ``--out`` as JSON.
+
+Run: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m
+tests.jobs.ddp_straggler --out FILE."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dlprof_agent.probe.distributed import torch_process_group
+from dlprof_agent.probe.recorder import LayerSampling, Recorder
+from dlprof_agent.probe.torch_hooks import TorchHooks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--slow-rank", type=int, default=1)
+    parser.add_argument("--input-seconds", type=float, default=0.02)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(),
+                                                  nn.Linear(64, 10)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    inputs, labels = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    # As the agent sets it up: duty-cycled layer timing under the default budget.
+    recorder = Recorder(warmup_steps=args.warmup, layer_sampling=LayerSampling())
+    hooks = TorchHooks(recorder, layers=True)
+    hooks.install()
+
+    def step() -> None:
+        if rank == args.slow_rank:
+            time.sleep(args.input_seconds)  # the input this rank waits for
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        dist.all_reduce(loss.detach())
+
+    try:
+        # Discovery takes two steps, then the warm-up, then one to open a steady step.
+        for _ in range(args.warmup + 3):
+            step()
+        before, cpu_before = recorder.snapshot(), time.process_time()
+        for _ in range(args.steps):
+            step()
+        after, cpu_after = recorder.snapshot(), time.process_time()
+    finally:
+        hooks.remove()
+    result = {"rank": rank, "before": before, "after": after,
+              "cpu_seconds": cpu_after - cpu_before,
+              "process_group": torch_process_group()}
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(args.out, "w") as out:
+        json.dump(result, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
