@@ -6,6 +6,12 @@ a loop that logs the mean loss does. Writes the recorder's snapshots (after the
 warm-up and at the end), the probe's process_group setting and the CPU time of
 the measured steps to ``--out`` as JSON.
 
+With ``--compare-rounds N`` it measures instead what timing the exchange costs
+a step: blocks of ``--steps`` steps with the exchange timed and not (the probe
+with layer timing in both), taking turns, each round starting with the other,
+and writes each block's median step time (the job's own clock) and CPU time
+per step (the whole process: gloo's threads too).
+
 Run: RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m
 tests.jobs.ddp_straggler --out FILE."""
 
@@ -13,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,7 @@ def main() -> int:
     parser.add_argument("--input-seconds", type=float, default=0.02)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--compare-rounds", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -61,20 +70,45 @@ def main() -> int:
         # Discovery takes two steps, then the warm-up, then one to open a steady step.
         for _ in range(args.warmup + 3):
             step()
-        before, cpu_before = recorder.snapshot(), time.process_time()
-        for _ in range(args.steps):
-            step()
-        after, cpu_after = recorder.snapshot(), time.process_time()
+        if args.compare_rounds:
+            result: dict[str, object] = {"rank": rank, "blocks": compare(
+                hooks, step, args.compare_rounds, args.steps)}
+        else:
+            before, cpu_before = recorder.snapshot(), time.process_time()
+            for _ in range(args.steps):
+                step()
+            after, cpu_after = recorder.snapshot(), time.process_time()
+            result = {"rank": rank, "before": before, "after": after,
+                      "cpu_seconds": cpu_after - cpu_before,
+                      "process_group": torch_process_group()}
     finally:
         hooks.remove()
-    result = {"rank": rank, "before": before, "after": after,
-              "cpu_seconds": cpu_after - cpu_before,
-              "process_group": torch_process_group()}
     dist.barrier()
     dist.destroy_process_group()
     with open(args.out, "w") as out:
         json.dump(result, out)
     return 0
+
+
+def compare(hooks: TorchHooks, step: Callable[[], None], rounds: int,
+            steps: int) -> list[tuple[str, float, float]]:
+    """Each block's configuration, median step seconds and the process's CPU
+    seconds per step, interleaved."""
+    blocks = []
+    for round_index in range(rounds):
+        for timed in (True, False) if round_index % 2 == 0 else (False, True):
+            # The two parts of the exchange timing, in or out (the probe's own switches).
+            hooks._collectives.active = timed
+            hooks._ddp_wait.ddp = timed
+            seconds = []
+            cpu_started = time.process_time()
+            for _ in range(steps):
+                started = time.perf_counter()
+                step()
+                seconds.append(time.perf_counter() - started)
+            blocks.append(("exchange" if timed else "no exchange", statistics.median(seconds),
+                           (time.process_time() - cpu_started) / steps))
+    return blocks
 
 
 if __name__ == "__main__":
