@@ -1,7 +1,8 @@
 """Findings that know what they do not know: the rules that read the step split
 judge it only when every phase of the step was measured, and a rank of a process
-group gets no input verdict (its time in collectives is outside every phase, as
-waiting for input is). The windows are the summaries of the issue's healthy jobs."""
+group gets no input verdict until its time in collectives is measured as the
+phase "exchange" (until then it is outside every phase, as waiting for input is).
+The windows are the summaries of the issue's jobs."""
 
 from __future__ import annotations
 
@@ -91,6 +92,54 @@ def test_a_rank_of_a_process_group_gets_no_input_verdict(group: str) -> None:
     assert rules.input_bound(sleeping) is None
 
 
+# The issue's straggler job, measured (tests/test_probe_exchange_ddp.py): rank 0
+# waits in DDP's all-reduce while rank 1 sleeps 20 ms in its input every step.
+WAITING_RANK = (("forward", 0.015), ("backward", 0.025), ("optimizer", 0.005),
+                ("exchange", 0.92), ("other", 0.035))
+SLOW_RANK = (("forward", 0.02), ("backward", 0.05), ("optimizer", 0.005),
+             ("exchange", 0.09), ("other", 0.835))
+
+
+@pytest.mark.parametrize("group", ["gloo:2", "nccl:8"])
+def test_a_rank_whose_exchange_was_measured_gets_an_input_verdict_again(group: str) -> None:
+    settings = (("process_group", group),)
+    waiting = rules.input_bound(job_window(WAITING_RANK, busy_cores=0.1, runnable=0,
+                                           settings=settings))
+    assert waiting is not None and not waiting.holds
+    assert waiting.evidence["exchange_step_ratio"] == pytest.approx(0.92)
+    assert waiting.evidence["other_step_ratio"] == pytest.approx(0.035)
+    slow = rules.input_bound(job_window(SLOW_RANK, busy_cores=0.1, runnable=0,
+                                        settings=settings))
+    assert slow is not None and slow.holds
+
+
+def test_a_measured_exchange_without_a_full_split_keeps_the_gate() -> None:
+    # Without layer timing DDP's wait is not measured (it is in "unsplit"), however
+    # much of it a collective called from Python was: the rank stays unjudged.
+    settings = (("process_group", "gloo:2"),)
+    partial = job_window((("optimizer", 0.02), ("exchange", 0.1), ("unsplit", 0.88)),
+                         busy_cores=0.1, runnable=0, settings=settings)
+    assert rules.input_bound(partial) is None
+    window = job_window(WAITING_RANK, settings=settings)
+    last = window.last
+    assert last.probe is not None
+    not_split = Window((window.first, dataclasses.replace(
+        last, probe=dataclasses.replace(last.probe, phase_split=COMPILED_GRAPH))))
+    assert rules.input_bound(not_split) is None
+    assert not window.exchange_unmeasured() and not_split.exchange_unmeasured()
+
+
+def test_launch_bound_reads_a_ranks_input_once_its_exchange_is_measured() -> None:
+    settings = (("process_group", "nccl:2"),)
+    straggler = rules.launch_bound(job_window(SLOW_RANK, gpu_utilization=0.2,
+                                              settings=settings))
+    assert straggler is not None and not straggler.holds  # input_bound's case
+    assert straggler.evidence["other_step_ratio"] == pytest.approx(0.835)
+    unmeasured = rules.launch_bound(job_window(FULL_SPLIT_WAITING, gpu_utilization=0.2,
+                                               settings=settings))
+    assert unmeasured is not None and "other_step_ratio" not in unmeasured.evidence
+
+
 def test_launch_bound_reads_input_only_from_a_full_split() -> None:
     # An idle GPU beside a busy launcher. A full split that says "input" leaves
     # it to input_bound; a partial one cannot say it, so the launcher is judged.
@@ -121,6 +170,11 @@ def test_healthy_splits_of_every_trainer_raise_nothing() -> None:
     ddp = job_window((("forward", 0.1), ("backward", 0.15), ("optimizer", 0.05),
                       ("other", 0.7)), settings=(("process_group", "gloo:2"),))
     assert rules.input_bound(ddp) is None
+    for group in ("gloo:2", "nccl:2"):
+        measured = job_window(WAITING_RANK, settings=(("process_group", group),))
+        for rule in (rules.input_bound, rules.launch_bound):
+            check = rule(measured)
+            assert check is None or not check.holds, (group, rule.__name__, check)
 
 
 # ---- what the probe reports --------------------------------------------------------------------

@@ -146,7 +146,8 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
                         probe.step_seconds_sum)
     phases = counter("dlprof_step_phase_seconds_total",
                      "Steady-state step time by phase: forward and backward (summed over "
-                     "layers, with --layers), optimizer, and other (data, loss, Python).",
+                     "layers, with --layers), optimizer, exchange (waiting for other ranks "
+                     "in collectives), and other (data, loss, Python).",
                      ["pid", "phase"])
     for phase, seconds in probe.phase_seconds:
         phases.add_metric([pid, phase], seconds)

@@ -20,6 +20,13 @@ time at every snapshot. A phase that only timed steps see (TensorFlow's
 forward, from its layers) is estimated for an untimed step from the latest
 timed one's proportions. The rest of the step is ``other`` when forward and
 backward were both seen, else ``unsplit``, and ``phase_split`` says why.
+
+``exchange`` is the time a rank of a multi-process job waited for its peers:
+collectives called from Python (``torch_collectives``) and, with the model's
+phases, DDP's wait for its gradient all-reduce at the end of backward
+(``torch_hooks``). Like every phase it is innermost: a collective inside the
+forward (SyncBatchNorm's) is taken out of the forward. A rank's own time per
+step is the step time less its exchange.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ DEFAULT_MAX_LAYERS = 512
 OTHER_LAYER = "other"
 OTHER_PHASE = "other"  # the step's rest, when forward and backward were seen
 UNSPLIT_PHASE = "unsplit"  # the step's rest, when they were not: not read as "other"
+EXCHANGE_PHASE = "exchange"  # waiting for the other ranks in collectives
 SPLIT = "split"
 FORWARD_NOT_SEEN = "forward not seen"
 BACKWARD_NOT_SEEN = "backward not seen"

@@ -34,6 +34,7 @@ with a closure (Lightning's automatic optimization) runs forward and backward
 inside its ``step``; the closure is wrapped so that its own time, the loss and
 ``zero_grad``, is ``other`` and not the optimizer's. Without layer timing the
 optimizer alone is timed, and the split says that forward was not seen.
+Waiting for other ranks (DDP, torch.distributed) is ``exchange``: ``torch_exchange``.
 
 Samples per step are the first dimension of the model's first tensor input,
 positional or keyword (Hugging Face's ``model(**batch)``), or of the first
@@ -51,6 +52,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.probe.recorder import OTHER_PHASE, UNSPLIT_PHASE, Recorder
+from dlprof_agent.probe.torch_exchange import CollectiveTiming, DdpWait, holds_ddp
 from dlprof_agent.probe.torch_values import (
     batch_dimension,
     batch_tensor,
@@ -94,6 +96,8 @@ class TorchHooks:
         self._blas: str | None = None
         self.model_name = ""
         self._torch: Any = sys.modules["torch"]  # the probe only hooks an imported torch
+        self._collectives = CollectiveTiming(recorder)
+        self._ddp_wait = DdpWait(recorder, self._torch)
         # Kernel attribution: the kernel tracer (its ``correlator`` may come and go),
         # each hooked layer's index in ``layer_labels``, and what is pushed where.
         self.kernels: LayerIdSource | None = None
@@ -118,8 +122,10 @@ class TorchHooks:
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
         self._discovery = register_module_forward_pre_hook(self._discover)
+        self._collectives.install(self._torch)
 
     def remove(self) -> None:
+        self._collectives.remove()
         if self._layer_boundary in self.recorder.layer_listeners:
             self.recorder.layer_listeners.remove(self._layer_boundary)
         with self._layer_lock:
@@ -219,6 +225,7 @@ class TorchHooks:
         if first is not None:
             self._observed["device"] = first.device.type
         self._batch_dim = batch_dimension(root, self._torch.nn.RNNBase)
+        self._ddp_wait.ddp = holds_ddp(self._torch, root)
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         if self.layers:
             self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
@@ -311,8 +318,10 @@ class TorchHooks:
         try:
             started, self._backward_started = self._backward_started, 0.0
             if started:
-                self.recorder.add_phase_time("backward", self._clock() - started,
+                now = self._clock()
+                self.recorder.add_phase_time("backward", now - started,
                                              since=self._backward_mark)
+                self._ddp_wait.backward_ended(now)
         except Exception as error:
             self.recorder.hook_failed("model_backward", error)
 

@@ -18,15 +18,20 @@ from dlprof_agent.workloads.torch_models import small_cnn
 
 
 def hooks_left(model: nn.Module) -> int:
-    """Hooks anyone installed on the model, on all modules, or on all optimizers."""
+    """Hooks anyone installed on the model, on all modules, or on all optimizers,
+    and torch.distributed functions replaced (they are distributed_c10d's)."""
+    import torch.distributed as dist
     from torch.nn.modules import module
     from torch.optim import optimizer
 
     on_model = sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
                    + len(m._backward_hooks) for m in model.modules())
+    c10d = dist.distributed_c10d if dist.is_available() else None
+    replaced = 0 if c10d is None else sum(
+        getattr(dist, name, None) is not getattr(c10d, name) for name in c10d.__all__)
     return (on_model + len(module._global_forward_pre_hooks)
             + len(module._global_forward_hooks) + len(optimizer._global_optimizer_pre_hooks)
-            + len(optimizer._global_optimizer_post_hooks))
+            + len(optimizer._global_optimizer_post_hooks) + replaced)
 
 
 def tracer_state() -> str:

@@ -32,8 +32,9 @@ HOST_BUSY_SHARE = 0.9
 # Input-bound. With every phase of the step measured (window.SPLIT_PHASES),
 # "other" is the step time no hook saw: data loading, the loss and the loop's
 # Python. The loss and the loop are a few per cent of a step; half the step there
-# is time spent waiting for data. A rank of a process group waits in collectives
-# in that same time, so it gets no input verdict.
+# is time spent waiting for data. A rank of a process group waits for its peers in
+# collectives; once the probe measures that wait as the phase "exchange" it is out
+# of "other", and until then such a rank gets no input verdict.
 OTHER_SHARE = 0.5
 # Without layer timing: a CPU job whose process tree keeps less than half a core
 # busy while it steps, with its threads mostly asleep, is waiting, not computing.
@@ -153,8 +154,8 @@ def _host_busy_seconds(point: Point) -> float | None:
 
 
 def input_bound(window: Window) -> Check | None:
-    if window.in_process_group():
-        return None  # its ranks wait in collectives, which no phase names yet
+    if window.exchange_unmeasured():
+        return None  # its wait in collectives would read as waiting for input
     split = window.phase_seconds()
     if split is None:
         return None
@@ -174,6 +175,8 @@ def input_bound(window: Window) -> Check | None:
         # Every phase was seen: "other" is what no hook saw, the loader among it.
         other = _share(measured[0].get("other", 0.0), step_seconds)
         evidence["other_step_ratio"] = other
+        if "exchange" in measured[0]:
+            evidence["exchange_step_ratio"] = _share(measured[0]["exchange"], step_seconds)
         holds = other >= OTHER_SHARE and (gpu is None or gpu < LOW_GPU_UTILIZATION)
         return Check(holds, evidence)
     # No split, or one with phases missing (their time is in "other"): the host
@@ -193,7 +196,7 @@ def launch_bound(window: Window) -> Check | None:
     evidence = {"gpu_utilization_ratio": gpu, "launcher_busy_cores": launcher}
     split = window.step_split()  # a partial split cannot tell input from a missed phase
     waiting_on_input = False
-    if split is not None and split[1] > 0 and not window.in_process_group():
+    if split is not None and split[1] > 0 and not window.exchange_unmeasured():
         other = _share(split[0].get("other", 0.0), split[1])
         evidence["other_step_ratio"] = other
         waiting_on_input = other >= OTHER_SHARE  # that is input_bound's case

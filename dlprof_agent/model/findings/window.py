@@ -12,7 +12,7 @@ from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
-from dlprof_agent.probe.recorder import SPLIT
+from dlprof_agent.probe.recorder import EXCHANGE_PHASE, SPLIT
 
 # ---- Timing ------------------------------------------------------------------------
 # Rates come from the samples of the last WINDOW_SECONDS: long enough to span
@@ -130,10 +130,21 @@ class Window:
         return split if said in (None, SPLIT) else None
 
     def in_process_group(self) -> bool:
-        """The job is one rank of several (torch.distributed, a TF cluster): time
-        in collectives is outside every phase, like time waiting for input."""
+        """The job is one rank of several (torch.distributed, a TF cluster)."""
         group = self.settings().get("process_group", NO_PROCESS_GROUP)
         return group != NO_PROCESS_GROUP
+
+    def exchange_measured(self) -> bool:
+        """The window's full step split has the rank's waits in collectives as
+        their own phase, ``exchange``, so that they are not in ``other``."""
+        split = self.step_split()
+        return split is not None and split[0].get(EXCHANGE_PHASE, 0.0) > 0
+
+    def exchange_unmeasured(self) -> bool:
+        """A rank of several whose time in collectives the window did not
+        measure: that time is in ``other`` (or ``unsplit``), exactly where time
+        waiting for input would be."""
+        return self.in_process_group() and not self.exchange_measured()
 
     def kernel_seconds(self) -> dict[str, float] | None:
         """GPU seconds per kernel name over the window, None without kernel records.
