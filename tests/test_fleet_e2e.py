@@ -77,7 +77,7 @@ def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:
     port = free_port()
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--quiet",
-         "--no-gpu", "--no-inject", "--interval", "0.5", "--scan-interval", "0.5",
+         "--no-gpu", "--no-inject", "--layers", "--interval", "0.5", "--scan-interval", "0.5",
          "--env", f"GROUP_RANK={node}", "--node-name", f"node-{node}"],
         cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     return port
