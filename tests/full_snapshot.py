@@ -69,7 +69,8 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
             memcpy=(MemcpyRow(0, "h2d", 1 << 20, 0.0001),),
             layers=(LayerGpuRow("features.0", "forward", 0.001),),
             overhead_seconds=0.0005, dropped_records=0, devices=((0, "GPU-0000"),),
-            traced=True),
+            traced=True, record_clock="native", record_clock_measured_by="rate",
+            record_ticks_per_ns=1.0),
         layer_sampled_steps=4, phase_split="split")
     return Snapshot(timestamp_seconds=time.time(), monotonic_seconds=time.monotonic(),
                     target_pid=pid, target_up=True, processes=(process, child), host=host,

@@ -76,6 +76,7 @@ def probe_series(probe: ProbeSample) -> int:
         if kernels.traced:
             fixed += (sum(histogram_series(d.bucket_counts) for d in kernels.durations)
                       + 2 * len(kernels.memcpy) + 2)
+            fixed += 3 if kernels.record_clock else 0  # the record clock's families
     return fixed + sum(_open_ended(probe))
 
 
