@@ -209,10 +209,12 @@ class Daemon:
 
     def scan(self) -> None:
         candidates = self._discovery.candidates(self._gpu_pids)
-        candidates.update(dict.fromkeys(self._ranks_under_targets(candidates), "rank"))
         for pid, reason in sorted(candidates.items()):
             if pid not in self.targets and not self._covered(pid):
                 self._add(pid, reason)
+        for pid in self._ranks_under_targets():
+            if not self._covered(pid):
+                self._add(pid, "rank")
 
     def _covered(self, pid: int) -> bool:
         """A descendant of a target is read with it already, unless it is a rank
@@ -232,7 +234,7 @@ class Daemon:
             return True
         return any(_same_rank(environment, _read_environment(parent)) for parent in parents)
 
-    def _ranks_under_targets(self, candidates: dict[int, str]) -> list[int]:
+    def _ranks_under_targets(self) -> list[int]:
         """The ranks (by their environment) under targets that are no rank
         themselves: a launcher's (torchrun's, srun's) children, found whether or not
         they use a GPU yet or match --match."""
@@ -245,7 +247,7 @@ class Daemon:
             except psutil.Error:
                 continue
             for child in children:
-                if (child.pid not in self.targets and child.pid not in candidates
+                if (child.pid not in self.targets
                         and carries_rank(_read_environment(child.pid))):
                     ranks.append(child.pid)
         return ranks

@@ -75,10 +75,6 @@ class Identity:
     problems: tuple[str, ...] = ()  # malformed or unreadable inputs, one phrase each
 
 
-class MalformedCgroup(ValueError):
-    """A Kubernetes or container cgroup path of a shape this parser does not know."""
-
-
 @dataclass(frozen=True, slots=True)
 class Container:
     """What a cgroup path says of the container a process runs in."""
@@ -132,53 +128,50 @@ def _container_segment(segment: str) -> tuple[str, str] | None:
     return None
 
 
-def parse_cgroup_path(path: str) -> Container | None:
-    """The pod and container in one cgroup path, None for a path that is neither
-    (a host process, "/" inside a cgroup namespace). Raises MalformedCgroup for a
-    Kubernetes pod's path whose container segment is of an unknown runtime, or a
-    kubepods path without a pod uid."""
+def parse_cgroup_path(path: str) -> tuple[Container | None, str]:
+    """The pod and container in one cgroup path (None for a path that names
+    neither: a host process, "/" inside a cgroup namespace), and what was malformed
+    ("" if nothing): a pod's container segment of a runtime this does not know
+    (the pod uid is kept), or a kubepods path whose pod segment has no uid."""
     segments = [segment for segment in path.split("/") if segment]
     for index, segment in enumerate(segments):
         pod = _POD_SEGMENT.match(segment)
         if pod is None:
             continue
+        found = Container(pod_uid=_uid(pod["uid"]))
         rest = segments[index + 1:]
         if not rest:
-            return Container(pod_uid=_uid(pod["uid"]))  # the pod's own cgroup
+            return found, ""  # the pod's own cgroup
         container = _container_segment(rest[0])
         if container is None:
-            raise MalformedCgroup(f"the container of cgroup {label_value(path)!r} "
-                                  "is of no runtime known here")
-        return Container(_uid(pod["uid"]), *container)
+            return found, (f"the container in cgroup {label_value(path)!r} is of no "
+                           "runtime known here")
+        return Container(found.pod_uid, *container), ""
     if any(segment.startswith(("kubepods", "kubelet-kubepods")) for segment in segments):
         if any(_POD_PREFIX.search(segment) for segment in segments):
-            raise MalformedCgroup(f"no pod uid in the Kubernetes cgroup {label_value(path)!r}")
-        return None  # the node's or a QoS class's own cgroup: no pod
+            return None, f"no pod uid in the Kubernetes cgroup {label_value(path)!r}"
+        return None, ""  # the node's or a QoS class's own cgroup: no pod
     for index, segment in enumerate(segments):
         container = _container_segment(segment)
         if container is not None and (container[1] == "docker" or (
                 index > 0 and segments[index - 1] == _DOCKER_PARENT)):
-            return Container(container_id=container[0], runtime="docker")
-    return None
+            return Container(container_id=container[0], runtime="docker"), ""
+    return None, ""
 
 
-def container_of(entries: Iterable[CgroupEntry]) -> Container | None:
-    """The container that a process's cgroup lines name: the cgroup v2 line first,
-    then the v1 hierarchies (a hybrid host's v2 line may name only systemd's view).
-    Raises MalformedCgroup when no line parses and one was malformed."""
-    ordered = sorted(entries, key=lambda entry: entry.hierarchy != 0)
-    malformed: MalformedCgroup | None = None
-    for entry in ordered:
-        try:
-            found = parse_cgroup_path(entry.path)
-        except MalformedCgroup as error:
-            malformed = malformed or error
-            continue
-        if found is not None:
-            return found
-    if malformed is not None:
-        raise malformed
-    return None
+def container_of(entries: Iterable[CgroupEntry]) -> tuple[Container | None, str]:
+    """The container that a process's cgroup lines name, and what was malformed:
+    the cgroup v2 line first, then the v1 hierarchies (a hybrid host's v2 line may
+    name only systemd's view). A whole reading wins over a partial one."""
+    best: Container | None = None
+    problem = ""
+    for entry in sorted(entries, key=lambda entry: entry.hierarchy != 0):
+        found, malformed = parse_cgroup_path(entry.path)
+        if found is not None and not malformed:
+            return found, ""
+        best = best or found
+        problem = problem or malformed
+    return best, problem
 
 
 # --- the environment ------------------------------------------------------------------
@@ -310,10 +303,9 @@ def read_identity(files: ProcessFiles, *, node: str = "") -> Identity:
     if cgroups is None:
         problems.append("its cgroup file may not be read")
     else:
-        try:
-            container = container_of(cgroups)
-        except MalformedCgroup as error:
-            problems.append(str(error))
+        container, malformed = container_of(cgroups)
+        if malformed:
+            problems.append(malformed)
     return replace(identity, node=label_value(node),
                    pod_uid=container.pod_uid if container else "",
                    container_id=container.container_id if container else "",
