@@ -283,7 +283,8 @@ def test_bad_input_is_counted_once_per_target_logged_once_and_stops_no_other(
     assert f"pid {bad}:" in logged[0] and "RANK='abc'" in logged[0]
     identities = {s.target_pid: s.identity for s in node.targets}
     assert identities[good] == captured("slurm task", node="gpu-node-3")
-    assert identities[bad] is not None and identities[bad].job_id == "4713"
+    malformed = identities[bad]
+    assert malformed is not None and malformed.job_id == "4713"
     assert all(identity is not None and identity.node == "gpu-node-3"
                for identity in identities.values())
 
