@@ -6,9 +6,12 @@ It finds the jobs to watch by itself, every --scan-interval seconds:
 - every process whose command line matches a --match pattern.
 --env NAME=VALUE keeps only processes whose environment holds that pair.
 
-Each job is read as `attach` reads one (with its descendants, so a launcher's
-ranks that are its children are not taken twice), the host and the GPUs once
-per pass for all of them, and all of it is served on one /metrics. A job that
+Each job is read as `attach` reads one (with its descendants, so that a data
+loader's workers are not taken twice), except that a rank under a watched
+launcher (RANK, SLURM_PROCID or TF_CONFIG in its environment) is a target of its
+own, left out of the launcher's tree (docs/fleet-identity.md). The host and
+the GPUs are read once per pass for all of them, and all of it is served on one
+/metrics. A job that
 exits is dropped in the same pass; for --grace seconds after, /metrics keeps its
 `dlprof_target_up 0` and its probe's final totals (exit_totals.py), then its
 series are gone.
