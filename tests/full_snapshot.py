@@ -7,6 +7,7 @@ import time
 
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.probe_samples import (
     KernelDurations,
     KernelRow,
@@ -77,5 +78,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
                     samples_total=5, agent=AgentSelfSample(1.5, 30 << 20, 31 << 20),
                     series_dropped=(("agent_budget", 0), ("target_budget", 12)),
                     probe=probe, probe_up=True,
+                    identity=Identity(job_id="4711", rank="0", local_rank="0", node_rank="0",
+                                      world_size=2, node="node-0", role="rank"),
                     findings=(Finding(KINDS_BY_ID["thread_oversubscription"], False,
                                       (("allowed_cpus", 2.0), ("runnable_threads", 2.0))),))

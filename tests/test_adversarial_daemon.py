@@ -119,12 +119,15 @@ def test_drip_never_delays_the_other_job_nor_the_daemons_loop(
         tmp_path: Path) -> None:
     env = {**agent_env(), "DLPROF_AGENT_RUNTIME_DIR": str(runtime_dir)}
     drip = start(processes, [sys.executable, "-c", DRIP, str(runtime_dir), MARKER], env)
-    job = start(processes, [sys.executable, "-c", JOB, "probe", MARKER], env)
+    # Its job_id and rank fixed, so that its step series has known labels.
+    job = start(processes, [sys.executable, "-c", JOB, "probe", MARKER],
+                {**env, "DLPROF_JOB_ID": "drip-test", "RANK": "0"})
     for process, ready in ((drip, "serving"), (job, "ready")):
         assert process.stdout is not None and process.stdout.readline().strip() == ready
     daemon, port = start_daemon(processes, runtime_dir, "--match", MARKER)
     prometheus = start_prometheus(processes, tmp_path, port) if PROMETHEUS else None
-    steady = f'dlprof_steps_total{{phase="steady",pid="{job.pid}"}}'
+    steady = (f'dlprof_steps_total{{job_id="drip-test",phase="steady",pid="{job.pid}",'
+              'rank="0"}')
     wait_for(lambda: (sample(scrape(port), steady) or 0) > 0, "the job's steps")
     wait_for(lambda: (sample(scrape(port), "dlprof_probe_deadline_misses_total"
                              f'{{pid="{drip.pid}"}}') or 0) > 0, "the drip's first miss")

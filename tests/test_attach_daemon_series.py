@@ -121,7 +121,7 @@ def test_attach_and_daemon_export_the_same_series_for_one_process(
     assert process.poll() is None, "the job ended under an agent"
     assert daemon.families == attach.families
     assert daemon.label_names == attach.label_names
-    assert daemon.collectors == attach.collectors == {"process", "host", "probe"}
+    assert daemon.collectors == attach.collectors == {"process", "host", "probe", "identity"}
     only_attach = attach.target_series - daemon.target_series
     only_daemon = daemon.target_series - attach.target_series
     assert not only_attach and not only_daemon, (sorted(only_attach), sorted(only_daemon))

@@ -90,6 +90,8 @@ def target(spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> int:
      "cannot listen on"),
     (["attach", "{pid}", "--bogus"], 2, "--bogus"),
     (["frobnicate"], 2, "frobnicate"),
+    (["attach", "{pid}", "--node-name", ""], 2, "'' is not a node name"),
+    (["daemon", "--node-name", "gpu\tnode"], 2, "is not a node name"),
     (["attach", "{pid}", "--warmup-steps", "-1"], 2, "--warmup-steps"),
     (["attach", "{pid}", "--warmup-steps", "ten"], 2, "'ten' is not a number of steps"),
     (["run"], 2, "no command to run"),

@@ -11,6 +11,7 @@ import configparser
 import fnmatch
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -26,6 +27,9 @@ import pytest
 import yaml
 
 from dlprof_agent.cli import main as cli
+from dlprof_agent.cli.options import NODE_NAME_VARIABLES
+from dlprof_agent.collectors.identity import NAMESPACE_VARIABLES, POD_VARIABLES
+from dlprof_agent.exporters.families import JOB_LABELS, TARGET_INFO_LABELS
 from tests.conftest import agent_env, http_get, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,6 +197,49 @@ def test_service_and_servicemonitor_select_the_agent(k8s: dict[str, dict[str, An
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == service_port["name"]
     assert endpoint.get("path", "/metrics") == "/metrics"
+
+
+def test_the_daemonset_names_its_node_as_kubernetes_does(k8s: dict[str, dict[str, Any]]
+                                                         ) -> None:
+    """NODE_NAME, the daemon's --node-name default, from the downward API: the
+    node label of dlprof_target_info is the one kube-state-metrics uses."""
+    env = {e["name"]: e for e in agent_container(k8s)["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert NODE_NAME_VARIABLES[0] == "NODE_NAME"
+    options = assert_agent_accepts(agent_container(k8s)["command"][1:])
+    assert options.node_name is None  # so the environment's is taken
+
+
+def test_the_servicemonitor_keeps_the_job_and_rank_labels(k8s: dict[str, dict[str, Any]]
+                                                          ) -> None:
+    (endpoint,) = k8s["ServiceMonitor"]["spec"]["endpoints"]
+    # dlprof_target_info's pod, namespace and node win over the Operator's target
+    # labels, which name the agent's pod.
+    assert endpoint["honorLabels"] is True
+    for relabeling in [*endpoint.get("relabelings", []),
+                       *endpoint.get("metricRelabelings", [])]:
+        action = relabeling.get("action", "replace")
+        target = relabeling.get("targetLabel")
+        if target == "node":  # the same name as dlprof_target_info's: spec.nodeName's
+            assert relabeling["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+        else:
+            assert target not in (*JOB_LABELS, *TARGET_INFO_LABELS)
+        if action in ("labeldrop", "labelkeep"):
+            pattern = re.compile(relabeling["regex"])
+            kept = [label for label in JOB_LABELS
+                    if bool(pattern.fullmatch(label)) == (action == "labelkeep")]
+            assert kept == list(JOB_LABELS), relabeling
+        if action in ("drop", "keep"):
+            assert not set(relabeling.get("sourceLabels", ())) & set(JOB_LABELS)
+
+
+def test_the_training_pod_example_names_its_pod_for_the_agent() -> None:
+    job = load(KUBERNETES / "examples" / "training-job.yaml")["spec"]["template"]["spec"]
+    (train,) = job["containers"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+           for e in train["env"]}
+    assert env[POD_VARIABLES[0]] == "metadata.name"
+    assert env[NAMESPACE_VARIABLES[0]] == "metadata.namespace"
 
 
 def test_training_pods_share_the_agents_runtime_dir(k8s: dict[str, dict[str, Any]]) -> None:
@@ -571,6 +618,8 @@ def test_prolog_starts_the_jobs_agent_and_writes_its_target(slurm: Slurm) -> Non
     assert running(agent["pid"])
     assert (slurm.state / "job-1234.pid").read_text().strip() == str(agent["pid"])
 
+    # The series' labels agree with the target file's: node and job.
+    assert argv[argv.index("--node-name") + 1] == "gpu07"
     target = slurm.targets / "gpu07-job-1234.json"
     assert json.loads(target.read_text()) == [{
         "targets": [f"gpu07.cluster:{slurm.expected_port}"],
@@ -578,6 +627,9 @@ def test_prolog_starts_the_jobs_agent_and_writes_its_target(slurm: Slurm) -> Non
                    "slurm_partition": "gpu", "slurm_node": "gpu07"},
     }]
     assert [p.name for p in slurm.targets.iterdir()] == [target.name]  # no temporary left
+    (written,) = json.loads(target.read_text())
+    # No target label that the series carry themselves (Prometheus would rename it).
+    assert not set(written["labels"]) & {*JOB_LABELS, *TARGET_INFO_LABELS}
 
     result = slurm.run(EPILOG)
     assert result.returncode == 0, result.stderr

@@ -82,8 +82,11 @@ def test_the_sampler_keeps_the_final_totals_of_a_target_that_has_gone(
     sampler.probe = Probe()
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=0.25))
-    steady = {"pid": str(job.pid), "phase": "steady"}
     running = sampler.sample_once()
+    assert running.identity is not None
+    # The job's identity (from the environment it inherits) stays through its exit.
+    steady = {"pid": str(job.pid), "job_id": running.identity.job_id,
+              "rank": running.identity.rank, "phase": "steady"}
     assert running.target_up and registry.get_sample_value("dlprof_steps_total", steady) == 10
     job.kill()
     job.wait()

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from dlprof_agent import __version__
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
@@ -469,25 +470,36 @@ PROBE = ProbeSample(
                          ("surprise", "ignored"))),))
 
 
+IDENTITY = Identity(job_id="run-7", rank="1", local_rank="1", node_rank="0", world_size=2,
+                    restart_count="0", node="gpu-node-3", role="rank")
+
+
 def test_probe_families() -> None:
-    registry = registry_for(dataclasses.replace(snapshot(), probe=PROBE, probe_up=True))
+    registry = registry_for(dataclasses.replace(snapshot(), probe=PROBE, probe_up=True,
+                                                identity=IDENTITY))
     value = registry.get_sample_value
     labels = {"pid": str(PID)}
+    job = {**labels, "job_id": "run-7", "rank": "1"}  # the step families' labels
     assert value("dlprof_probe_up", labels) == 1
-    assert value("dlprof_steps_total", {**labels, "phase": "steady"}) == 4
-    assert value("dlprof_samples_total", {**labels, "phase": "warmup"}) == 320
+    assert value("dlprof_steps_total", {**job, "phase": "steady"}) == 4
+    assert value("dlprof_samples_total", {**job, "phase": "warmup"}) == 320
     # Buckets are cumulative on the wire; the probe sends them per bucket.
-    assert [value("dlprof_step_duration_seconds_bucket", {**labels, "le": le})
+    assert [value("dlprof_step_duration_seconds_bucket", {**job, "le": le})
             for le in ("0.01", "0.1", "1.0", "+Inf")] == [1, 3, 3, 4]
-    assert value("dlprof_step_duration_seconds_count", labels) == 4
-    assert value("dlprof_step_duration_seconds_sum", labels) == 2.5
+    assert value("dlprof_step_duration_seconds_count", job) == 4
+    assert value("dlprof_step_duration_seconds_sum", job) == 2.5
     assert value("dlprof_layer_seconds_total",
                  {**labels, "layer": "features.0", "phase": "backward"}) == 1.0
     # A phase a layer never ran in has no series rather than a zero.
     assert value("dlprof_layer_seconds_total", {**labels, "layer": "fc",
                                                  "phase": "backward"}) is None
     assert value("dlprof_layer_calls_total", {**labels, "layer": "fc", "phase": "forward"}) == 4
-    assert value("dlprof_step_phase_seconds_total", {**labels, "phase": "other"}) == 1.0
+    assert value("dlprof_step_phase_seconds_total", {**job, "phase": "other"}) == 1.0
+    assert value("dlprof_target_world_size", job) == 2
+    assert value("dlprof_target_info", {
+        **job, "local_rank": "1", "node_rank": "0", "world_size": "2", "restart_count": "0",
+        "node": "gpu-node-3", "role": "rank", "pod_uid": "", "container_id": "", "pod": "",
+        "namespace": ""}) == 1
     assert value("dlprof_probe_dropped_messages_total", {**labels, "reason": "malformed"}) == 2
     info = [metric for metric in registry.collect() if metric.name == "dlprof_framework_info"]
     (sample,) = info[0].samples
@@ -500,5 +512,5 @@ def test_probe_families() -> None:
 def test_no_probe_is_probe_up_0_and_nothing_else() -> None:
     registry = registry_for(snapshot())
     assert registry.get_sample_value("dlprof_probe_up", {"pid": str(PID)}) == 0
-    assert registry.get_sample_value("dlprof_steps_total", {"pid": str(PID),
-                                                            "phase": "steady"}) is None
+    assert registry.get_sample_value("dlprof_steps_total", {
+        "pid": str(PID), "job_id": "", "rank": "", "phase": "steady"}) is None

@@ -536,7 +536,8 @@ def test_every_judged_rule_is_exported_1_when_raised_0_when_clear_with_its_evide
     registry.register(SnapshotCollector(lambda: snapshot, interval_seconds=1.0))
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, {"pid": str(PID), **labels})
+        return registry.get_sample_value(name, {"pid": str(PID), "job_id": "", "rank": "",
+                                                **labels})
 
     assert value("dlprof_finding", finding="thread_oversubscription",
                  severity="warning") == 1
@@ -703,8 +704,10 @@ def test_the_sampler_judges_on_its_own_passes_and_a_scrape_only_renders_them(
     judged = {f.id for f in sampler.latest.findings}
     # Outside signals alone judge these, without a probe.
     assert {"thread_oversubscription", "memory_near_limit", "memory_stalls"} <= judged
-    labels = {"pid": str(spinning.pid), "finding": "memory_near_limit",
-              "severity": "critical"}
+    identity = sampler.latest.identity
+    assert identity is not None
+    labels = {"pid": str(spinning.pid), "job_id": identity.job_id, "rank": identity.rank,
+              "finding": "memory_near_limit", "severity": "critical"}
     assert registry.get_sample_value("dlprof_finding", labels) == 0
     latest = sampler.latest
     registry.get_sample_value("dlprof_finding", labels)

@@ -197,6 +197,17 @@ def test_a_tensorflow_cluster_is_read_from_tf_config(config: str | None,
     assert distributed.tensorflow_cluster(environ) == expected
 
 
+def test_the_probe_reads_the_tf_config_task_rank_chief_first() -> None:
+    cluster = {"chief": ["a:1"], "worker": ["b:1", "c:1"], "ps": ["d:1"]}
+    config = {"cluster": cluster, "task": {"type": "worker", "index": 1}}
+    assert distributed.tensorflow_rank({"TF_CONFIG": json.dumps(config)}) == {
+        "rank": "2", "world_size": "3"}
+    ps = {"cluster": cluster, "task": {"type": "ps", "index": 0}}
+    assert distributed.tensorflow_rank({"TF_CONFIG": json.dumps(ps)}) == {}
+    assert distributed.tensorflow_rank({"TF_CONFIG": "{not json"}) == {}
+    assert distributed.tensorflow_rank({}) == {}
+
+
 def test_a_torch_process_group_is_seen_once_initialised(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
@@ -207,7 +218,9 @@ def test_a_torch_process_group_is_seen_once_initialised(tmp_path: Path) -> None:
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(),
                             rank=0, world_size=1)
     try:
-        assert distributed.process_group("torch") == {"process_group": "gloo:1"}
+        # The probe's own rank outranks the environment's (docs/fleet-identity.md).
+        assert distributed.process_group("torch") == {"process_group": "gloo:1",
+                                                      "rank": "0", "world_size": "1"}
     finally:
         dist.destroy_process_group()
     assert distributed.process_group("torch") == {"process_group": "none"}

@@ -129,7 +129,8 @@ def test_the_split_state_reaches_prometheus() -> None:
     assert sample.phase_split == COMPILED_GRAPH
     families = {family.name: family for family in probe_families(4242, True, sample)}
     (info,) = families["dlprof_step_phase_split_info"].samples
-    assert info.labels == {"pid": "4242", "split": COMPILED_GRAPH} and info.value == 1
+    assert info.labels == {"pid": "4242", "job_id": "", "rank": "",
+                           "split": COMPILED_GRAPH} and info.value == 1
     older = dataclasses.replace(sample, phase_split=None)  # a probe without the field
     families = {family.name: family for family in probe_families(4242, True, older)}
     assert families["dlprof_step_phase_split_info"].samples == []

@@ -230,7 +230,7 @@ def test_a_probe_sample_kept_from_one_scrape_to_the_next_is_built_once_and_writt
     node = dataclasses.replace(node, targets=(dataclasses.replace(first, probe=stepped),
                                               second))
     assert render_text(registry) == generate_latest(registry)
-    assert b'phase="steady",pid="100"} 12345.0' in render_text(registry)
+    assert b'phase="steady",pid="100",rank="0"} 12345.0' in render_text(registry)
     assert sorted(built) == [100, 100, 200]
 
 

@@ -113,7 +113,7 @@ def test_a_failing_collector_is_counted_every_pass_and_logged_once_per_target(
     with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
         for _ in range(3):
             node = build.build(targets)
-    assert dict(node.collector_errors) == {"process": 0, "host": 0, "probe": 6}
+    assert dict(node.collector_errors) == {"process": 0, "host": 0, "probe": 6, "identity": 0}
     # The other collectors still publish, for both targets.
     assert node.host is not None
     assert [s.target_pid for s in node.targets] == [first.pid, second.pid]
@@ -137,7 +137,7 @@ def test_each_collector_is_counted_under_its_own_name(
     assert node.targets[0].processes == () and node.targets[0].limits is None
     assert node.host is None
     # Limits are read from the target's /proc tree: counted with the processes.
-    assert dict(node.collector_errors) == {"process": 2, "host": 1, "probe": 0}
+    assert dict(node.collector_errors) == {"process": 2, "host": 1, "probe": 0, "identity": 0}
 
 
 def test_the_pass_is_timed_on_the_injected_clocks(
@@ -275,7 +275,7 @@ def test_the_daemon_finds_its_target_and_drops_it_in_the_pass_it_exits(
     assert daemon.targets == {}
     # Dropped in that pass, and served down, with its last totals, through the grace.
     assert [(s.target_pid, s.target_up) for s in node.targets] == [(sleeper.pid, False)]
-    assert dict(node.collector_errors) == {"process": 0, "host": 0}
+    assert dict(node.collector_errors) == {"process": 0, "host": 0, "identity": 0}
     assert daemon.latest is node and node.samples_total == 2
 
 

@@ -102,8 +102,10 @@ if [ -n "$match" ]; then
 fi
 
 start() {  # start the agent on port $1; its pid in $pid
+    # --node-name: the series' node (dlprof_target_info) is the target file's
+    # slurm_node, and their job_id is SLURM_JOB_ID, the target's slurm_job_id.
     local command=("$agent" daemon --listen "$listen" --port "$1" --quiet
-                   --env "SLURM_JOB_ID=$job" ${extra[@]+"${extra[@]}"})
+                   --env "SLURM_JOB_ID=$job" --node-name "$node" ${extra[@]+"${extra[@]}"})
     # setsid: a session of its own, so that slurmd's cleanup of the prolog's
     # process group leaves it running. Its output goes to a file, never to the
     # prolog's, which slurmd may be reading.
@@ -159,6 +161,10 @@ json_string() {  # $1 as a JSON string
 }
 
 # Written beside the final name and renamed: Prometheus never reads half a file.
+# The labels are slurm_*: a target label named job_id or node would clash with
+# the series' own (Prometheus renames those exported_*), and these agree with
+# them: slurm_job_id is the job_id of the job's ranks (unless DLPROF_JOB_ID names
+# the job otherwise), slurm_node the node of dlprof_target_info.
 tmp="$targets_dir/.$node-job-$job.json.tmp"
 if {
     printf '[{"targets": [%s], "labels": {' "$(json_string "$host:$port")"

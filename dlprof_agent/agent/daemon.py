@@ -6,9 +6,12 @@ It finds the jobs to watch by itself, every --scan-interval seconds:
 - every process whose command line matches a --match pattern.
 --env NAME=VALUE keeps only processes whose environment holds that pair.
 
-Each job is read as `attach` reads one (with its descendants, so a launcher's
-ranks that are its children are not taken twice), the host and the GPUs once
-per pass for all of them, and all of it is served on one /metrics. A job that
+Each job is read as `attach` reads one (with its descendants, so that a data
+loader's workers are not taken twice), except that a rank under a watched
+launcher (RANK, SLURM_PROCID or TF_CONFIG in its environment) is a target of its
+own, left out of the launcher's tree (docs/fleet-identity.md). The host and
+the GPUs are read once per pass for all of them, and all of it is served on one
+/metrics. A job that
 exits is dropped in the same pass; for --grace seconds after, /metrics keeps its
 `dlprof_target_up 0` and its probe's final totals (exit_totals.py), then its
 series are gone.
@@ -43,6 +46,7 @@ from dlprof_agent.agent.probe_exchanges import ReportsCondition
 from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
+from dlprof_agent.collectors.identity import RANK_MARKERS, carries_rank
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.probe_samples import ProbeSample
@@ -89,6 +93,7 @@ class DaemonOptions:
     max_series_per_target: int = DEFAULT_TARGET_SERIES
     max_series: int = DEFAULT_AGENT_SERIES  # all targets together
     grace: float = DEFAULT_GRACE_SECONDS  # an exited job's final totals stay this long
+    node_name: str = ""  # dlprof_target_info's node (--node-name, resolved)
 
 
 def _read_environment(pid: int) -> dict[str, str] | None:
@@ -97,6 +102,14 @@ def _read_environment(pid: int) -> dict[str, str] | None:
         return read_environ(pid)
     except TargetGone:
         return None
+
+
+def _same_rank(child: dict[str, str] | None, parent: dict[str, str] | None) -> bool:
+    """Whether ``child`` has the rank of ``parent`` (a worker of that rank, which
+    inherited its environment), rather than one of its own."""
+    if parent is None or child is None or not carries_rank(parent):
+        return False
+    return all(child.get(name) == parent.get(name) for name in RANK_MARKERS)
 
 
 class Discovery:
@@ -148,6 +161,7 @@ class Target:
     probe_lock: threading.Lock = field(default_factory=threading.Lock)
     last: Snapshot | None = None  # the last pass's, kept through the grace once it exits
     last_probe: ProbeSample | None = None  # the probe's last totals (it closes before the exit)
+    rank: bool = False  # its environment names its rank: its children are no ranks of their own
 
     def attach_probe(self, source: ProbeSource) -> None:
         with self.probe_lock:
@@ -182,7 +196,8 @@ class Daemon:
         self._builder = SnapshotBuilder(host=host, gpu=gpu, errors=errors, clock=clock,
                                         wall_clock=wall_clock, budget=self.budget,
                                         probe_deadline_seconds=options.channel.exchange_deadline(
-                                            options.interval))
+                                            options.interval),
+                                        node_name=options.node_name)
         self._next_scan = float("-inf")
         self._gpu_pids: frozenset[int] = frozenset()
         self._latest: NodeSnapshot | None = None
@@ -200,25 +215,59 @@ class Daemon:
         for pid, reason in sorted(candidates.items()):
             if pid not in self.targets and not self._covered(pid):
                 self._add(pid, reason)
+        for pid in self._ranks_under_targets():
+            if not self._covered(pid):
+                self._add(pid, "rank")
 
     def _covered(self, pid: int) -> bool:
-        """A descendant of a target is read with it already."""
+        """A descendant of a target is read with it already, unless it is a rank
+        of its own (its environment carries RANK, SLURM_PROCID or TF_CONFIG) and
+        that target is not: a launcher's ranks are targets, each with its probe.
+        A rank's own children (data-loader workers) inherit its environment and
+        stay with it."""
         try:
-            return any(parent.pid in self.targets for parent in psutil.Process(pid).parents())
+            parents = [parent.pid for parent in psutil.Process(pid).parents()
+                       if parent.pid in self.targets]
         except psutil.Error:
             return True  # gone already
+        if not parents:
+            return False
+        environment = _read_environment(pid)
+        if not carries_rank(environment):
+            return True
+        return any(_same_rank(environment, _read_environment(parent)) for parent in parents)
+
+    def _ranks_under_targets(self) -> list[int]:
+        """The ranks (by their environment) under targets that are no rank
+        themselves: a launcher's (torchrun's, srun's) children, found whether or not
+        they use a GPU yet or match --match."""
+        ranks = []
+        for target in list(self.targets.values()):
+            if target.rank:
+                continue
+            try:
+                children = psutil.Process(target.pid).children()
+            except psutil.Error:
+                continue
+            for child in children:
+                if (child.pid not in self.targets
+                        and carries_rank(_read_environment(child.pid))):
+                    ranks.append(child.pid)
+        return ranks
 
     def _add(self, pid: int, reason: str) -> None:
         try:
             processes = ProcessCollector(pid, children=True, errors=self._errors)
         except (TargetGone, TargetAccessDenied):
             return  # gone, or not ours to read
-        target = Target(pid, reason, processes, limits=LimitsCollector(pid))
+        target = Target(pid, reason, processes, limits=LimitsCollector(pid),
+                        rank=carries_rank(_read_environment(pid)))
         self.targets[pid] = target
         self.exited.forget(pid)
         log.info("watching pid %d (%s; %s)", pid, _name(pid), {
             "gpu": "it uses a GPU", "probe": "it loaded the probe",
-            "match": "its command line matches"}[reason])
+            "match": "its command line matches",
+            "rank": "a rank under a watched launcher"}[reason])
         if self.options.probe is not None:
             connecting = threading.Thread(target=self._connect,
                                           args=(target, self.options.probe),
@@ -253,6 +302,8 @@ class Daemon:
         if started.monotonic_seconds >= self._next_scan:
             self._next_scan = started.monotonic_seconds + self.options.scan_interval
             self.scan()
+        for target in self.targets.values():  # a launcher's ranks are read on their own
+            target.processes.set_excluded(frozenset(self.targets) - {target.pid})
         node = self._builder.build(list(self.targets.values()), started=started)
         sampled = {snapshot.target_pid: snapshot for snapshot in node.targets}
         for target in list(self.targets.values()):

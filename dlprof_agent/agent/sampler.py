@@ -23,6 +23,7 @@ from dlprof_agent.agent.snapshot_builder import (
     target_snapshot,
 )
 from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.series_budget import SeriesBudget
 from dlprof_agent.model.findings.tracker import FindingsTracker
@@ -46,16 +47,19 @@ class Sampler:
     wall_clock: Callable[[], float] = time.time
     budget: SeriesBudget | None = None  # folds the probe's rows past the series budget
     probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS  # a pass's wait for the probe
+    node_name: str = ""  # dlprof_target_info's node
     _latest: Snapshot | None = field(default=None, init=False)
     _target_up: bool = field(default=True, init=False)
     _builder: SnapshotBuilder = field(init=False)
     _last_probe: ProbeSample | None = field(default=None, init=False)
+    _last_identity: Identity | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._builder = SnapshotBuilder(host=self.host, gpu=self.gpu, errors=self.errors,
                                         clock=self.clock, wall_clock=self.wall_clock,
                                         budget=self.budget,
-                                        probe_deadline_seconds=self.probe_deadline_seconds)
+                                        probe_deadline_seconds=self.probe_deadline_seconds,
+                                        node_name=self.node_name)
 
     @property
     def latest(self) -> Snapshot | None:
@@ -72,13 +76,14 @@ class Sampler:
         was_up, self._target_up = self._target_up, snapshot.target_up
         if snapshot.target_up:
             self._last_probe = snapshot.probe or self._last_probe
+            self._last_identity = snapshot.identity or self._last_identity
         else:
             if was_up:  # the reply to the last read, if it came after the exit
                 self._last_probe = final_probe_totals(self.probe, self._last_probe,
                                                       self.errors)
             # Its probe's last totals stay beside target_up 0, so that a scrape in
             # the grace period sees every step.
-            snapshot = replace(snapshot, probe=self._last_probe)
+            snapshot = replace(snapshot, probe=self._last_probe, identity=self._last_identity)
         self._latest = snapshot  # one reference swap: readers never see a half-built state
         return snapshot
 

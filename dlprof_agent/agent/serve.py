@@ -64,12 +64,14 @@ class ServeOptions:
     channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long the probe's channel waits
     max_series_per_target: int = DEFAULT_TARGET_SERIES  # --max-series-per-target
     max_requests: int = MAX_REQUESTS  # --web.max-requests
+    node_name: str = ""  # --node-name, resolved: dlprof_target_info's node
 
 
 def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
                  probe: bool = False,
                  max_series: int = DEFAULT_TARGET_SERIES,
-                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS) -> Sampler:
+                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS,
+                 node_name: str = "") -> Sampler:
     errors = error_log(gpu=gpu, probe=probe)
     gpu_collector = None
     if gpu:
@@ -83,7 +85,7 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
                    gpu=gpu_collector, errors=errors, interval_seconds=interval,
                    limits=LimitsCollector(pid), findings=FindingsTracker(),
                    budget=SeriesBudget(per_target=max_series),
-                   probe_deadline_seconds=probe_deadline_seconds)
+                   probe_deadline_seconds=probe_deadline_seconds, node_name=node_name)
 
 
 # After a stop during start-up, how long an injection under way may take to end,
@@ -193,7 +195,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                            gpu=options.gpu, probe=options.probe is not None,
                            max_series=options.max_series_per_target,
                            probe_deadline_seconds=options.channel.exchange_deadline(
-                               options.interval))
+                               options.interval), node_name=options.node_name)
     server = _start_server(sampler, options)
     summary = Summary()
     probe_source: ProbeSource | None = None

@@ -20,9 +20,17 @@ from dlprof_agent.agent.probe_exchanges import Exchange, ProbeExchanges
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.identity import (
+    ROLE_LAUNCHER,
+    ROLE_RANK,
+    Identity,
+    read_identity,
+    with_probe,
+)
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.collectors.procfs import PROC_ROOT, ProcessFiles
 from dlprof_agent.collectors.series_budget import SeriesBudget, process_series
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.model.findings.tracker import FindingsTracker
@@ -109,7 +117,7 @@ def error_log(*, gpu: bool, probe: bool) -> ErrorLog:
     """The agent's one error counter, with every collector a pass runs at 0, so
     that a rate() over dlprof_collector_errors_total exists before any failure."""
     return ErrorLog(("process", "host", *(("gpu",) if gpu else ()),
-                     *(("probe",) if probe else ())))
+                     *(("probe",) if probe else ()), "identity"))
 
 
 class SnapshotBuilder:
@@ -120,7 +128,8 @@ class SnapshotBuilder:
                  wall_clock: Callable[[], float] = time.time,
                  agent_self: Callable[[], AgentSelfSample] = AgentSelfSample.read,
                  budget: SeriesBudget | None = None,
-                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS) -> None:
+                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS,
+                 node_name: str = "", procfs_root: str = PROC_ROOT) -> None:
         self.errors = errors
         # Every target's probe at once, all within one deadline per pass.
         self.exchanges = ProbeExchanges(
@@ -133,6 +142,11 @@ class SnapshotBuilder:
         self._wall_clock = wall_clock
         self._agent_self = agent_self
         self.samples_total = 0
+        self.node_name = node_name
+        self._procfs_root = procfs_root
+        # Each target's identity from its environment and cgroup, read once: the
+        # environment is the one at exec, and a failure is counted once per target.
+        self._identities: dict[int, Identity] = {}
 
     def start(self) -> PassStart:
         """When a pass starts; a caller that finds targets first passes it to build(),
@@ -160,11 +174,13 @@ class SnapshotBuilder:
             probes = self.budget.fold([(probe, process_series(processes))
                                        for probe, (_, processes) in zip(probes, read,
                                                                         strict=True)])
+        identities = self._identities_of(read, probes)
         snapshots = tuple(
-            self._target_snapshot(target, processes, probe, started, agent=agent,
-                                  node=(host, gpu), exchange=exchange)
-            for (target, processes), probe, exchange in zip(read, probes, exchanges,
-                                                            strict=True))
+            replace(self._target_snapshot(target, processes, probe, started, agent=agent,
+                                          node=(host, gpu), exchange=exchange),
+                    identity=identity)
+            for (target, processes), probe, exchange, identity in zip(
+                read, probes, exchanges, identities, strict=True))
         self.samples_total += 1
         return NodeSnapshot(
             timestamp_seconds=started.wall_seconds,
@@ -198,6 +214,38 @@ class SnapshotBuilder:
             return snapshot
         host, gpu = node  # the findings judge the target against the node it runs on
         return replace(snapshot, findings=tracker.update(point_of(snapshot, host=host, gpu=gpu)))
+
+    def _identities_of(self, read: list[tuple[Watched, tuple[ProcessSample, ...]]],
+                       probes: list[ProbeSample | None]) -> list[Identity]:
+        """Each target's identity, the probe's rank over the environment's, and
+        "launcher" for a target that is the parent of a rank that is a target."""
+        known, self._identities = self._identities, {}
+        identities = []
+        for (target, _), probe in zip(read, probes, strict=True):
+            identity = known.get(target.pid) or self._read_identity(target.pid)
+            self._identities[target.pid] = identity
+            identities.append(identity if probe is None else with_probe(identity,
+                                                                         probe.settings))
+        rank_parents = {process.ppid for (_, processes), identity in zip(
+                            read, identities, strict=True)
+                        if identity.role == ROLE_RANK
+                        for process in processes if process.is_target}
+        return [replace(identity, role=ROLE_LAUNCHER)
+                if target.pid in rank_parents and identity.role != ROLE_RANK else identity
+                for (target, _), identity in zip(read, identities, strict=True)]
+
+    def _read_identity(self, pid: int) -> Identity:
+        try:
+            identity = read_identity(ProcessFiles(pid, root=self._procfs_root),
+                                     node=self.node_name)
+        except TargetGone:
+            return Identity(node=self.node_name)  # it exits in this pass
+        except Exception as error:  # one target's identity never stops the others
+            self._record("identity", error, pid)
+            return Identity(node=self.node_name)
+        if identity.problems:
+            self.errors.record("identity", f"pid {pid}: {'; '.join(identity.problems)}")
+        return identity
 
     def _sample_gpu(self, pids: frozenset[int]) -> GpuSample | None:
         gpu_source = self._gpu

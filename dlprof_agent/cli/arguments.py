@@ -114,3 +114,13 @@ def environment_pair(text: str) -> tuple[str, str]:
     if not equals or not name:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE, e.g. SLURM_JOB_ID=1234")
     return name, value
+
+
+def node_name(text: str) -> str:
+    """A node's name for a label: printable, at most 253 characters (a DNS name,
+    as Kubernetes names nodes)."""
+    if not text or len(text) > 253 or not text.isprintable() or not text.isascii():
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r} is not a node name: give 1 to 253 printable characters, "
+            "e.g. gpu-node-7")
+    return text

@@ -17,7 +17,12 @@ from dlprof_agent.cli.arguments import (
     seconds,
     whole_number,
 )
-from dlprof_agent.cli.options import add_probe_options, add_serving_options, probe_options
+from dlprof_agent.cli.options import (
+    add_probe_options,
+    add_serving_options,
+    probe_options,
+    resolved_node_name,
+)
 from dlprof_agent.collectors.series_budget import DEFAULT_AGENT_SERIES
 from dlprof_agent.errors import EXIT_CODES_HELP
 
@@ -40,7 +45,12 @@ def add_parser(commands: Any) -> None:
                "  dlprof-agent daemon --listen 0.0.0.0\n"
                "  dlprof-agent daemon --match 'python .*train' --layers\n"
                "  dlprof-agent daemon --env SLURM_JOB_ID=$SLURM_JOB_ID --match python "
-               "--port 9951\n\n"
+               "--port 9951\n"
+               "  dlprof-agent daemon --match torchrun --node-name $(hostname -s)\n\n"
+               "Each job's ranks are targets of their own, even under a watched launcher\n"
+               "(torchrun, srun): a process whose environment carries RANK, SLURM_PROCID\n"
+               "or TF_CONFIG. dlprof_target_info says who each is (job_id, rank, node,\n"
+               "pod); docs/fleet-identity.md says where each label comes from.\n\n"
                "Reading other users' processes needs root, or CAP_SYS_PTRACE (and\n"
                "CAP_DAC_OVERRIDE to reach their probe sockets); see docs/deploy.md for\n"
                "Kubernetes, systemd and SLURM.\n\n"
@@ -84,5 +94,6 @@ def run(args: argparse.Namespace) -> int:
                             matches=tuple(args.match), environment=tuple(args.env),
                             probe=probe_options(args), gpu=args.gpu,
                             max_series_per_target=args.max_series_per_target,
-                            max_series=args.max_series, grace=args.grace)
+                            max_series=args.max_series, grace=args.grace,
+                            node_name=resolved_node_name(args.node_name))
     return serve_node(options, args.listen, args.port, web, args.max_requests)

@@ -4,6 +4,9 @@ serve), and the agent's options built from them."""
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+from collections.abc import Mapping
 
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, load_web_config
 from dlprof_agent.agent.serve import (
@@ -13,7 +16,7 @@ from dlprof_agent.agent.serve import (
     MIN_INTERVAL_SECONDS,
     ServeOptions,
 )
-from dlprof_agent.cli.arguments import budget_fraction, port, seconds, whole_number
+from dlprof_agent.cli.arguments import budget_fraction, node_name, port, seconds, whole_number
 from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS
 from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES
 from dlprof_agent.exporters.admission import MAX_REQUESTS
@@ -91,6 +94,13 @@ def add_serving_options(parser: argparse.ArgumentParser, *, duration_default: fl
                              "reported by the series_capped finding. Layer and kernel names "
                              f"are cut to {MAX_LABEL_CHARS} characters (with a hash of the "
                              "whole name)")
+    parser.add_argument("--node-name", type=node_name, metavar="NAME",
+                        help="the node label on dlprof_target_info, which says where each "
+                             "rank runs (pids repeat across nodes). Default: $NODE_NAME "
+                             "(the DaemonSet sets it from spec.nodeName), then "
+                             "$SLURMD_NODENAME (SLURM's name for the node), then this "
+                             "host's name. Give the name your other exporters use, so "
+                             "that the series join")
     if not one_target:
         parser.add_argument("--quiet", action="store_true", help="log warnings only")
         return
@@ -105,6 +115,21 @@ def add_serving_options(parser: argparse.ArgumentParser, *, duration_default: fl
                              f"long so the last scrape sees it (default {DEFAULT_GRACE_SECONDS:g})")
     parser.add_argument("--quiet", action="store_true",
                         help="no live status line and no summary")
+
+
+NODE_NAME_VARIABLES = ("NODE_NAME", "SLURMD_NODENAME")
+
+
+def resolved_node_name(given: str | None, environment: Mapping[str, str] = os.environ
+                       ) -> str:
+    """--node-name, else the first of NODE_NAME_VARIABLES set, else the hostname."""
+    if given:
+        return given
+    for name in NODE_NAME_VARIABLES:
+        value = environment.get(name, "").strip()
+        if value:
+            return value
+    return socket.gethostname()
 
 
 def probe_options(args: argparse.Namespace) -> ProbeOptions | None:
@@ -125,4 +150,5 @@ def serve_options(args: argparse.Namespace, probe: ProbeOptions | None) -> Serve
                         children=args.children, gpu=args.gpu, probe=probe,
                         web_config=load_web_config(args.web_config_file),
                         max_series_per_target=args.max_series_per_target,
-                        max_requests=args.max_requests)
+                        max_requests=args.max_requests,
+                        node_name=resolved_node_name(args.node_name))

@@ -126,6 +126,14 @@ class ProcessCollector:
         self._clock = clock
         self._last_scan: float | None = None
         self._descendants_seen: list[psutil.Process] = []
+        self._excluded: frozenset[int] = frozenset()
+
+    def set_excluded(self, pids: frozenset[int]) -> None:
+        """Leave out these descendants and theirs: they are targets of their own
+        (the daemon's ranks under a launcher), read there, not twice."""
+        if pids != self._excluded:
+            self._excluded = pids
+            self._last_scan = None  # look again now
 
     def _descendants(self) -> list[psutil.Process]:
         """The target's descendants, looked up afresh every ``rescan_seconds``.
@@ -139,10 +147,26 @@ class ProcessCollector:
             return self._descendants_seen
         self._last_scan = now
         try:
-            self._descendants_seen = list(self._root.children(recursive=True))
+            self._descendants_seen = self._without_excluded(self._root.children(recursive=True))
         except psutil.Error as error:
             self._errors.record(COLLECTOR, error)
         return self._descendants_seen
+
+    def _without_excluded(self, found: list[psutil.Process]) -> list[psutil.Process]:
+        if not self._excluded:
+            return found
+        left_out = set(self._excluded)
+        kept = []
+        for process in found:  # psutil lists each parent before its children
+            try:
+                parent = process.ppid()
+            except psutil.Error:
+                continue
+            if process.pid in left_out or parent in left_out:
+                left_out.add(process.pid)
+            else:
+                kept.append(process)
+        return kept
 
     def sample(self) -> tuple[ProcessSample, ...]:
         """Read the tree once. Raises ``TargetGone`` when the target has exited."""

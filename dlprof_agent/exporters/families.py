@@ -15,11 +15,16 @@ from prometheus_client.core import (
 from dlprof_agent import __version__
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.identity import Identity, info_labels
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.model.findings.catalogue import Finding
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 
 CPU_MODES = ("user", "system", "iowait")
+# After pid on the per-target step, phase and finding families (docs/fleet-identity.md).
+JOB_LABELS = ("job_id", "rank")
+# dlprof_target_info's labels after pid.
+TARGET_INFO_LABELS = tuple(info_labels(Identity()))
 LOAD_WINDOWS = ("1m", "5m", "15m")
 
 
@@ -244,25 +249,45 @@ def agent_families(snapshot: Snapshot | NodeSnapshot | None, interval_seconds: f
 def target_families(snapshot: Snapshot) -> list[Metric]:
     target_up = gauge("dlprof_target_up",
                       "1 while the attached process runs, 0 once it has exited.", ["pid"])
-    target_up.add_metric([str(snapshot.target_pid)], 1 if snapshot.target_up else 0)
-    return [target_up]
+    pid = str(snapshot.target_pid)
+    target_up.add_metric([pid], 1 if snapshot.target_up else 0)
+    identity = snapshot.identity
+    if identity is None:
+        return [target_up]
+    info = gauge("dlprof_target_info",
+                 "1, with who the target is: its job, rank, node, pod and container, and "
+                 "its role (rank, launcher of ranks, or a process of its own); "
+                 "docs/fleet-identity.md says where each comes from.",
+                 ["pid", *TARGET_INFO_LABELS])
+    info.add_metric([pid, *info_labels(identity).values()], 1)
+    families: list[Metric] = [target_up, info]
+    if identity.world_size is not None:
+        world = gauge("dlprof_target_world_size",
+                      "Ranks in the target's job, as its launcher or its process group "
+                      "says; compare with the ranks reporting.", ["pid", *JOB_LABELS])
+        world.add_metric([pid, identity.job_id, identity.rank], identity.world_size)
+        families.append(world)
+    return families
 
 
-def finding_families(target_pid: int, findings: Iterable[Finding]) -> list[Metric]:
+def finding_families(target_pid: int, findings: Iterable[Finding],
+                     identity: Identity | None = None) -> list[Metric]:
     """Every rule that could judge the target: 1 while its finding is raised, else 0
     (absent: nothing to judge, e.g. no probe or no GPU)."""
     findings = list(findings)
     if not findings:
         return []
-    pid = str(target_pid)
+    job = [str(target_pid), *(("", "") if identity is None
+                              else (identity.job_id, identity.rank))]
     state = gauge("dlprof_finding",
                   "1 while a finding about the job holds, 0 while its rule sees no cause; "
-                  "docs/findings.md explains each.", ["pid", "finding", "severity"])
+                  "docs/findings.md explains each.", ["pid", *JOB_LABELS, "finding", "severity"])
     evidence = gauge("dlprof_finding_evidence",
                      "The figures each finding's rule judged, over its last window; the "
-                     "quantity's name ends in its unit.", ["pid", "finding", "quantity"])
+                     "quantity's name ends in its unit.",
+                     ["pid", *JOB_LABELS, "finding", "quantity"])
     for finding in findings:
-        state.add_metric([pid, finding.id, finding.severity], 1 if finding.active else 0)
+        state.add_metric([*job, finding.id, finding.severity], 1 if finding.active else 0)
         for quantity, value in finding.evidence:
-            evidence.add_metric([pid, finding.id, quantity], value)
+            evidence.add_metric([*job, finding.id, quantity], value)
     return [state, evidence]

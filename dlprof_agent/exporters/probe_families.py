@@ -11,8 +11,9 @@ from prometheus_client.core import (
 )
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
+from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.probe_samples import KernelSample, ProbeSample
-from dlprof_agent.exporters.families import counter, gauge
+from dlprof_agent.exporters.families import JOB_LABELS, counter, gauge
 
 # dlprof_framework_info's labels: one fixed set whatever the framework; "" when unknown.
 FRAMEWORK_LABELS = ("framework", "framework_version", "device", "intra_op_threads",
@@ -119,8 +120,15 @@ def kernel_families(pid: str, kernels: KernelSample, nvml_index: Mapping[str, st
     return families
 
 
+def job_labels(identity: Identity | None) -> list[str]:
+    """The values of ``job_id`` and ``rank``, the labels after ``pid`` on the
+    per-target step, phase and finding families ("" where unknown)."""
+    return ["", ""] if identity is None else [identity.job_id, identity.rank]
+
+
 def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
-                   gpu: GpuSample | None = None) -> list[Metric]:
+                   gpu: GpuSample | None = None, identity: Identity | None = None
+                   ) -> list[Metric]:
     probe_up = gauge("dlprof_probe_up",
                      "1 while the agent reads the in-process probe of the process, else 0.",
                      ["pid"])
@@ -128,35 +136,37 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
     if probe is None:
         return [probe_up]
     pid = str(probe.pid)
+    job = [pid, *job_labels(identity)]  # pid, job_id, rank
     steps = counter("dlprof_steps_total",
                     "Training steps; the first ones are warm-up, kept out of the "
-                    "steady-state figures.", ["pid", "phase"])
+                    "steady-state figures.", ["pid", *JOB_LABELS, "phase"])
     samples = counter("dlprof_samples_total",
                       "Samples (batch elements) trained on; rate() gives samples per second.",
-                      ["pid", "phase"])
+                      ["pid", *JOB_LABELS, "phase"])
     for phase, count in probe.steps:
-        steps.add_metric([pid, phase], count)
+        steps.add_metric([*job, phase], count)
     for phase, count in probe.samples:
-        samples.add_metric([pid, phase], count)
+        samples.add_metric([*job, phase], count)
     duration = HistogramMetricFamily(
         "dlprof_step_duration_seconds",
-        "Steady-state training step time, from one step's end to the next.", labels=["pid"])
-    duration.add_metric([pid], histogram_buckets(probe.step_bucket_bounds,
-                                                 probe.step_bucket_counts),
+        "Steady-state training step time, from one step's end to the next.",
+        labels=["pid", *JOB_LABELS])
+    duration.add_metric(job, histogram_buckets(probe.step_bucket_bounds,
+                                               probe.step_bucket_counts),
                         probe.step_seconds_sum)
     phases = counter("dlprof_step_phase_seconds_total",
                      "Steady-state step time by phase: forward and backward (summed over "
                      "layers, with --layers), optimizer, exchange (waiting for other ranks "
                      "in collectives), and other (data, loss, Python).",
-                     ["pid", "phase"])
+                     ["pid", *JOB_LABELS, "phase"])
     for phase, seconds in probe.phase_seconds:
-        phases.add_metric([pid, phase], seconds)
+        phases.add_metric([*job, phase], seconds)
     split = gauge("dlprof_step_phase_split_info",
                   "1, with whether the latest steady step's phases were split, or why not "
                   "(forward not seen, backward not seen, not split: compiled graph).",
-                  ["pid", "split"])
+                  ["pid", *JOB_LABELS, "split"])
     if probe.phase_split is not None:
-        split.add_metric([pid, probe.phase_split], 1)
+        split.add_metric([*job, probe.phase_split], 1)
     layer_seconds = counter("dlprof_layer_seconds_total",
                             "Time in each layer, forward and backward (with --layers), "
                             "estimated for every step from the timed ones.",

@@ -18,6 +18,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
+from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.exporters.exchange_families import exchange_families
 from dlprof_agent.exporters.families import (
@@ -61,9 +62,9 @@ class SnapshotCollector(_LatestCollector[Snapshot]):
             yield from host_families(snapshot.host)
         yield from gpu_families(snapshot.gpu)
         yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe,
-                                  snapshot.gpu)
+                                  snapshot.gpu, snapshot.identity)
         yield from exchange_families(snapshot)
-        yield from finding_families(snapshot.target_pid, snapshot.findings)
+        yield from finding_families(snapshot.target_pid, snapshot.findings, snapshot.identity)
 
 
 def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
@@ -94,7 +95,8 @@ class ProbeFamilies:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[int, tuple[bool, ProbeSample | None, object, list[Metric]]] = {}
+        self._kept: dict[int, tuple[bool, ProbeSample | None, object, Identity | None,
+                                    list[Metric]]] = {}
 
     def of(self, targets: Iterable[Snapshot], gpu: GpuSample | None) -> list[list[Metric]]:
         devices = tuple(sorted(gpu_labels(gpu).items()))
@@ -105,13 +107,13 @@ class ProbeFamilies:
                 last = kept.get(target.target_pid)
                 if (last is not None and last[0] == target.probe_up
                         and last[1] is target.probe and target.probe is not None
-                        and last[2] == devices):
-                    families = last[3]
+                        and last[2] == devices and last[3] == target.identity):
+                    families = last[4]
                 else:
                     families = probe_families(target.target_pid, target.probe_up,
-                                              target.probe, gpu)
+                                              target.probe, gpu, target.identity)
                 self._kept[target.target_pid] = (target.probe_up, target.probe, devices,
-                                                 families)
+                                                 target.identity, families)
                 result.append(families)
             return result
 
@@ -137,7 +139,8 @@ class NodeCollector(_LatestCollector[NodeSnapshot]):
         yield from gpu_families(node.gpu)
         yield from merged(self._probe_families.of(node.targets, node.gpu))
         yield from merged(exchange_families(target) for target in node.targets)
-        yield from merged(finding_families(target.target_pid, target.findings)
+        yield from merged(finding_families(target.target_pid, target.findings,
+                                           target.identity)
                           for target in node.targets)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
+from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
@@ -57,6 +58,7 @@ class Snapshot:
     probe_misses: int = 0  # probe reads so far that missed their deadline
     limits: LimitsSample | None = None
     findings: tuple[Finding, ...] = ()  # every rule that could judge this pass
+    identity: Identity | None = None  # its job, rank, node and pod; None: not read
 
     @property
     def target(self) -> ProcessSample | None:

@@ -52,6 +52,45 @@ READERS = {"torch": torch_process_group, "tensorflow": tensorflow_cluster}
 
 def process_group(framework: str) -> dict[str, str]:
     """The setting for ``framework``'s settings, or nothing for a framework
-    without a reader."""
+    without a reader; with the job's own rank and world size where it has them."""
     reader = READERS.get(framework)
-    return {} if reader is None else {SETTING: reader()}
+    if reader is None:
+        return {}
+    return {SETTING: reader(), **RANK_READERS[framework]()}
+
+
+# The rank as the job itself sees it, now: it outranks the environment the agent
+# reads from /proc, which is the one at exec (a script may set TF_CONFIG, or call
+# init_process_group with a rank of its choosing, after it started).
+RANK = "rank"
+WORLD_SIZE = "world_size"
+
+
+def torch_rank() -> dict[str, str]:
+    """torch.distributed's rank and world size once its process group is up."""
+    if not imported(("torch", "torch.distributed")):
+        return {}
+    dist: Any = sys.modules["torch.distributed"]
+    if not dist.is_available() or not dist.is_initialized():
+        return {}
+    return {RANK: str(dist.get_rank()), WORLD_SIZE: str(dist.get_world_size())}
+
+
+def tensorflow_rank(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The TF_CONFIG task's rank among the training tasks, chief first (how
+    MultiWorkerMirroredStrategy numbers them), from the job's environment now."""
+    text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
+    try:
+        config = json.loads(text) if text.strip() else {}
+        cluster, task = config.get("cluster", {}), config.get("task", {})
+        members = [(role, index) for role in ("chief", "worker")
+                   for index in range(len(cluster.get(role, ())))]
+        place = (task.get("type"), task.get("index", 0))
+    except (ValueError, TypeError, AttributeError):
+        return {}
+    if place not in members:
+        return {}
+    return {RANK: str(members.index(place)), WORLD_SIZE: str(len(members))}
+
+
+RANK_READERS = {"torch": torch_rank, "tensorflow": tensorflow_rank}
