@@ -26,6 +26,7 @@ from benchmarks.common import (
     Result,
     Table,
     TargetCheck,
+    free_port,
     load_average,
     positive_int,
     spread,
@@ -83,6 +84,37 @@ def recorder_costs(calls: int, repeats: int) -> dict[str, float]:
     return {"step_boundary": _per_call(step, calls, repeats),
             "add_layer_time": _per_call(layer, calls, repeats),
             "empty_call": _per_call(nothing, calls, repeats)}
+
+
+def exchange_costs(calls: int, repeats: int) -> dict[str, float]:
+    """CPU seconds a timed collective adds to the caller (probe/torch_exchange.py):
+    ``torch.distributed.all_reduce`` of one number in a gloo group of one rank,
+    through the probe's wrapper and straight, interleaved."""
+    import torch
+    import torch.distributed as dist
+
+    from dlprof_agent.probe.recorder import Recorder
+    from dlprof_agent.probe.torch_exchange import CollectiveTiming
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        tensor = torch.zeros(1)
+        original = dist.all_reduce
+        timing = CollectiveTiming(Recorder(warmup_steps=0))
+        timing.install(torch)
+        try:
+            wrapped = dist.all_reduce
+            straight, timed = [], []
+            for _ in range(repeats):
+                straight.append(_per_call(lambda: original(tensor), calls, 1))
+                timed.append(_per_call(lambda: wrapped(tensor), calls, 1))
+        finally:
+            timing.remove()
+    finally:
+        dist.destroy_process_group()
+    return {"collective_call": statistics.median(straight),
+            "collective_timing": statistics.median(timed) - statistics.median(straight)}
 
 
 def hook_costs(rounds: int, steps: int, progress: Progress) -> dict[str, list[float]]:
@@ -182,6 +214,7 @@ def run(settings: dict[str, Any]) -> Result:
     progress.advance(f"Recorder: step_boundary {recorder['step_boundary'] * 1e9:.0f} ns, "
                      f"add_layer_time {recorder['add_layer_time'] * 1e9:.0f} ns")
     hooks = hook_costs(rounds, int(settings["round_steps"]), progress)
+    exchange = exchange_costs(max(20, int(settings["calls"]) // 100), int(settings["repeats"]))
     polls = poll_costs(int(settings["polls"]))
     busy.stop()
     progress.advance(f"poll: answer {polls['probe_answer'] * 1e3:.2f} ms")
@@ -213,6 +246,9 @@ def run(settings: dict[str, Any]) -> Result:
         ("training step", "PyTorch hooks, step timing (wall, over no hooks)", step_cost),
         ("layer event (forward or backward)", "PyTorch hooks, --layers (wall, over step "
          "timing)", event_cost),
+        ("collective call timed as exchange", "the torch.distributed wrapper, over "
+         f"all_reduce's own {exchange['collective_call'] * 1e6:.0f} µs (CPU time, gloo, "
+         "one rank)", exchange["collective_timing"]),
         ("CUPTI record (decode + aggregate)", "synthetic activity buffers in CUPTI's "
          "record layouts (benchmarks.cupti_decode), wall", cupti_cost),
     ]
@@ -286,6 +322,7 @@ def run(settings: dict[str, Any]) -> Result:
         "recorder.layer_events_per_second_at_1pct": 0.01 / recorder["add_layer_time"],
         "hooks.step_seconds": step_cost, "hooks.layer_call_seconds": layer_cost,
         "hooks.profiler_step_seconds": profiler_cost,
+        "exchange.collective_timing_seconds": exchange["collective_timing"],
         "poll.probe_answer_seconds": polls["probe_answer"],
         "poll.agent_decode_seconds": polls["agent_decode"]})
     result.figures.update({"cupti.decode_records_per_second": decode_rate,
