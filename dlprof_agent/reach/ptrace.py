@@ -44,6 +44,7 @@ from dlprof_agent.collectors.procfs import (
     read_executable,
 )
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
+from dlprof_agent.reach import progress
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
@@ -377,7 +378,11 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
     deadline = time.monotonic() + wait_seconds
 
     def borrow(function: int, args: tuple[int, ...]) -> None:
+        tries = 0
         while not _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn):
+            tries += 1
+            progress.waiting_for(pid, "a thread of the job that waits in the kernel, to "
+                                 "queue the probe", tries=tries)
             if not same_process(pid, start_time):
                 raise exited_during_injection(pid)
             if time.monotonic() >= deadline:
