@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from dlprof_agent.errors import DlprofError, TargetNotFound
 from dlprof_agent.reach import progress
@@ -19,7 +20,7 @@ from dlprof_agent.reach.channel import (
     ProbeSource,
     open_probe,
 )
-from dlprof_agent.reach.connect import ProbeOptions
+from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
 
 log = logging.getLogger("dlprof_agent")
 
@@ -52,9 +53,37 @@ class ProbeStart:
         self._thread = threading.Thread(target=self._open, name="dlprof-attaching",
                                         daemon=True)
 
+    def open_running(self) -> ProbeSource | None:
+        """The channel to a probe that already listens (started by `run` or by the
+        job itself), in milliseconds and before the first sample, so that it holds
+        the probe's figures; None where there is none yet: then ``start``.
+        Raises ProbeAlreadyAttached."""
+        if self._wait_seconds > 0:
+            return None  # `run`: the job has yet to start its probe
+        try:
+            client = try_connect(self.pid, replace(self._options, inject=False),
+                                 self._interval, 0.0)
+        except NoProbe:
+            return None
+        source = ProbeSource(client, interval=self._interval, pid=self.pid,
+                             options=self._options, timeouts=self._timeouts)
+        with self._lock:
+            self._source = source
+        self._done.set()
+        self._announce(source)
+        self._on_open(source)
+        return source
+
     def start(self) -> None:
         self._started_at = time.monotonic()
         self._thread.start()
+
+    def _announce(self, source: ProbeSource) -> None:
+        if (client := source.client) is not None:
+            log.info("probe active in pid %d after %.1f s (%s)", self.pid,
+                     time.monotonic() - self._started_at,
+                     ", ".join(map(str, client.hello.get("frameworks", [])))
+                     or "no framework imported yet")
 
     @property
     def source(self) -> ProbeSource | None:
@@ -89,11 +118,7 @@ class ProbeStart:
         if source is not None and late:
             source.stop()  # the agent is stopping: the probe removes its hooks
         elif source is not None:
-            if (client := source.client) is not None:
-                log.info("probe active in pid %d after %.1f s (%s)", self.pid,
-                         time.monotonic() - self._started_at,
-                         ", ".join(map(str, client.hello.get("frameworks", [])))
-                         or "no framework imported yet")
+            self._announce(source)
             self._on_open(source)
         self._done.set()
 

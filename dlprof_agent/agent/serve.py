@@ -154,20 +154,23 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     probe_start: ProbeStart | None = None
     stop = threading.Event()
     try:
-        # Served at once; the probe is reached meanwhile, and a job that ends at any
-        # moment from here on ends the attach with the summary, as any end does.
-        first = sampler.sample_once()
-        summary.add(first)
-        reaching = options.probe is not None and first.target_up
-        log.info("attached to pid %d (%s); serving http://%s:%d/metrics%s", pid,
-                 first.target.name if first.target else "?", options.listen, server.port,
-                 "; reaching for its probe in the background (step and layer metrics "
-                 "start once it answers)" if reaching else "")
-        if reaching and options.probe is not None:
+        # Served at once: a probe that already listens is taken now, one to inject is
+        # reached meanwhile, and a job that ends at any moment from here on ends the
+        # attach with the summary, as any end does.
+        if options.probe is not None:
             probe_start = ProbeStart(pid, options.probe, interval=options.interval,
                                      wait_seconds=options.probe_wait_seconds,
                                      timeouts=options.channel,
                                      on_open=lambda source: setattr(sampler, "probe", source))
+            probe_start.open_running()
+        first = sampler.sample_once()
+        summary.add(first)
+        reaching = probe_start is not None and not probe_start.done and first.target_up
+        log.info("attached to pid %d (%s); serving http://%s:%d/metrics%s", pid,
+                 first.target.name if first.target else "?", options.listen, server.port,
+                 "; reaching for its probe in the background (step and layer metrics "
+                 "start once it answers)" if reaching else "")
+        if reaching and probe_start is not None:
             probe_start.start()
 
         def on_sample(snapshot: Snapshot) -> None:
