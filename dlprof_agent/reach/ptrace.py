@@ -17,10 +17,14 @@ called is checked first to hold the bytes of that function in its file.
 
 A thread stopped in a call the kernel would resume through ``restart_syscall`` (relative
 sleeps, waits with a timeout) is not borrowed: rt_sigreturn would turn that resumption
-into EINTR. What may differ for the borrowed thread: the upper halves of its AVX
-registers are reset (dead across the libc call it waits in), and a wait for the 3.13
-pending-call mutex itself (another thread adding a pending call at that very moment)
-could be lengthened.
+into EINTR. The one exception is the main thread in CPython's lock wait (``lock_wait``):
+that wait is ended with EINTR on purpose, whatever its timeout, since its caller waits
+again and, on the way, runs the pending call just queued.
+
+What may differ for the borrowed thread: the upper halves of its AVX registers are
+reset (dead across the libc call it waits in), and a wait for the 3.13 pending-call
+mutex itself (another thread adding a pending call at that very moment) could be
+lengthened.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from dlprof_agent.collectors.procfs import (
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
 from dlprof_agent.reach import progress
 from dlprof_agent.reach.elf import scan_elf_file
+from dlprof_agent.reach.lock_wait import EINTR, in_lock_wait
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -139,13 +144,17 @@ def _signed(register: int) -> int:
     return register - (1 << 64) if register >= 1 << 63 else register
 
 
-def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget: int) -> bytes:
+def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget: int, *,
+                  interrupt: bool = False) -> bytes:
     """What the borrowed thread finds on its stack at ``at`` when the called function
     returns: the address of an rt_sigreturn, then the frame that call restores, which is
-    the thread as we stopped it, its interrupted system call set to run again."""
+    the thread as we stopped it, its interrupted system call set to run again; or, with
+    ``interrupt``, to return EINTR, as after a signal handler without SA_RESTART."""
     r = dict(zip(_REGS, regs, strict=True))
     rax, rip = r["rax"], r["rip"]
-    if _signed(rax) in _ERESTART_CODES:
+    if interrupt:
+        rax = (1 << 64) - EINTR
+    elif _signed(rax) in _ERESTART_CODES:
         rax, rip = r["orig_rax"], rip - 2  # as the kernel restarts it after a ptrace stop
     fx_at = -(-(at + 8 + 304) // 64) * 64
     context = struct.pack(
@@ -257,25 +266,30 @@ def _waiting_threads(pid: int) -> list[int]:
 
 
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
-            maps: list[Mapping]) -> bool:
+            maps: list[Mapping], *, lock_function: tuple[int, int] | None = None) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
     when it is not waiting in a system call we may borrow it from. ``call`` is the
-    function's address, its arguments, and the address of an rt_sigreturn."""
+    function's address, its arguments, and the address of an rt_sigreturn. The main
+    thread waiting for a lock in ``lock_function`` (PyThread_acquire_lock_timed's
+    extent) comes back from its wait with EINTR, so that it runs a pending call now."""
     function, args, gadget = call
     regs = ptrace.registers(tid)
     r = dict(zip(_REGS, regs, strict=True))
     orig = _signed(r["orig_rax"])
     arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
-    if (orig < 0 or _signed(r["rax"]) == _ERESTART_RESTARTBLOCK
-            or not _borrowable(orig, arguments)):
+    stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
+    interrupt = (tid == pid and lock_function is not None and stack is not None
+                 and in_lock_wait(r, lambda address, size: _read_memory(pid, address, size),
+                                  stack[1], lock_function))
+    if orig < 0 or not _borrowable(orig, arguments) or (
+            _signed(r["rax"]) == _ERESTART_RESTARTBLOCK and not interrupt):
         return False
     blocked = _blocked_signals(pid, tid)
     at = ((r["rsp"] - _RED_ZONE - _FRAME_GAP) & ~15) - 8  # a call's entry: rsp % 16 == 8
-    stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
     if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
         return False
-    frame = _signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget)
+    frame = _signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget, interrupt=interrupt)
     if at + len(frame) > r["rsp"] - _RED_ZONE:
         return False
     _write_memory(pid, at, frame)
@@ -287,7 +301,7 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
 
 
 def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
-                     gadget: int) -> bool:
+                     gadget: int, *, lock_function: tuple[int, int] | None = None) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds; it needs nothing more from us once it is
     set on its way, so the agent may die at any moment. False when none could be had."""
@@ -311,7 +325,8 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
                 continue
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
-            if _detour(ptrace, pid, tid, (function, args, gadget), maps):
+            if _detour(ptrace, pid, tid, (function, args, gadget), maps,
+                       lock_function=lock_function):
                 return True
         except OSError:
             continue
@@ -341,6 +356,9 @@ class CallAddresses(NamedTuple):
     run_simple_string: int  # PyRun_SimpleString
     mmap: int  # libc's
     sigreturn: int  # an rt_sigreturn of libc's signal restorer
+    # [start, end) of PyThread_acquire_lock_timed: the main thread's wait there is ended
+    # with EINTR (``lock_wait``); None where it cannot be found and checked
+    lock_wait: tuple[int, int] | None = None
 
 
 def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
@@ -364,7 +382,18 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
-    return CallAddresses(add, run, allocate, gadget)
+    return CallAddresses(add, run, allocate, gadget,
+                         _function_extent(pid, maps, runtime.library, python_file,
+                                          "PyThread_acquire_lock_timed"))
+
+
+def _function_extent(pid: int, maps: list[Mapping], path: str, file: str, name: str
+                     ) -> tuple[int, int] | None:
+    """[start, end) of function ``name`` in ``pid``, checked as _function_address is."""
+    start = _function_address(pid, maps, path, file, name)
+    scan = scan_elf_file(file) if start is not None else None
+    size = scan.size(name) if scan is not None else None
+    return None if start is None or not size else (start, start + size)
 
 
 def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: float
@@ -379,7 +408,8 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
 
     def borrow(function: int, args: tuple[int, ...]) -> None:
         tries = 0
-        while not _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn):
+        while not _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
+                                   lock_function=calls.lock_wait):
             tries += 1
             progress.waiting_for(pid, "a thread of the job that waits in the kernel, to "
                                  "queue the probe", tries=tries)
