@@ -6,8 +6,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from dlprof_agent.reach.frame import REGISTERS, signal_frame
 from dlprof_agent.reach.lock_wait import STACK_SCAN_BYTES, in_lock_wait
-from dlprof_agent.reach.ptrace import _REGS, _signal_frame
 
 LOCK_FUNCTION = (0x401000, 0x401266)  # [start, end) of PyThread_acquire_lock_timed
 STACK_TOP = 0x7FFE0000
@@ -81,11 +81,11 @@ def restored(frame: bytes) -> tuple[int, int]:
 
 
 def test_the_frame_restarts_a_wait_or_ends_it_with_eintr() -> None:
-    values = dict.fromkeys(_REGS, 0)
+    values = dict.fromkeys(REGISTERS, 0)
     values.update(rax=(1 << 64) - 512, orig_rax=202, rip=0x7F0000002000, rsp=STACK_TOP - 4096)
-    regs = [values[name] for name in _REGS]
+    regs = [values[name] for name in REGISTERS]
     at = STACK_TOP - 8192 - 8
-    restart = _signal_frame(at, regs, bytes(512), 0, 0x7F0000003000)
+    restart = signal_frame(at, regs, bytes(512), 0, 0x7F0000003000)
     assert restored(restart) == (202, 0x7F0000002000 - 2)  # the syscall again
-    interrupted = _signal_frame(at, regs, bytes(512), 0, 0x7F0000003000, interrupt=True)
+    interrupted = signal_frame(at, regs, bytes(512), 0, 0x7F0000003000, interrupt=True)
     assert restored(interrupted) == ((1 << 64) - 4, 0x7F0000002000)  # returns -EINTR

@@ -4,9 +4,9 @@ the kernel, has it call a function, and the thread puts itself back.
 The agent is the tracer, and stops one thread only, one that waits in the kernel in a
 system call that leaves the signal mask alone (``threads``). With PTRACE_SEIZE and
 PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the thread running as
-before. The agent writes, below the thread's red zone, a signal frame holding the
-thread's registers and FXSAVE state (its interrupted call set to be restarted, as the
-kernel does after a ptrace stop), and sets all registers at once so that the thread
+before. The agent writes, below the thread's red zone, a signal frame (``frame``)
+holding the thread's registers and its whole XSAVE state, AVX included (its
+interrupted call set to be restarted, as the kernel does after a ptrace stop), and sets all registers at once so that the thread
 calls the function and returns into an ``rt_sigreturn`` of libc: the kernel puts the
 thread back exactly where it was. From then on the thread needs nothing from the agent:
 the agent may die at any instant and no trap, no breakpoint, no stopped thread is ever
@@ -21,10 +21,10 @@ into EINTR. The one exception is the main thread in CPython's lock wait (``lock_
 that wait is ended with EINTR on purpose, whatever its timeout, since its caller waits
 again and, on the way, runs the pending call just queued.
 
-What may differ for the borrowed thread: the upper halves of its AVX registers are
-reset (dead across the libc call it waits in), and a wait for the 3.13 pending-call
-mutex itself (another thread adding a pending call at that very moment) could be
-lengthened.
+What may differ for the borrowed thread: a wait for the 3.13 pending-call mutex itself
+(another thread adding a pending call at that very moment) could be lengthened; and
+where the kernel gives no usable XSAVE image, the upper halves of its AVX registers
+are reset (dead across the libc call it waits in).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import itertools
 import mmap
 import os
 import signal
-import struct
 import time
 from typing import NamedTuple
 
@@ -50,7 +49,15 @@ from dlprof_agent.collectors.procfs import (
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
 from dlprof_agent.reach import progress
 from dlprof_agent.reach.elf import scan_elf_file
-from dlprof_agent.reach.lock_wait import EINTR, in_lock_wait
+from dlprof_agent.reach.frame import (
+    MAX_XSTATE_BYTES,
+    NT_X86_XSTATE,
+    REGISTERS,
+    frame_state_bytes,
+    signal_frame,
+    signed,
+)
+from dlprof_agent.reach.lock_wait import in_lock_wait
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -70,14 +77,10 @@ from dlprof_agent.reach.threads import (
 )
 
 _PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
-_PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207
+_PTRACE_GETREGSET, _PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4204, 0x4206, 0x4207
 _PTRACE_EVENT_STOP = 128
 _WALL = 0x40000000
 _MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
-# struct user_regs_struct, in order
-_REGS = ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx",
-         "rdx", "rsi", "rdi", "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base",
-         "gs_base", "ds", "es", "fs", "gs")
 # mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
 _SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
 # System calls a waiting thread may be borrowed from: none of them changes the signal mask
@@ -88,7 +91,6 @@ _BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
 # the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
 _MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
 
-_ERESTART_CODES = (-512, -513, -514)  # ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND
 # A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
 # with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
 _ERESTART_RESTARTBLOCK = -516
@@ -119,54 +121,37 @@ class _Ptrace:
         call.restype = ctypes.c_long
         self._call = call
 
-    def __call__(self, request: int, tid: int, data: object = None) -> None:
+    def __call__(self, request: int, tid: int, data: object = None, address: int = 0
+                 ) -> None:
         self._ctypes.set_errno(0)
-        if self._call(request, tid, None, data) == -1:
+        if self._call(request, tid, address or None, data) == -1:
             error = self._ctypes.get_errno()
             raise OSError(error, os.strerror(error))
 
     def registers(self, tid: int) -> list[int]:
-        regs = (self._ctypes.c_ulonglong * len(_REGS))()
+        regs = (self._ctypes.c_ulonglong * len(REGISTERS))()
         self(_PTRACE_GETREGS, tid, self._ctypes.addressof(regs))
         return list(regs)
 
     def set_registers(self, tid: int, values: list[int]) -> None:
-        regs = (self._ctypes.c_ulonglong * len(_REGS))(*values)
+        regs = (self._ctypes.c_ulonglong * len(REGISTERS))(*values)
         self(_PTRACE_SETREGS, tid, self._ctypes.addressof(regs))  # all of them, at once
+
+    def xstate(self, tid: int) -> bytes | None:
+        """The thread's XSAVE image (PTRACE_GETREGSET), or None where the kernel has
+        none to give."""
+        area = (self._ctypes.c_ubyte * MAX_XSTATE_BYTES)()
+        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), MAX_XSTATE_BYTES)
+        try:
+            self(_PTRACE_GETREGSET, tid, self._ctypes.addressof(vector), NT_X86_XSTATE)
+        except OSError:
+            return None
+        return bytes(area)[:vector[1] or 0]
 
     def fxsave(self, tid: int) -> bytes:
         area = (self._ctypes.c_ubyte * 512)()
         self(_PTRACE_GETFPREGS, tid, self._ctypes.addressof(area))
         return bytes(area)
-
-
-def _signed(register: int) -> int:
-    return register - (1 << 64) if register >= 1 << 63 else register
-
-
-def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget: int, *,
-                  interrupt: bool = False) -> bytes:
-    """What the borrowed thread finds on its stack at ``at`` when the called function
-    returns: the address of an rt_sigreturn, then the frame that call restores, which is
-    the thread as we stopped it, its interrupted system call set to run again; or, with
-    ``interrupt``, to return EINTR, as after a signal handler without SA_RESTART."""
-    r = dict(zip(_REGS, regs, strict=True))
-    rax, rip = r["rax"], r["rip"]
-    if interrupt:
-        rax = (1 << 64) - EINTR
-    elif _signed(rax) in _ERESTART_CODES:
-        rax, rip = r["orig_rax"], rip - 2  # as the kernel restarts it after a ptrace stop
-    fx_at = -(-(at + 8 + 304) // 64) * 64
-    context = struct.pack(
-        "<18Q4H4QQ8Q", r["r8"], r["r9"], r["r10"], r["r11"], r["r12"], r["r13"], r["r14"],
-        r["r15"], r["rdi"], r["rsi"], r["rbp"], r["rbx"], r["rdx"], rax, r["rcx"], r["rsp"],
-        rip, r["eflags"], r["cs"], 0, 0, r["ss"], 0, 0, 0, 0, fx_at, *([0] * 8))
-    # uc_flags UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS; uc_stack with an invalid ss_flags,
-    # so the kernel keeps the thread's signal stack as it is (it ignores that error).
-    ucontext = struct.pack("<QQQiiQ", 6, 0, 0, 0x10, 0, 0) + context + struct.pack("<Q", blocked)
-    frame = struct.pack("<Q", gadget) + ucontext
-    # The FXSAVE image without the XSAVE marker: x87, SSE and MXCSR come back as they were.
-    return frame + bytes(fx_at - at - len(frame)) + fxsave[:464] + bytes(48)
 
 
 def _read_memory(pid: int, address: int, size: int) -> bytes:
@@ -275,28 +260,31 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
     extent) comes back from its wait with EINTR, so that it runs a pending call now."""
     function, args, gadget = call
     regs = ptrace.registers(tid)
-    r = dict(zip(_REGS, regs, strict=True))
-    orig = _signed(r["orig_rax"])
+    r = dict(zip(REGISTERS, regs, strict=True))
+    orig = signed(r["orig_rax"])
     arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
     stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
     interrupt = (tid == pid and lock_function is not None and stack is not None
                  and in_lock_wait(r, lambda address, size: _read_memory(pid, address, size),
                                   stack[1], lock_function))
     if orig < 0 or not _borrowable(orig, arguments) or (
-            _signed(r["rax"]) == _ERESTART_RESTARTBLOCK and not interrupt):
+            signed(r["rax"]) == _ERESTART_RESTARTBLOCK and not interrupt):
         return False
     blocked = _blocked_signals(pid, tid)
-    at = ((r["rsp"] - _RED_ZONE - _FRAME_GAP) & ~15) - 8  # a call's entry: rsp % 16 == 8
+    xstate = ptrace.xstate(tid)
+    gap = max(_FRAME_GAP, 8 + 304 + 64 + frame_state_bytes(xstate) + 64)
+    at = ((r["rsp"] - _RED_ZONE - gap) & ~15) - 8  # a call's entry: rsp % 16 == 8
     if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
         return False
-    frame = _signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget, interrupt=interrupt)
+    frame = signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget, interrupt=interrupt,
+                          xstate=xstate)
     if at + len(frame) > r["rsp"] - _RED_ZONE:
         return False
     _write_memory(pid, at, frame)
     new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1)
     for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
         new[register] = value % (1 << 64)
-    ptrace.set_registers(tid, [new[name] for name in _REGS])
+    ptrace.set_registers(tid, [new[name] for name in REGISTERS])
     return True
 
 
