@@ -93,7 +93,7 @@ def signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget: 
     rax, rip = r["rax"], r["rip"]
     if interrupt:
         rax = (1 << 64) - EINTR
-    elif signed(rax) in _ERESTART_CODES:
+    elif signed(r["orig_rax"]) >= 0 and signed(rax) in _ERESTART_CODES:
         rax, rip = r["orig_rax"], rip - 2  # as the kernel restarts it after a ptrace stop
     fx_at = -(-(at + 8 + 304) // 64) * 64
     context = struct.pack(

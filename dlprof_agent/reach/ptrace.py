@@ -2,18 +2,20 @@
 the kernel, has it call a function, and the thread puts itself back.
 
 The agent is the tracer, and stops one thread only, one that waits in the kernel in a
-system call that leaves the signal mask alone (``threads``). With PTRACE_SEIZE and
-PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the thread running as
-before. The agent writes, below the thread's red zone, a signal frame (``frame``)
-holding the thread's registers and its whole XSAVE state, AVX included (its
-interrupted call set to be restarted, as the kernel does after a ptrace stop), and sets all registers at once so that the thread
-calls the function and returns into an ``rt_sigreturn`` of libc: the kernel puts the
-thread back exactly where it was. From then on the thread needs nothing from the agent:
-the agent may die at any instant and no trap, no breakpoint, no stopped thread is ever
-left. It is done twice: ``mmap`` (a page for the code, at a free address with
-MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent writes the code there through
-/proc/<pid>/mem, then ``Py_AddPendingCall(PyRun_SimpleString, page)``. Each address
-called is checked first to hold the bytes of that function in its file.
+system call that leaves the signal mask alone (``threads``), or, where none does, the
+busy main thread at a PC outside Python, libc and the loader (``safe_point``). With
+PTRACE_SEIZE and PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the
+thread running as before. The agent writes, below the thread's red zone, a signal frame
+(``frame``) holding the thread's registers and its whole XSAVE state, AVX included (its
+interrupted call set to be restarted, as the kernel does after a ptrace stop), and sets
+all registers at once so that the thread calls the function and returns into an
+``rt_sigreturn`` of libc: the kernel puts the thread back exactly where it was. From
+then on the thread needs nothing from the agent: the agent may die at any instant and no
+trap, no breakpoint, no stopped thread is ever left. It is done twice: ``mmap`` (a page
+for the code, at a free address with MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent
+writes the code there through /proc/<pid>/mem, then
+``Py_AddPendingCall(PyRun_SimpleString, page)``. Each address called is checked first to
+hold the bytes of that function in its file.
 
 A thread stopped in a call the kernel would resume through ``restart_syscall`` (relative
 sleeps, waits with a timeout) is not borrowed: rt_sigreturn would turn that resumption
@@ -34,6 +36,7 @@ import errno
 import itertools
 import mmap
 import os
+import random
 import signal
 import time
 from typing import NamedTuple
@@ -68,6 +71,7 @@ from dlprof_agent.reach.pending import (
 from dlprof_agent.reach.procfs import memory_map, start_ticks, status_of, thread_state
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
+from dlprof_agent.reach.safe_point import in_signal_handler, safe_pc
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
     exited_during_injection,
@@ -251,13 +255,16 @@ def _waiting_threads(pid: int) -> list[int]:
 
 
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
-            maps: list[Mapping], *, lock_function: tuple[int, int] | None = None) -> bool:
+            maps: list[Mapping], *, lock_function: tuple[int, int] | None = None,
+            busy: frozenset[str] | None = None) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
     when it is not waiting in a system call we may borrow it from. ``call`` is the
     function's address, its arguments, and the address of an rt_sigreturn. The main
     thread waiting for a lock in ``lock_function`` (PyThread_acquire_lock_timed's
-    extent) comes back from its wait with EINTR, so that it runs a pending call now."""
+    extent) comes back from its wait with EINTR, so that it runs a pending call now.
+    With ``busy`` (the interpreter's files), a thread stopped outside any system call
+    is taken too, at a safe PC (``safe_point``)."""
     function, args, gadget = call
     regs = ptrace.registers(tid)
     r = dict(zip(REGISTERS, regs, strict=True))
@@ -267,7 +274,12 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
     interrupt = (tid == pid and lock_function is not None and stack is not None
                  and in_lock_wait(r, lambda address, size: _read_memory(pid, address, size),
                                   stack[1], lock_function))
-    if orig < 0 or not _borrowable(orig, arguments) or (
+    if orig < 0:
+        if busy is None or stack is None or not safe_pc(r["rip"], maps, busy) or (
+                in_signal_handler(lambda address, size: _read_memory(pid, address, size),
+                                  r["rsp"], stack[1], gadget)):
+            return False
+    elif not _borrowable(orig, arguments) or (
             signed(r["rax"]) == _ERESTART_RESTARTBLOCK and not interrupt):
         return False
     blocked = _blocked_signals(pid, tid)
@@ -281,7 +293,10 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
     if at + len(frame) > r["rsp"] - _RED_ZONE:
         return False
     _write_memory(pid, at, frame)
-    new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1)
+    # The direction flag cleared, as a call requires and the kernel does for a handler:
+    # a busy thread may be stopped inside a backward string copy.
+    new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1,
+               eflags=r["eflags"] & ~0x400)
     for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
         new[register] = value % (1 << 64)
     ptrace.set_registers(tid, [new[name] for name in REGISTERS])
@@ -289,12 +304,15 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
 
 
 def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
-                     gadget: int, *, lock_function: tuple[int, int] | None = None) -> bool:
+                     gadget: int, *, lock_function: tuple[int, int] | None = None,
+                     busy: frozenset[str] | None = None) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds; it needs nothing more from us once it is
     set on its way, so the agent may die at any moment. False when none could be had."""
     maps = memory_map(pid)
-    for tid in _waiting_threads(pid):
+    waiting = _waiting_threads(pid)
+    # None waits: the main thread, busy, at a safe PC (it runs the pending call itself)
+    for tid in waiting or ([pid] if busy is not None else []):
         try:
             ptrace(_PTRACE_SEIZE, tid)
         except OSError as error:
@@ -314,7 +332,7 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
             if _detour(ptrace, pid, tid, (function, args, gadget), maps,
-                       lock_function=lock_function):
+                       lock_function=lock_function, busy=None if waiting else busy):
                 return True
         except OSError:
             continue
@@ -347,6 +365,10 @@ class CallAddresses(NamedTuple):
     # [start, end) of PyThread_acquire_lock_timed: the main thread's wait there is ended
     # with EINTR (``lock_wait``); None where it cannot be found and checked
     lock_wait: tuple[int, int] | None = None
+    # The interpreter's executable and libpython, where a busy main thread is never
+    # stopped (``safe_point``); None: a busy thread is not borrowed (3.13's pending-call
+    # mutex may release the caller's GIL; an unknown version)
+    busy_unsafe_files: frozenset[str] | None = None
 
 
 def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
@@ -370,9 +392,11 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
+    busy = (frozenset({runtime.library, exe}) if runtime.version is not None
+            and runtime.version < (3, 13) else None)
     return CallAddresses(add, run, allocate, gadget,
                          _function_extent(pid, maps, runtime.library, python_file,
-                                          "PyThread_acquire_lock_timed"))
+                                          "PyThread_acquire_lock_timed"), busy)
 
 
 def _function_extent(pid: int, maps: list[Mapping], path: str, file: str, name: str
@@ -397,15 +421,19 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
     def borrow(function: int, args: tuple[int, ...]) -> None:
         tries = 0
         while not _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
-                                   lock_function=calls.lock_wait):
+                                   lock_function=calls.lock_wait,
+                                   busy=calls.busy_unsafe_files):
             tries += 1
-            progress.waiting_for(pid, "a thread of the job that waits in the kernel, to "
-                                 "queue the probe", tries=tries)
+            progress.waiting_for(pid, "a thread of the job that waits in the kernel, or a "
+                                 "busy main thread outside Python and libc, to queue the "
+                                 "probe", tries=tries)
             if not same_process(pid, start_time):
                 raise exited_during_injection(pid)
             if time.monotonic() >= deadline:
                 raise no_safe_point(pid, wait_seconds)
-            time.sleep(POLL_SECONDS)
+            # A random pause: a loop whose period matches a fixed one would be met at
+            # the same unsafe PC every time.
+            time.sleep(POLL_SECONDS * random.uniform(1.0, 4.0))
 
     page = _free_address(memory_map(pid), size)
     if page is None:
