@@ -68,16 +68,18 @@ from dlprof_agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.reach.procfs import memory_map, start_ticks, status_of, thread_state
+from dlprof_agent.reach.procfs import memory_map, start_ticks
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
 from dlprof_agent.reach.safe_point import in_signal_handler, safe_pc
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
+    blocked_signals,
+    borrowable,
     exited_during_injection,
     no_safe_point,
     same_process,
-    thread_syscalls,
+    waiting_threads,
 )
 
 _PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
@@ -87,14 +89,6 @@ _WALL = 0x40000000
 _MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
 # mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
 _SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
-# System calls a waiting thread may be borrowed from: none of them changes the signal mask
-# for its duration (ppoll, pselect, epoll_pwait and sigsuspend do), and the kernel restarts
-# or fails each of them the same way after our detour as after any ptrace stop.
-_BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
-# These change it only when given a mask: pselect6, ppoll, epoll_pwait, epoll_pwait2, and
-# the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
-_MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
-
 # A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
 # with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
 _ERESTART_RESTARTBLOCK = -516
@@ -106,13 +100,6 @@ _STACK_NEEDED = 64 << 10  # free stack the called function may use below the fra
 _USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
 _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
 _MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
-
-
-def _borrowable(number: int, arguments: list[int]) -> bool:
-    if number in _BORROWABLE:
-        return True
-    index = _MASK_ARGUMENT.get(number)
-    return index is not None and index < len(arguments) and arguments[index] == 0
 
 
 class _Ptrace:
@@ -234,26 +221,6 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
     return (best[0] + (best[1] - best[0]) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
-def _blocked_signals(pid: int, tid: int) -> int | None:
-    status = status_of(pid, tid=tid)
-    return None if status is None else status.sig_blk
-
-
-def _waiting_threads(pid: int) -> list[int]:
-    """Threads of ``pid`` waiting in a system call we may borrow them from, main first."""
-    found = []
-    for tid, fields in thread_syscalls(pid):
-        try:
-            number, arguments = int(fields[0]), [int(field, 16) for field in fields[1:7]]
-        except (IndexError, ValueError):
-            continue  # "running", or -1: not in a system call
-        # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
-        # would keep the agent waiting for its stop.
-        if _borrowable(number, arguments) and thread_state(pid, tid) == "S":
-            found.append(tid)
-    return found
-
-
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
             maps: list[Mapping], *, lock_function: tuple[int, int] | None = None,
             busy: frozenset[str] | None = None) -> bool:
@@ -279,10 +246,10 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
                 in_signal_handler(lambda address, size: _read_memory(pid, address, size),
                                   r["rsp"], stack[1], gadget)):
             return False
-    elif not _borrowable(orig, arguments) or (
+    elif not borrowable(orig, arguments) or (
             signed(r["rax"]) == _ERESTART_RESTARTBLOCK and not interrupt):
         return False
-    blocked = _blocked_signals(pid, tid)
+    blocked = blocked_signals(pid, tid)
     xstate = ptrace.xstate(tid)
     gap = max(_FRAME_GAP, 8 + 304 + 64 + frame_state_bytes(xstate) + 64)
     at = ((r["rsp"] - _RED_ZONE - gap) & ~15) - 8  # a call's entry: rsp % 16 == 8
@@ -310,7 +277,7 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
     Only that thread stops, for microseconds; it needs nothing more from us once it is
     set on its way, so the agent may die at any moment. False when none could be had."""
     maps = memory_map(pid)
-    waiting = _waiting_threads(pid)
+    waiting = waiting_threads(pid)
     # None waits: the main thread, busy, at a safe PC (it runs the pending call itself)
     for tid in waiting or ([pid] if busy is not None else []):
         try:

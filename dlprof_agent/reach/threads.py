@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from dlprof_agent.collectors.procfs import PROC_ROOT, list_tasks, read_task_syscall
 from dlprof_agent.errors import InjectionNotNow, TargetGone, TargetNotFound
-from dlprof_agent.reach.procfs import running, start_ticks
+from dlprof_agent.reach.procfs import running, start_ticks, status_of, thread_state
 from dlprof_agent.reach.refusal import refused
 
 POLL_SECONDS = 0.005  # between looks at the threads' states
+# System calls a waiting thread may be borrowed from: none of them changes the signal mask
+# for its duration (ppoll, pselect, epoll_pwait and sigsuspend do), and the kernel restarts
+# or fails each of them the same way after our detour as after any ptrace stop.
+BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
+# These change it only when given a mask: pselect6, ppoll, epoll_pwait, epoll_pwait2, and
+# the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
+MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
 
 
 def thread_syscalls(pid: int) -> list[tuple[int, list[str]]]:
@@ -32,6 +39,34 @@ def thread_syscalls(pid: int) -> list[tuple[int, list[str]]]:
         if fields is None:
             raise refused(pid, PROC_ROOT, "cannot read the state of its threads")
         found.append((tid, fields))
+    return found
+
+
+def borrowable(number: int, arguments: list[int]) -> bool:
+    """A thread waiting in system call ``number`` with ``arguments`` may be borrowed."""
+    if number in BORROWABLE:
+        return True
+    index = MASK_ARGUMENT.get(number)
+    return index is not None and index < len(arguments) and arguments[index] == 0
+
+
+def blocked_signals(pid: int, tid: int) -> int | None:
+    status = status_of(pid, tid=tid)
+    return None if status is None else status.sig_blk
+
+
+def waiting_threads(pid: int) -> list[int]:
+    """Threads of ``pid`` waiting in a system call we may borrow them from, main first."""
+    found = []
+    for tid, fields in thread_syscalls(pid):
+        try:
+            number, arguments = int(fields[0]), [int(field, 16) for field in fields[1:7]]
+        except (IndexError, ValueError):
+            continue  # "running", or -1: not in a system call
+        # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
+        # would keep the agent waiting for its stop.
+        if borrowable(number, arguments) and thread_state(pid, tid) == "S":
+            found.append(tid)
     return found
 
 
