@@ -159,3 +159,42 @@ def test_a_job_that_ends_during_the_probes_start_ends_the_attach_with_exit_0(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, 9)
                 process.wait(10)
+
+
+@pytest.mark.slow  # starts a real job and agent
+@pytest.mark.skipif(not INJECTS, reason="the injector needs x86-64 or gdb before 3.14")
+def test_a_slow_start_says_what_it_waits_for_and_what_the_user_can_do(tmp_path: Path) -> None:
+    """Without a terminal there is no progress line: a start that takes seconds is
+    said once, in a message."""
+    script = tmp_path / "job.py"
+    script.write_text(JOBS["holds-the-gil"])
+    job = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                           cwd=tmp_path, start_new_session=True)
+    agent: subprocess.Popen[str] | None = None
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "dlprof_agent", "attach", str(job.pid), "--port", "0",
+             "--grace", "0", "--no-gpu", "--interval", "0.2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env(),
+            cwd=tmp_path)
+        assert agent.stderr is not None
+        lines: list[str] = []
+        for line in agent.stderr:
+            lines.append(line)
+            if "still reaching for the probe" in line:
+                break
+        said = lines[-1] if lines else ""
+        assert "waiting for the queued probe to start" in said, "".join(lines)
+        assert "Ctrl-C stops" in said and "/metrics serves" in said
+        job.kill()
+        job.wait(10)
+        _, err = agent.communicate(timeout=60)
+        assert agent.returncode == 0, "".join(lines) + err
+        assert "\r" not in "".join(lines) + err, "no progress line without a terminal"
+    finally:
+        for process in (job, agent):
+            if process is not None and process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, 9)
+                process.wait(10)

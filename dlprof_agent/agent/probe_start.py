@@ -27,6 +27,8 @@ log = logging.getLogger("dlprof_agent")
 # After a stop, how long an injection under way may take to end, so that the
 # probe it started is stopped too, within the 5 s a stop may take.
 STOP_INJECTION_WAIT_SECONDS = 3.0
+# A start that takes longer is said once in a message, where no terminal line shows it.
+SLOW_START_SECONDS = 5.0
 
 
 class ProbeStart:
@@ -50,6 +52,7 @@ class ProbeStart:
         self._source: ProbeSource | None = None
         self._failure: DlprofError | None = None
         self._started_at = time.monotonic()
+        self._said_slow = False
         self._thread = threading.Thread(target=self._open, name="dlprof-attaching",
                                         daemon=True)
 
@@ -133,6 +136,20 @@ class ProbeStart:
         what, _, tries = step
         return (f"reaching for the probe: waiting for {what} ({seconds:.0f} s"
                 + (f", try {tries})" if tries > 1 else ")"))
+
+    def say_if_slow(self) -> None:
+        """Once the start has taken SLOW_START_SECONDS, say once what it waits for and
+        what the user can do meanwhile (for a log, where no progress line shows it)."""
+        if (self._said_slow or self._done.is_set()
+                or time.monotonic() - self._started_at < SLOW_START_SECONDS):
+            return
+        self._said_slow = True
+        step = progress.current(self.pid)
+        log.info("still reaching for the probe in pid %d%s; /metrics serves the process, "
+                 "thread and GPU metrics meanwhile, and the step and layer metrics join "
+                 "them once it answers (Ctrl-C stops; `dlprof-agent run -- python ...` "
+                 "starts a job with the probe in it)", self.pid,
+                 f": waiting for {step[0]}" if step is not None else "")
 
     def abandon(self) -> None:
         """The attach is ending: wait a little for an injection under way, so that

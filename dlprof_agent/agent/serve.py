@@ -202,8 +202,11 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                     if remaining is not None and remaining <= 0:
                         break
                     loop.join(0.2 if remaining is None else min(0.2, remaining))
-                    if probe_start is not None and (failure := probe_start.failure()):
-                        raise failure  # another agent holds the probe
+                    if probe_start is not None:
+                        if failure := probe_start.failure():
+                            raise failure  # another agent holds the probe
+                        if status is None:
+                            probe_start.say_if_slow()
                 stop.set()
                 loop.join()
                 if failures:

@@ -158,8 +158,9 @@ def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
     path = _wait_for_socket(pid, options.wait_seconds, refused)
     if path is None:
         if queued is not None and queued.state() == "queued":
-            raise NoProbe("the probe is queued in the job and starts when its main thread "
-                           "next runs Python code (it is in a long native call)")
+            raise NoProbe("the probe is queued in the job and starts by itself when its "
+                           "main thread next runs Python code (it is in a long native call, "
+                           "a sleep or I/O)")
         raise NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
                        "(the main thread may be stuck in native code, or the job's Python "
                        "is older than 3.10)")
