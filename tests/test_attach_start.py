@@ -198,3 +198,39 @@ def test_a_slow_start_says_what_it_waits_for_and_what_the_user_can_do(tmp_path: 
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, 9)
                 process.wait(10)
+
+
+@pytest.mark.slow  # starts a real job and agent
+@pytest.mark.skipif(not INJECTS, reason="the injector needs x86-64 or gdb before 3.14")
+def test_on_a_terminal_one_line_shows_what_the_start_waits_for(tmp_path: Path) -> None:
+    import pty
+
+    script = tmp_path / "job.py"
+    script.write_text(JOBS["holds-the-gil"])
+    job = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                           cwd=tmp_path, start_new_session=True)
+    agent: subprocess.Popen[bytes] | None = None
+    terminal, terminal_end = pty.openpty()
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "dlprof_agent", "attach", str(job.pid), "--port", "0",
+             "--grace", "0", "--no-gpu", "--interval", "0.2"],
+            stdout=subprocess.DEVNULL, stderr=terminal_end, env=agent_env(), cwd=tmp_path)
+        os.close(terminal_end)
+        shown = bytearray()
+
+        def line_shown() -> bool:
+            shown.extend(os.read(terminal, 4096))
+            return b"\r\x1b[Kpid " in shown and b"waiting for the queued probe" in shown
+
+        wait_until(line_shown, 60, what="the progress line")
+        text = shown.decode(errors="replace")
+        assert "reaching for the probe: waiting for" in text
+    finally:
+        for process in (job, agent):
+            if process is not None and process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, 9)
+                process.wait(10)
+        os.close(terminal)
