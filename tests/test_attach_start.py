@@ -5,8 +5,10 @@ several points of the probe's start (the attach then exits 0 with the summary)."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import pytest
 from dlprof_agent.agent import probe_start
 from dlprof_agent.reach import progress
 from dlprof_agent.reach.connect import ProbeOptions
-from tests.conftest import agent_env
+from tests.conftest import agent_env, http_get
 from tests.helpers import wait_until
 
 
@@ -187,6 +189,11 @@ def test_a_slow_start_says_what_it_waits_for_and_what_the_user_can_do(tmp_path: 
         said = lines[-1] if lines else ""
         assert "waiting for the queued probe to start" in said, "".join(lines)
         assert "Ctrl-C stops" in said and "/metrics serves" in said
+        port = re.search(r"serving http://[^:]+:(\d+)/metrics", "".join(lines))
+        assert port is not None
+        health = json.loads(http_get(f"http://127.0.0.1:{port[1]}/healthz"))
+        assert health["probe"]["state"] == "starting", health
+        assert "waiting for the queued probe" in health["probe"]["reason"]
         job.kill()
         job.wait(10)
         _, err = agent.communicate(timeout=60)

@@ -94,10 +94,14 @@ def _collector(sampler: Sampler) -> SnapshotCollector:
     return SnapshotCollector(lambda: sampler.latest, interval_seconds=sampler.interval_seconds)
 
 
-def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
+def _start_server(sampler: Sampler, options: ServeOptions,
+                  starting: Callable[[], str] = lambda: "") -> MetricsServer:
+    """``starting`` says what the probe's start waits for, while it runs."""
     def details(latest: Snapshot | None) -> dict[str, Any]:
         probe = sampler.probe
         state, reason = probe.condition if isinstance(probe, ReportsCondition) else ("", "")
+        if not state and (note := starting()):
+            state, reason = "starting", note
         return {"target_pid": sampler.target_pid,
                 "target_up": bool(latest and latest.target_up),
                 **({"probe": {"state": state, "reason": reason}} if state else {})}
@@ -149,9 +153,9 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         if not options.quiet:
             print(Summary().render(pid, target_exited=True), file=out)
         return ExitCode.FINISHED
-    server = _start_server(sampler, options)
-    summary = Summary()
     probe_start: ProbeStart | None = None
+    server = _start_server(sampler, options, lambda: probe_start.note() if probe_start else "")
+    summary = Summary()
     stop = threading.Event()
     try:
         # Served at once: a probe that already listens is taken now, one to inject is
