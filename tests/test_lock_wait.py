@@ -47,6 +47,9 @@ def test_a_futex_wait_called_from_the_lock_function_is_a_lock_wait() -> None:
     assert in_lock_wait(registers(), read, STACK_TOP, LOCK_FUNCTION)
     timed = registers(rax=(1 << 64) - 516, rsi=0x89)  # a timeout the kernel resumes
     assert in_lock_wait(timed, read, STACK_TOP, LOCK_FUNCTION)
+    # The same wait resumed after an earlier stop: restart_syscall, the futex's arguments
+    resumed = registers(orig_rax=219, rax=(1 << 64) - 516, rsi=0x89)
+    assert in_lock_wait(resumed, read, STACK_TOP, LOCK_FUNCTION)
     through_got = reader(memory({rsp + 0x98: RETURN_ADDRESS},
                                 {RETURN_ADDRESS - 6: b"\xff\x15\x00\x10\x00\x00"}))
     assert in_lock_wait(registers(), through_got, STACK_TOP, LOCK_FUNCTION)

@@ -18,7 +18,10 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["main in join()", "main in queue.get()",
+# Each beside a worker thread that trains in Python: the pending call must be queued
+# from the main thread itself, whose timed wait goes on as restart_syscall once stopped.
+@pytest.mark.parametrize("kind", ["main in join()", "main in lock.acquire()",
+                                  "main in Event.wait(timeout)", "main in queue.get()",
                                   "main in time.sleep(6) in a loop"])
 def test_a_waiting_main_thread_is_reached(kind: str) -> None:
     row = reach.measure(kind, limit=60.0)

@@ -14,7 +14,8 @@ C library's own condition variable) is restarted as before, never ended: its
 caller may not retry. 3.13's lock objects wait in PyMutex's parking lot instead,
 which is not recognised here: there the probe is only queued.
 
-The wait is recognised by the system call (a futex wait) and by a return address
+The wait is recognised by the system call (a futex wait, or the restart_syscall
+that goes on with one after an earlier stop) and by a return address
 into ``PyThread_acquire_lock_timed`` on the stack just above it, right after a
 call instruction."""
 
@@ -23,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 FUTEX = 202
+# A wait with a timeout that a ptrace stop interrupted goes on as restart_syscall, its
+# registers (the futex's arguments) as they were
+RESTART_SYSCALL = 219
 _FUTEX_COMMAND = 0x7F  # without FUTEX_PRIVATE_FLAG (128) and FUTEX_CLOCK_REALTIME (256)
 _FUTEX_WAITS = frozenset({0, 9})  # FUTEX_WAIT, FUTEX_WAIT_BITSET
 # How the kernel leaves a futex wait that a ptrace stop interrupted: ERESTARTSYS
@@ -53,7 +57,7 @@ def in_lock_wait(registers: dict[str, int], read: Callable[[int, int], bytes],
     """The thread, stopped with ``registers``, waits on a futex for
     PyThread_acquire_lock_timed, which lies at [start, end) of ``lock_function``.
     ``read(address, size)`` reads the job's memory; the stack ends at ``stack_end``."""
-    if _signed(registers["orig_rax"]) != FUTEX or _signed(
+    if _signed(registers["orig_rax"]) not in (FUTEX, RESTART_SYSCALL) or _signed(
             registers["rax"]) not in _INTERRUPTED_FUTEX:
         return False
     if (registers["rsi"] & _FUTEX_COMMAND) not in _FUTEX_WAITS:

@@ -99,6 +99,10 @@ _FRAME_GAP = 2048  # below the red zone: where the borrowed thread's detour fram
 _STACK_NEEDED = 64 << 10  # free stack the called function may use below the frame
 _USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
 _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
+# How long the pending call waits for the main thread itself: CPython runs pending calls
+# only there, and from another thread 3.10-3.12 tell it only when it next takes the GIL,
+# which a main thread in a lock wait may not do for hours.
+_PREFER_MAIN_SECONDS = 0.5
 _MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
 
 
@@ -246,8 +250,8 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
                 in_signal_handler(lambda address, size: _read_memory(pid, address, size),
                                   r["rsp"], stack[1], gadget)):
             return False
-    elif not borrowable(orig, arguments) or (
-            signed(r["rax"]) == _ERESTART_RESTARTBLOCK and not interrupt):
+    elif not interrupt and (not borrowable(orig, arguments)
+                            or signed(r["rax"]) == _ERESTART_RESTARTBLOCK):
         return False
     blocked = blocked_signals(pid, tid)
     xstate = ptrace.xstate(tid)
@@ -272,14 +276,21 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
 
 def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
                      gadget: int, *, lock_function: tuple[int, int] | None = None,
-                     busy: frozenset[str] | None = None) -> bool:
+                     busy: frozenset[str] | None = None, main_only: bool = False) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds; it needs nothing more from us once it is
-    set on its way, so the agent may die at any moment. False when none could be had."""
+    set on its way, so the agent may die at any moment. False when none could be had.
+    Where none waits (or with ``main_only``, where the main thread does not), the main
+    thread is taken busy, at a safe PC, given ``busy``: it runs the pending call itself."""
     maps = memory_map(pid)
     waiting = waiting_threads(pid)
-    # None waits: the main thread, busy, at a safe PC (it runs the pending call itself)
-    for tid in waiting or ([pid] if busy is not None else []):
+    if main_only:
+        candidates = [pid] if pid in waiting or busy is not None else []
+        busy = None if pid in waiting else busy
+    else:
+        candidates = waiting or ([pid] if busy is not None else [])
+        busy = None if waiting else busy
+    for tid in candidates:
         try:
             ptrace(_PTRACE_SEIZE, tid)
         except OSError as error:
@@ -299,7 +310,7 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
             if _detour(ptrace, pid, tid, (function, args, gadget), maps,
-                       lock_function=lock_function, busy=None if waiting else busy):
+                       lock_function=lock_function, busy=busy):
                 return True
         except OSError:
             continue
@@ -385,11 +396,24 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
     ptrace = _Ptrace()
     deadline = time.monotonic() + wait_seconds
 
-    def borrow(function: int, args: tuple[int, ...]) -> None:
+    def borrow_once(function: int, args: tuple[int, ...], *, pending: bool,
+                    main_until: float) -> bool:
+        if pending:  # the main thread, for a while: from another the call may wait long
+            return _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
+                                    lock_function=calls.lock_wait,
+                                    busy=calls.busy_unsafe_files,
+                                    main_only=time.monotonic() < main_until)
+        # mmap: a main thread in a lock wait is left in it for the pending call, unless
+        # it is the only thread there is to borrow
+        return any(_borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
+                                    lock_function=lock_function,
+                                    busy=calls.busy_unsafe_files)
+                   for lock_function in (None, calls.lock_wait))
+
+    def borrow(function: int, args: tuple[int, ...], *, pending: bool = False) -> None:
         tries = 0
-        while not _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
-                                   lock_function=calls.lock_wait,
-                                   busy=calls.busy_unsafe_files):
+        main_until = time.monotonic() + _PREFER_MAIN_SECONDS
+        while not borrow_once(function, args, pending=pending, main_until=main_until):
             tries += 1
             progress.waiting_for(pid, "a thread of the job that waits in the kernel, or a "
                                  "busy main thread outside Python and libc, to queue the "
@@ -419,5 +443,5 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
         time.sleep(POLL_SECONDS)
     _write_memory(pid, page, payload.replace(ADDRESS_PLACEHOLDER.encode(),
                                              f"{page:#018x}".encode(), 1))
-    borrow(calls.add_pending_call, (calls.run_simple_string, page + FLAG_BYTES))
+    borrow(calls.add_pending_call, (calls.run_simple_string, page + FLAG_BYTES), pending=True)
     return remember(QueuedBootstrap(pid, start_time or 0, page, time.monotonic()))

@@ -19,6 +19,7 @@ BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
 # These change it only when given a mask: pselect6, ppoll, epoll_pwait, epoll_pwait2, and
 # the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
 MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
+RESTART_SYSCALL = 219
 
 
 def thread_syscalls(pid: int) -> list[tuple[int, list[str]]]:
@@ -56,7 +57,9 @@ def blocked_signals(pid: int, tid: int) -> int | None:
 
 
 def waiting_threads(pid: int) -> list[int]:
-    """Threads of ``pid`` waiting in a system call we may borrow them from, main first."""
+    """Threads of ``pid`` waiting in a system call we may borrow them from, main first;
+    and those in restart_syscall (a timed wait resumed after a stop), which only a
+    CPython lock wait of the main thread is borrowed from (``lock_wait``)."""
     found = []
     for tid, fields in thread_syscalls(pid):
         try:
@@ -65,7 +68,8 @@ def waiting_threads(pid: int) -> list[int]:
             continue  # "running", or -1: not in a system call
         # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
         # would keep the agent waiting for its stop.
-        if borrowable(number, arguments) and thread_state(pid, tid) == "S":
+        if (borrowable(number, arguments) or number == RESTART_SYSCALL) and thread_state(
+                pid, tid) == "S":
             found.append(tid)
     return found
 
