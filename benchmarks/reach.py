@@ -85,6 +85,23 @@ JOBS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+# The trainer tier's jobs (tests/jobs/), with the probe they would start themselves
+# left out, so that it is injected: kind -> the script and its arguments.
+TRAINERS: dict[str, list[str]] = {
+    "Hugging Face Trainer, tiny BERT from its config": ["tests/jobs/hf_trainer.py"],
+    "Lightning Trainer": ["tests/jobs/lightning_fit.py"],
+    "Keras fit (compiled)": ["tests/jobs/keras_fit.py"],
+}
+_WITHOUT_ITS_PROBE = """
+import runpy, sys
+import tests.jobs.step_log as step_log
+step_log.enable_probe = lambda: None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+TRAINER_START_SECONDS = 300.0  # imports and the first steps, on a loaded machine
+
+
 @dataclass(frozen=True)
 class Row:
     kind: str
@@ -114,6 +131,38 @@ def measure(kind: str, limit: float = LIMIT_SECONDS) -> Row:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.pid, 9)
             job.wait(30)
+
+
+def measure_trainer(kind: str, limit: float = LIMIT_SECONDS) -> Row:
+    """Start the trainer of ``kind``, wait for its third step, and reach its probe."""
+    with tempfile.TemporaryDirectory(prefix="dlprof-reach-") as folder:
+        step_log, until = Path(folder) / "steps.log", Path(folder) / "stop"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                          os.environ.get("PYTHONPATH")]))}
+        job = subprocess.Popen([sys.executable, "-c", _WITHOUT_ITS_PROBE, *TRAINERS[kind],
+                                "--step-log", str(step_log), "--until", str(until)],
+                               cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + TRAINER_START_SECONDS
+            while _steps_logged(step_log) < 3:
+                if job.poll() is not None or time.monotonic() > deadline:
+                    return Row(kind, False, 0.0, 0, "the job did not train")
+                time.sleep(0.2)
+            return _reach(kind, job.pid, limit)
+        finally:
+            until.touch()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, 9)
+            job.wait(30)
+
+
+def _steps_logged(path: Path) -> int:
+    try:
+        return sum('"step"' in line for line in path.read_text().splitlines())
+    except OSError:
+        return 0
 
 
 def _reach(kind: str, pid: int, limit: float) -> Row:
@@ -166,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=float, default=LIMIT_SECONDS, metavar="SECONDS")
     args = parser.parse_args(argv)
     rows = []
-    for kind in args.kinds or list(JOBS):
-        row = measure(kind, args.limit)
+    for kind in args.kinds or [*JOBS, *TRAINERS]:
+        row = (measure_trainer if kind in TRAINERS else measure)(kind, args.limit)
         print(f"{kind}: {'up' if row.came_up else 'not up'} after {row.seconds:.1f} s, "
               f"{row.tries} tries", file=sys.stderr, flush=True)
         rows.append(row)
@@ -180,8 +229,8 @@ NOTES = """
 
 - Python 3.13 and 3.14 targets: the Debian trixie and sid roots (`debootstrap`) were
   not built on this machine, so every row is on the agent's Python only.
-- A torchrun DDP job, a Hugging Face `Trainer`, a Lightning `Trainer` and a Keras
-  `fit` are not rows yet.
+- A torchrun DDP job is not a row yet. The trainers are the trainer tier's jobs
+  (`tests/jobs/`) with the probe they would start themselves left out.
 - A busy job with no thread waiting in the kernel is reached through its main
   thread, stopped at a PC in another library (libtorch, oneDNN, MKL) with no signal
   handler in progress. A pure-Python loop spends its time in libpython, where that
