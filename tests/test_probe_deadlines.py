@@ -6,13 +6,10 @@ is reached again after a growing pause; the status page says which and why."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -295,40 +292,3 @@ def test_the_status_page_lists_stale_and_dropped_probes_with_the_reason(
         stuck.release.set()
         daemon.close()
 
-
-def test_a_stop_during_start_up_waits_for_the_probe_being_reached_and_stops_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from dlprof_agent.agent import serve
-    from dlprof_agent.agent.loop import StopRequested, sigterm_stops
-    from dlprof_agent.reach.connect import ProbeOptions
-
-    reached, reaching = threading.Event(), threading.Event()
-
-    class Reached:
-        stopped = False
-
-        def stop(self) -> None:
-            self.stopped = True
-
-    source = Reached()
-
-    def opening(*args: object, **kwargs: object) -> Reached:
-        reaching.set()
-        reached.wait(10)  # an injection under way when the stop comes
-        return source
-
-    monkeypatch.setattr(serve, "open_probe", opening)
-    monkeypatch.setattr(serve, "ProbeSource", Reached)
-    options = serve.ServeOptions(listen="127.0.0.1", port=0, interval=1.0, duration=None,
-                                 grace=0.0, quiet=True, children=False, gpu=False)
-
-    def stop_then_finish() -> None:
-        reaching.wait(10)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.2)  # the stop lands while the probe is still being reached
-        reached.set()
-
-    with sigterm_stops(), pytest.raises(StopRequested):
-        threading.Thread(target=stop_then_finish, daemon=True).start()
-        serve._open_probe_stoppably(4242, options, ProbeOptions())
-    assert source.stopped, "the probe reached after the stop was left in the job"

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
 from dlprof_agent.agent.probe_exchanges import ReportsCondition
+from dlprof_agent.agent.probe_start import ProbeStart
 from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.snapshot_builder import PROBE_DEADLINE_SECONDS, error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
@@ -31,12 +32,7 @@ from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import Snapshot
-from dlprof_agent.reach.channel import (
-    DEFAULT_TIMEOUTS,
-    ChannelTimeouts,
-    ProbeSource,
-    open_probe,
-)
+from dlprof_agent.reach.channel import DEFAULT_TIMEOUTS, ChannelTimeouts
 from dlprof_agent.reach.connect import ProbeOptions
 from dlprof_agent.reach.target import open_target
 
@@ -88,56 +84,6 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
                    probe_deadline_seconds=probe_deadline_seconds, node_name=node_name)
 
 
-# After a stop during start-up, how long an injection under way may take to end,
-# so that the probe it started is stopped too, within the 5 s a stop may take.
-STOP_INJECTION_WAIT_SECONDS = 3.0
-
-
-def _open_probe_stoppably(pid: int, options: ServeOptions, probe: ProbeOptions
-                          ) -> ProbeSource:
-    """open_probe, on a thread of its own, so that a stop (SIGTERM, Ctrl-C) never
-    lands inside an injection: the main thread only waits for it. On a stop, the
-    probe it started is stopped, whenever it comes up; the stop goes on."""
-    outcome: list[ProbeSource | BaseException] = []
-    lock = threading.Lock()
-    abandoned, done = threading.Event(), threading.Event()
-
-    def opening() -> None:
-        try:
-            source: ProbeSource | BaseException = open_probe(
-                pid, probe, interval=options.interval,
-                wait_seconds=options.probe_wait_seconds, timeouts=options.channel)
-        except BaseException as error:  # handed to the main thread
-            source = error
-        with lock:
-            outcome.append(source)
-            late = abandoned.is_set()
-        done.set()
-        if late and isinstance(source, ProbeSource):
-            source.stop()  # the agent is stopping: the probe removes its hooks
-
-    # Waited for on an Event, not Thread.join: a join that a signal interrupts
-    # marks a thread that still runs as ended (CPython's bpo-45274 handling).
-    worker = threading.Thread(target=opening, name="dlprof-attaching", daemon=True)
-    try:
-        worker.start()  # within the try: a stop may land as soon as it has started
-        while not done.wait(0.1):
-            pass
-    except (KeyboardInterrupt, StopRequested):
-        if worker.ident is not None:
-            done.wait(STOP_INJECTION_WAIT_SECONDS)
-        with lock:
-            abandoned.set()
-            reached = outcome[0] if outcome else None
-        if isinstance(reached, ProbeSource):
-            reached.stop()
-        raise
-    result = outcome[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result
-
-
 def _first_sample(sampler: Sampler) -> Snapshot:
     snapshot = sampler.sample_once()
     if not snapshot.target_up:
@@ -150,10 +96,14 @@ def _collector(sampler: Sampler) -> SnapshotCollector:
     return SnapshotCollector(lambda: sampler.latest, interval_seconds=sampler.interval_seconds)
 
 
-def _start_server(sampler: Sampler, options: ServeOptions) -> MetricsServer:
+def _start_server(sampler: Sampler, options: ServeOptions,
+                  starting: Callable[[], str] = lambda: "") -> MetricsServer:
+    """``starting`` says what the probe's start waits for, while it runs."""
     def details(latest: Snapshot | None) -> dict[str, Any]:
         probe = sampler.probe
         state, reason = probe.condition if isinstance(probe, ReportsCondition) else ("", "")
+        if not state and (note := starting()):
+            state, reason = "starting", note
         return {"target_pid": sampler.target_pid,
                 "target_up": bool(latest and latest.target_up),
                 **({"probe": {"state": state, "reason": reason}} if state else {})}
@@ -190,32 +140,49 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     ``describe_exit`` says how the target ended (`run`: with its exit code)."""
     open_target(pid)
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
+    if status is None and options.probe is not None and not options.quiet \
+            and sys.stderr.isatty():
+        status = LiveStatus(sys.stderr, notes_only=True)  # the probe's start, on its own
     configure_logging(status)
-    sampler = make_sampler(pid, interval=options.interval, children=options.children,
-                           gpu=options.gpu, probe=options.probe is not None,
-                           max_series=options.max_series_per_target,
-                           probe_deadline_seconds=options.channel.exchange_deadline(
-                               options.interval), node_name=options.node_name)
-    server = _start_server(sampler, options)
-    summary = Summary()
-    probe_source: ProbeSource | None = None
     try:
+        sampler = make_sampler(pid, interval=options.interval, children=options.children,
+                               gpu=options.gpu, probe=options.probe is not None,
+                               max_series=options.max_series_per_target,
+                               probe_deadline_seconds=options.channel.exchange_deadline(
+                                   options.interval), node_name=options.node_name)
+    except TargetNotFound:  # it ended between the check and the first read: a normal end
+        log.info("process %d exited before the agent's first sample", pid)
+        if not options.quiet:
+            print(Summary().render(pid, target_exited=True), file=out)
+        return ExitCode.FINISHED
+    probe_start: ProbeStart | None = None
+    server = _start_server(sampler, options, lambda: probe_start.note() if probe_start else "")
+    summary = Summary()
+    stop = threading.Event()
+    try:
+        # Served at once: a probe that already listens is taken now, one to inject is
+        # reached meanwhile, and a job that ends at any moment from here on ends the
+        # attach with the summary, as any end does.
         if options.probe is not None:
-            probe_source = sampler.probe = _open_probe_stoppably(pid, options, options.probe)
-            if (client := probe_source.client) is not None:
-                log.info("probe active in pid %d (%s)", pid,
-                         ", ".join(client.hello.get("frameworks", [])) or
-                         "no framework imported yet")
-        first = _first_sample(sampler)
+            probe_start = ProbeStart(pid, options.probe, interval=options.interval,
+                                     wait_seconds=options.probe_wait_seconds,
+                                     timeouts=options.channel,
+                                     on_open=lambda source: setattr(sampler, "probe", source))
+            probe_start.open_running()
+        first = sampler.sample_once()
         summary.add(first)
-        log.info("attached to pid %d (%s); serving http://%s:%d/metrics", pid,
-                 first.target.name if first.target else "?", options.listen, server.port)
-
-        stop = threading.Event()
+        reaching = probe_start is not None and not probe_start.done and first.target_up
+        log.info("attached to pid %d (%s); serving http://%s:%d/metrics%s", pid,
+                 first.target.name if first.target else "?", options.listen, server.port,
+                 "; reaching for its probe in the background (step and layer metrics "
+                 "start once it answers)" if reaching else "")
+        if reaching and probe_start is not None:
+            probe_start.start()
 
         def on_sample(snapshot: Snapshot) -> None:
             summary.add(snapshot)
             if status is not None:
+                status.note = probe_start.note() if probe_start is not None else ""
                 status.show(snapshot)
 
         failures: list[BaseException] = []
@@ -241,6 +208,11 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                     if remaining is not None and remaining <= 0:
                         break
                     loop.join(0.2 if remaining is None else min(0.2, remaining))
+                    if probe_start is not None:
+                        if failure := probe_start.failure():
+                            raise failure  # another agent holds the probe
+                        if status is None:
+                            probe_start.say_if_slow()
                 stop.set()
                 loop.join()
                 if failures:
@@ -259,9 +231,12 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         if before_stop is not None:
             before_stop(server.port)
     finally:
+        stop.set()
         sampler.close()
-        if probe_source is not None:
-            probe_source.stop()  # the probe removes its hooks: the job is as it was
+        if probe_start is not None:
+            probe_start.abandon()
+            if (source := probe_start.source) is not None:
+                source.stop()  # the probe removes its hooks: the job is as it was
         server.stop()
     if status is not None:
         status.clear()

@@ -115,16 +115,26 @@ def format_evidence(quantity: str, value: float) -> str:
 
 
 class LiveStatus:
-    """Rewrites one terminal line per sample. Log records clear it first."""
+    """Rewrites one terminal line per sample. Log records clear it first.
+    ``note`` (what the agent waits for, such as the probe's start) ends the line;
+    with ``notes_only`` the line shows the note alone, and nothing without one."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, *, notes_only: bool = False) -> None:
         self._stream = stream
+        self._notes_only = notes_only
+        self.note = ""
         self._previous: tuple[float, TreeTotals] | None = None
         self._previous_probe: ProbeSample | None = None
         self._shown = False
 
     def show(self, snapshot: Snapshot) -> None:
         if not snapshot.target_up:
+            return
+        if self._notes_only:
+            if self.note:
+                self._write(f"pid {snapshot.target_pid} | {self.note}")
+            else:
+                self.clear()
             return
         totals = TreeTotals.of(snapshot)
         previous, self._previous = self._previous, (snapshot.monotonic_seconds, totals)
@@ -141,8 +151,12 @@ class LiveStatus:
         line = (f"pid {snapshot.target_pid}{procs} | {cpu} | rss "
                 f"{format_bytes(totals.rss_bytes)} | {totals.threads} threads | "
                 f"{_gpu_part(snapshot)}{_probe_part(snapshot.probe, self._previous_probe)}"
-                f"{_findings_part(snapshot.findings)}")
+                f"{_findings_part(snapshot.findings)}"
+                + (f" | {self.note}" if self.note else ""))
         self._previous_probe = snapshot.probe
+        self._write(line)
+
+    def _write(self, line: str) -> None:
         self._stream.write("\r\x1b[K" + line)
         self._stream.flush()
         self._shown = True

@@ -25,6 +25,7 @@ from dlprof_agent.errors import (
     ProbeUnavailable,
     TraceUnavailable,
 )
+from dlprof_agent.reach import progress
 from dlprof_agent.reach.procfs import running
 
 log = logging.getLogger("dlprof_agent")
@@ -103,13 +104,25 @@ class NoProbe(Exception):
 def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
                  connect: Callable[[str], _T]) -> _T:
     """``connect(socket path)`` to the probe of ``pid``, injecting one first where
-    there is none and the options allow it. Raises NoProbe."""
+    there is none and the options allow it. Raises NoProbe. Each step is said to
+    ``progress`` while it waits."""
+    try:
+        return _reach_probe_steps(pid, options, wait_seconds, connect)
+    finally:
+        progress.done(pid)
+
+
+def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
+                       connect: Callable[[str], _T]) -> _T:
     # Sockets someone else serves, refused, with why: never the end of the search,
     # since the real probe may listen elsewhere (its usual directory taken).
     refused: dict[str, str] = {}
+    if wait_seconds > 0:
+        progress.waiting_for(pid, "the probe the job starts itself")
     path = _wait_for_socket(pid, wait_seconds, refused)
     while path is not None:
         try:
+            progress.waiting_for(pid, "the probe's first answer")
             return connect(path)
         except ProbeBusy:
             raise
@@ -134,19 +147,25 @@ def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
     from dlprof_agent.reach import inject
 
     try:
+        progress.waiting_for(pid, "a thread of the job that waits in the kernel, to queue "
+                             "the probe")
         queued = inject.inject(pid, injection_code())
     except InjectionError as error:
         raise NoProbe(error.one_line(), final=isinstance(
             error, (NotPython, InjectionRefused))) from None
+    progress.waiting_for(pid, "the queued probe to start (the job's main thread runs it "
+                         "when it next runs Python code)")
     path = _wait_for_socket(pid, options.wait_seconds, refused)
     if path is None:
         if queued is not None and queued.state() == "queued":
-            raise NoProbe("the probe is queued in the job and starts when its main thread "
-                           "next runs Python code (it is in a long native call)")
+            raise NoProbe("the probe is queued in the job and starts by itself when its "
+                           "main thread next runs Python code (it is in a long native call, "
+                           "a sleep or I/O)")
         raise NoProbe(f"the injected probe did not start within {options.wait_seconds:g} s "
                        "(the main thread may be stuck in native code, or the job's Python "
                        "is older than 3.10)")
     try:
+        progress.waiting_for(pid, "the injected probe's first answer")
         return connect(path)
     except ProbeBusy:
         raise

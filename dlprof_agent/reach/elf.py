@@ -13,8 +13,10 @@ from typing import BinaryIO
 
 _MAX_TABLE_BYTES = 64 << 20  # a real .dynsym/.dynstr is far smaller; refuse garbage sizes
 # The functions the injectors call: where each is in the file is kept, to check the
-# bytes at the address they would call.
-_CALLED = frozenset({"Py_AddPendingCall", "PyRun_SimpleString", "mmap"})
+# bytes at the address they would call; and the one whose waits it may interrupt
+# (its extent too: a return address inside it says who waits).
+_CALLED = frozenset({"Py_AddPendingCall", "PyRun_SimpleString", "mmap",
+                     "PyThread_acquire_lock_timed"})
 _SHT_NOBITS = 8
 _ET_DYN = 3
 _SHT_DYNSYM = 11
@@ -55,10 +57,14 @@ class ElfScan:
     shared: bool = True  # ET_DYN (a library or a PIE): addresses are relative to its base
     # name -> (st_value, offset in the file) of defined symbols in sections with contents
     locations: tuple[tuple[str, int, int], ...] = ()
+    sizes: tuple[tuple[str, int], ...] = ()  # name -> st_size, of the same symbols
 
     def location(self, name: str) -> tuple[int, int] | None:
         return next(((value, offset) for symbol, value, offset in self.locations
                      if symbol == name), None)
+
+    def size(self, name: str) -> int | None:
+        return next((size for symbol, size in self.sizes if symbol == name), None)
 
 
 def _read_at(file: BinaryIO, offset: int, size: int, file_size: int) -> bytes | None:
@@ -130,14 +136,15 @@ def _scan_elf(file: BinaryIO) -> ElfScan | None:
         if name:
             defined[name] = (shndx, entry[value_at], entry[size_at])
 
-    locations = tuple(
-        (name, value, sections[shndx].offset + value - sections[shndx].addr)
-        for name, (shndx, value, _size) in defined.items()
-        if name in _CALLED and shndx < min(len(sections), _SHN_LORESERVE)
-        and sections[shndx].type != _SHT_NOBITS)
+    called = [(name, shndx, value, size) for name, (shndx, value, size) in defined.items()
+              if name in _CALLED and shndx < min(len(sections), _SHN_LORESERVE)
+              and sections[shndx].type != _SHT_NOBITS]
+    locations = tuple((name, value, sections[shndx].offset + value - sections[shndx].addr)
+                      for name, shndx, value, _size in called)
     return ElfScan(frozenset(defined),
                     _py_version(file, file_size, sections, defined.get("Py_Version"), order),
-                    shared=e_type == _ET_DYN, locations=locations)
+                    shared=e_type == _ET_DYN, locations=locations,
+                    sizes=tuple((name, size) for name, _shndx, _value, size in called))
 
 
 def _py_version(file: BinaryIO, file_size: int, sections: list[_Section],

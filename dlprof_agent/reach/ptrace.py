@@ -2,25 +2,31 @@
 the kernel, has it call a function, and the thread puts itself back.
 
 The agent is the tracer, and stops one thread only, one that waits in the kernel in a
-system call that leaves the signal mask alone (``threads``). With PTRACE_SEIZE and
-PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the thread running as
-before. The agent writes, below the thread's red zone, a signal frame holding the
-thread's registers and FXSAVE state (its interrupted call set to be restarted, as the
-kernel does after a ptrace stop), and sets all registers at once so that the thread
-calls the function and returns into an ``rt_sigreturn`` of libc: the kernel puts the
-thread back exactly where it was. From then on the thread needs nothing from the agent:
-the agent may die at any instant and no trap, no breakpoint, no stopped thread is ever
-left. It is done twice: ``mmap`` (a page for the code, at a free address with
-MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent writes the code there through
-/proc/<pid>/mem, then ``Py_AddPendingCall(PyRun_SimpleString, page)``. Each address
-called is checked first to hold the bytes of that function in its file.
+system call that leaves the signal mask alone (``threads``), or, where none does, the
+busy main thread at a PC outside Python, libc and the loader (``safe_point``). With
+PTRACE_SEIZE and PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the
+thread running as before. The agent writes, below the thread's red zone, a signal frame
+(``frame``) holding the thread's registers and its whole XSAVE state, AVX included (its
+interrupted call set to be restarted, as the kernel does after a ptrace stop), and sets
+all registers at once so that the thread calls the function and returns into an
+``rt_sigreturn`` of libc: the kernel puts the thread back exactly where it was. From
+then on the thread needs nothing from the agent: the agent may die at any instant and no
+trap, no breakpoint, no stopped thread is ever left. It is done twice: ``mmap`` (a page
+for the code, at a free address with MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent
+writes the code there through /proc/<pid>/mem, then
+``Py_AddPendingCall(PyRun_SimpleString, page)``. Each address called is checked first to
+hold the bytes of that function in its file.
 
 A thread stopped in a call the kernel would resume through ``restart_syscall`` (relative
 sleeps, waits with a timeout) is not borrowed: rt_sigreturn would turn that resumption
-into EINTR. What may differ for the borrowed thread: the upper halves of its AVX
-registers are reset (dead across the libc call it waits in), and a wait for the 3.13
-pending-call mutex itself (another thread adding a pending call at that very moment)
-could be lengthened.
+into EINTR. The one exception is the main thread in CPython's lock wait (``lock_wait``):
+that wait is ended with EINTR on purpose, whatever its timeout, since its caller waits
+again and, on the way, runs the pending call just queued.
+
+What may differ for the borrowed thread: a wait for the 3.13 pending-call mutex itself
+(another thread adding a pending call at that very moment) could be lengthened; and
+where the kernel gives no usable XSAVE image, the upper halves of its AVX registers
+are reset (dead across the libc call it waits in).
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ import errno
 import itertools
 import mmap
 import os
+import random
 import signal
-import struct
 import time
 from typing import NamedTuple
 
@@ -44,7 +50,17 @@ from dlprof_agent.collectors.procfs import (
     read_executable,
 )
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
+from dlprof_agent.reach import progress
 from dlprof_agent.reach.elf import scan_elf_file
+from dlprof_agent.reach.frame import (
+    MAX_XSTATE_BYTES,
+    NT_X86_XSTATE,
+    REGISTERS,
+    frame_state_bytes,
+    signal_frame,
+    signed,
+)
+from dlprof_agent.reach.lock_wait import in_lock_wait
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -52,37 +68,27 @@ from dlprof_agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.reach.procfs import memory_map, start_ticks, status_of, thread_state
+from dlprof_agent.reach.procfs import memory_map, start_ticks
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
+from dlprof_agent.reach.safe_point import in_signal_handler, safe_pc
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
+    blocked_signals,
+    borrowable,
     exited_during_injection,
     no_safe_point,
     same_process,
-    thread_syscalls,
+    waiting_threads,
 )
 
 _PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
-_PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207
+_PTRACE_GETREGSET, _PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4204, 0x4206, 0x4207
 _PTRACE_EVENT_STOP = 128
 _WALL = 0x40000000
 _MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
-# struct user_regs_struct, in order
-_REGS = ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx",
-         "rdx", "rsi", "rdi", "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base",
-         "gs_base", "ds", "es", "fs", "gs")
 # mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
 _SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
-# System calls a waiting thread may be borrowed from: none of them changes the signal mask
-# for its duration (ppoll, pselect, epoll_pwait and sigsuspend do), and the kernel restarts
-# or fails each of them the same way after our detour as after any ptrace stop.
-_BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
-# These change it only when given a mask: pselect6, ppoll, epoll_pwait, epoll_pwait2, and
-# the index of that argument (Python's time.sleep is pselect6 with none, on some builds).
-_MASK_ARGUMENT = {270: 5, 271: 3, 281: 4, 441: 4}
-
-_ERESTART_CODES = (-512, -513, -514)  # ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND
 # A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
 # with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
 _ERESTART_RESTARTBLOCK = -516
@@ -93,14 +99,11 @@ _FRAME_GAP = 2048  # below the red zone: where the borrowed thread's detour fram
 _STACK_NEEDED = 64 << 10  # free stack the called function may use below the frame
 _USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
 _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
+# How long the pending call waits for the main thread itself: CPython runs pending calls
+# only there, and from another thread 3.10-3.12 tell it only when it next takes the GIL,
+# which a main thread in a lock wait may not do for hours.
+_PREFER_MAIN_SECONDS = 0.5
 _MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
-
-
-def _borrowable(number: int, arguments: list[int]) -> bool:
-    if number in _BORROWABLE:
-        return True
-    index = _MASK_ARGUMENT.get(number)
-    return index is not None and index < len(arguments) and arguments[index] == 0
 
 
 class _Ptrace:
@@ -113,50 +116,37 @@ class _Ptrace:
         call.restype = ctypes.c_long
         self._call = call
 
-    def __call__(self, request: int, tid: int, data: object = None) -> None:
+    def __call__(self, request: int, tid: int, data: object = None, address: int = 0
+                 ) -> None:
         self._ctypes.set_errno(0)
-        if self._call(request, tid, None, data) == -1:
+        if self._call(request, tid, address or None, data) == -1:
             error = self._ctypes.get_errno()
             raise OSError(error, os.strerror(error))
 
     def registers(self, tid: int) -> list[int]:
-        regs = (self._ctypes.c_ulonglong * len(_REGS))()
+        regs = (self._ctypes.c_ulonglong * len(REGISTERS))()
         self(_PTRACE_GETREGS, tid, self._ctypes.addressof(regs))
         return list(regs)
 
     def set_registers(self, tid: int, values: list[int]) -> None:
-        regs = (self._ctypes.c_ulonglong * len(_REGS))(*values)
+        regs = (self._ctypes.c_ulonglong * len(REGISTERS))(*values)
         self(_PTRACE_SETREGS, tid, self._ctypes.addressof(regs))  # all of them, at once
+
+    def xstate(self, tid: int) -> bytes | None:
+        """The thread's XSAVE image (PTRACE_GETREGSET), or None where the kernel has
+        none to give."""
+        area = (self._ctypes.c_ubyte * MAX_XSTATE_BYTES)()
+        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), MAX_XSTATE_BYTES)
+        try:
+            self(_PTRACE_GETREGSET, tid, self._ctypes.addressof(vector), NT_X86_XSTATE)
+        except OSError:
+            return None
+        return bytes(area)[:vector[1] or 0]
 
     def fxsave(self, tid: int) -> bytes:
         area = (self._ctypes.c_ubyte * 512)()
         self(_PTRACE_GETFPREGS, tid, self._ctypes.addressof(area))
         return bytes(area)
-
-
-def _signed(register: int) -> int:
-    return register - (1 << 64) if register >= 1 << 63 else register
-
-
-def _signal_frame(at: int, regs: list[int], fxsave: bytes, blocked: int, gadget: int) -> bytes:
-    """What the borrowed thread finds on its stack at ``at`` when the called function
-    returns: the address of an rt_sigreturn, then the frame that call restores, which is
-    the thread as we stopped it, its interrupted system call set to run again."""
-    r = dict(zip(_REGS, regs, strict=True))
-    rax, rip = r["rax"], r["rip"]
-    if _signed(rax) in _ERESTART_CODES:
-        rax, rip = r["orig_rax"], rip - 2  # as the kernel restarts it after a ptrace stop
-    fx_at = -(-(at + 8 + 304) // 64) * 64
-    context = struct.pack(
-        "<18Q4H4QQ8Q", r["r8"], r["r9"], r["r10"], r["r11"], r["r12"], r["r13"], r["r14"],
-        r["r15"], r["rdi"], r["rsi"], r["rbp"], r["rbx"], r["rdx"], rax, r["rcx"], r["rsp"],
-        rip, r["eflags"], r["cs"], 0, 0, r["ss"], 0, 0, 0, 0, fx_at, *([0] * 8))
-    # uc_flags UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS; uc_stack with an invalid ss_flags,
-    # so the kernel keeps the thread's signal stack as it is (it ignores that error).
-    ucontext = struct.pack("<QQQiiQ", 6, 0, 0, 0x10, 0, 0) + context + struct.pack("<Q", blocked)
-    frame = struct.pack("<Q", gadget) + ucontext
-    # The FXSAVE image without the XSAVE marker: x87, SSE and MXCSR come back as they were.
-    return frame + bytes(fx_at - at - len(frame)) + fxsave[:464] + bytes(48)
 
 
 def _read_memory(pid: int, address: int, size: int) -> bytes:
@@ -235,63 +225,72 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
     return (best[0] + (best[1] - best[0]) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
-def _blocked_signals(pid: int, tid: int) -> int | None:
-    status = status_of(pid, tid=tid)
-    return None if status is None else status.sig_blk
-
-
-def _waiting_threads(pid: int) -> list[int]:
-    """Threads of ``pid`` waiting in a system call we may borrow them from, main first."""
-    found = []
-    for tid, fields in thread_syscalls(pid):
-        try:
-            number, arguments = int(fields[0]), [int(field, 16) for field in fields[1:7]]
-        except (IndexError, ValueError):
-            continue  # "running", or -1: not in a system call
-        # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
-        # would keep the agent waiting for its stop.
-        if _borrowable(number, arguments) and thread_state(pid, tid) == "S":
-            found.append(tid)
-    return found
-
-
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
-            maps: list[Mapping]) -> bool:
+            maps: list[Mapping], *, lock_function: tuple[int, int] | None = None,
+            busy: frozenset[str] | None = None) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
     when it is not waiting in a system call we may borrow it from. ``call`` is the
-    function's address, its arguments, and the address of an rt_sigreturn."""
+    function's address, its arguments, and the address of an rt_sigreturn. The main
+    thread waiting for a lock in ``lock_function`` (PyThread_acquire_lock_timed's
+    extent) comes back from its wait with EINTR, so that it runs a pending call now.
+    With ``busy`` (the interpreter's files), a thread stopped outside any system call
+    is taken too, at a safe PC (``safe_point``)."""
     function, args, gadget = call
     regs = ptrace.registers(tid)
-    r = dict(zip(_REGS, regs, strict=True))
-    orig = _signed(r["orig_rax"])
+    r = dict(zip(REGISTERS, regs, strict=True))
+    orig = signed(r["orig_rax"])
     arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
-    if (orig < 0 or _signed(r["rax"]) == _ERESTART_RESTARTBLOCK
-            or not _borrowable(orig, arguments)):
-        return False
-    blocked = _blocked_signals(pid, tid)
-    at = ((r["rsp"] - _RED_ZONE - _FRAME_GAP) & ~15) - 8  # a call's entry: rsp % 16 == 8
     stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
+    interrupt = (tid == pid and lock_function is not None and stack is not None
+                 and in_lock_wait(r, lambda address, size: _read_memory(pid, address, size),
+                                  stack[1], lock_function))
+    if orig < 0:
+        if busy is None or stack is None or not safe_pc(r["rip"], maps, busy) or (
+                in_signal_handler(lambda address, size: _read_memory(pid, address, size),
+                                  r["rsp"], stack[1], gadget)):
+            return False
+    elif not interrupt and (not borrowable(orig, arguments)
+                            or signed(r["rax"]) == _ERESTART_RESTARTBLOCK):
+        return False
+    blocked = blocked_signals(pid, tid)
+    xstate = ptrace.xstate(tid)
+    gap = max(_FRAME_GAP, 8 + 304 + 64 + frame_state_bytes(xstate) + 64)
+    at = ((r["rsp"] - _RED_ZONE - gap) & ~15) - 8  # a call's entry: rsp % 16 == 8
     if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
         return False
-    frame = _signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget)
+    frame = signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget, interrupt=interrupt,
+                          xstate=xstate)
     if at + len(frame) > r["rsp"] - _RED_ZONE:
         return False
     _write_memory(pid, at, frame)
-    new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1)
+    # The direction flag cleared, as a call requires and the kernel does for a handler:
+    # a busy thread may be stopped inside a backward string copy.
+    new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1,
+               eflags=r["eflags"] & ~0x400)
     for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
         new[register] = value % (1 << 64)
-    ptrace.set_registers(tid, [new[name] for name in _REGS])
+    ptrace.set_registers(tid, [new[name] for name in REGISTERS])
     return True
 
 
 def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
-                     gadget: int) -> bool:
+                     gadget: int, *, lock_function: tuple[int, int] | None = None,
+                     busy: frozenset[str] | None = None, main_only: bool = False) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds; it needs nothing more from us once it is
-    set on its way, so the agent may die at any moment. False when none could be had."""
+    set on its way, so the agent may die at any moment. False when none could be had.
+    Where none waits (or with ``main_only``, where the main thread does not), the main
+    thread is taken busy, at a safe PC, given ``busy``: it runs the pending call itself."""
     maps = memory_map(pid)
-    for tid in _waiting_threads(pid):
+    waiting = waiting_threads(pid)
+    if main_only:
+        candidates = [pid] if pid in waiting or busy is not None else []
+        busy = None if pid in waiting else busy
+    else:
+        candidates = waiting or ([pid] if busy is not None else [])
+        busy = None if waiting else busy
+    for tid in candidates:
         try:
             ptrace(_PTRACE_SEIZE, tid)
         except OSError as error:
@@ -310,7 +309,8 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
                 continue
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
-            if _detour(ptrace, pid, tid, (function, args, gadget), maps):
+            if _detour(ptrace, pid, tid, (function, args, gadget), maps,
+                       lock_function=lock_function, busy=busy):
                 return True
         except OSError:
             continue
@@ -340,6 +340,13 @@ class CallAddresses(NamedTuple):
     run_simple_string: int  # PyRun_SimpleString
     mmap: int  # libc's
     sigreturn: int  # an rt_sigreturn of libc's signal restorer
+    # [start, end) of PyThread_acquire_lock_timed: the main thread's wait there is ended
+    # with EINTR (``lock_wait``); None where it cannot be found and checked
+    lock_wait: tuple[int, int] | None = None
+    # The interpreter's executable and libpython, where a busy main thread is never
+    # stopped (``safe_point``); None: a busy thread is not borrowed (3.13's pending-call
+    # mutex may release the caller's GIL; an unknown version)
+    busy_unsafe_files: frozenset[str] | None = None
 
 
 def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
@@ -363,7 +370,20 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
-    return CallAddresses(add, run, allocate, gadget)
+    busy = (frozenset({runtime.library, exe}) if runtime.version is not None
+            and runtime.version < (3, 13) else None)
+    return CallAddresses(add, run, allocate, gadget,
+                         _function_extent(pid, maps, runtime.library, python_file,
+                                          "PyThread_acquire_lock_timed"), busy)
+
+
+def _function_extent(pid: int, maps: list[Mapping], path: str, file: str, name: str
+                     ) -> tuple[int, int] | None:
+    """[start, end) of function ``name`` in ``pid``, checked as _function_address is."""
+    start = _function_address(pid, maps, path, file, name)
+    scan = scan_elf_file(file) if start is not None else None
+    size = scan.size(name) if scan is not None else None
+    return None if start is None or not size else (start, start + size)
 
 
 def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: float
@@ -376,13 +396,35 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
     ptrace = _Ptrace()
     deadline = time.monotonic() + wait_seconds
 
-    def borrow(function: int, args: tuple[int, ...]) -> None:
-        while not _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn):
+    def borrow_once(function: int, args: tuple[int, ...], *, pending: bool,
+                    main_until: float) -> bool:
+        if pending:  # the main thread, for a while: from another the call may wait long
+            return _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
+                                    lock_function=calls.lock_wait,
+                                    busy=calls.busy_unsafe_files,
+                                    main_only=time.monotonic() < main_until)
+        # mmap: a main thread in a lock wait is left in it for the pending call, unless
+        # it is the only thread there is to borrow
+        return any(_borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
+                                    lock_function=lock_function,
+                                    busy=calls.busy_unsafe_files)
+                   for lock_function in (None, calls.lock_wait))
+
+    def borrow(function: int, args: tuple[int, ...], *, pending: bool = False) -> None:
+        tries = 0
+        main_until = time.monotonic() + _PREFER_MAIN_SECONDS
+        while not borrow_once(function, args, pending=pending, main_until=main_until):
+            tries += 1
+            progress.waiting_for(pid, "a thread of the job that waits in the kernel, or a "
+                                 "busy main thread outside Python and libc, to queue the "
+                                 "probe", tries=tries)
             if not same_process(pid, start_time):
                 raise exited_during_injection(pid)
             if time.monotonic() >= deadline:
                 raise no_safe_point(pid, wait_seconds)
-            time.sleep(POLL_SECONDS)
+            # A random pause: a loop whose period matches a fixed one would be met at
+            # the same unsafe PC every time.
+            time.sleep(POLL_SECONDS * random.uniform(1.0, 4.0))
 
     page = _free_address(memory_map(pid), size)
     if page is None:
@@ -401,5 +443,5 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
         time.sleep(POLL_SECONDS)
     _write_memory(pid, page, payload.replace(ADDRESS_PLACEHOLDER.encode(),
                                              f"{page:#018x}".encode(), 1))
-    borrow(calls.add_pending_call, (calls.run_simple_string, page + FLAG_BYTES))
+    borrow(calls.add_pending_call, (calls.run_simple_string, page + FLAG_BYTES), pending=True)
     return remember(QueuedBootstrap(pid, start_time or 0, page, time.monotonic()))

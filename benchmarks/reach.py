@@ -1,0 +1,245 @@
+"""How the agent reaches the probe in each kind of job: whether it came up, the
+seconds from the first try, and the tries, as the agent makes them (an
+injection, then the channel's retry pauses). Writes docs/reach.md.
+
+    python -m benchmarks.reach [--out docs/reach.md] [--limit 30] [KIND ...]
+
+Each job runs on this machine's Python (the agent's) and is stopped after its
+row. Nothing here asserts: tests/test_reach_table.py does, on a few kinds."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlprof_agent.reach.channel import RETRY_SECONDS
+from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "docs" / "reach.md"
+LIMIT_SECONDS = 30.0
+
+# A worker thread that trains in Python while the main thread waits (the waits
+# last longer than the limit; time.sleep's returns every 6 s).
+_WORKER = """
+import threading, time
+def train():
+    while True:
+        sum(range(20000))
+        time.sleep(0.001)
+threading.Thread(target=train, daemon=True).start()
+"""
+_TORCH_LOOP = """
+import torch
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+data, target = torch.randn(64, 256), torch.randint(0, 10, (64,))
+print("ready", flush=True)
+while True:
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(data), target).backward()
+    optimizer.step()
+"""
+_DATALOADER = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+class Slow(Dataset):
+    def __len__(self):
+        return 1 << 30
+    def __getitem__(self, index):
+        return torch.randn(256)
+model = torch.nn.Linear(256, 10)
+loader = DataLoader(Slow(), batch_size=64, num_workers=2)
+print("ready", flush=True)
+for batch in loader:
+    model(batch).sum().backward()
+"""
+JOBS: dict[str, tuple[str, list[str]]] = {
+    # kind: (script, command-line prefix)
+    "pure-Python loop, one thread": (
+        "print('ready', flush=True)\nwhile True:\n    pass\n", []),
+    "pinned single-thread torch loop": (_TORCH_LOOP, ["taskset", "-c", "0"]),
+    "torch DataLoader with forked workers": (_DATALOADER, []),
+    "main in join()": (_WORKER + "import time\nworker = threading.Thread(target=time.sleep, "
+                       "args=(3600,))\nworker.start()\nprint('ready', flush=True)\n"
+                       "worker.join()\n", []),
+    "main in lock.acquire()": (_WORKER + "lock = threading.Lock()\nlock.acquire()\n"
+                               "print('ready', flush=True)\nlock.acquire()\n", []),
+    "main in Event.wait(timeout)": (_WORKER + "print('ready', flush=True)\n"
+                                    "threading.Event().wait(3600)\n", []),
+    "main in queue.get()": (_WORKER + "import queue\nprint('ready', flush=True)\n"
+                            "queue.Queue().get()\n", []),
+    "main in time.sleep(6) in a loop": (_WORKER + "print('ready', flush=True)\n"
+                                        "while True:\n    time.sleep(6)\n", []),
+}
+
+
+# The trainer tier's jobs (tests/jobs/), with the probe they would start themselves
+# left out, so that it is injected: kind -> the script and its arguments.
+TRAINERS: dict[str, list[str]] = {
+    "Hugging Face Trainer, tiny BERT from its config": ["tests/jobs/hf_trainer.py"],
+    "Lightning Trainer": ["tests/jobs/lightning_fit.py"],
+    "Keras fit (compiled)": ["tests/jobs/keras_fit.py"],
+}
+_WITHOUT_ITS_PROBE = """
+import runpy, sys
+import tests.jobs.step_log as step_log
+step_log.enable_probe = lambda: None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+TRAINER_START_SECONDS = 300.0  # imports and the first steps, on a loaded machine
+
+
+@dataclass(frozen=True)
+class Row:
+    kind: str
+    came_up: bool
+    seconds: float  # from the first try to the probe's first answer, or to the give-up
+    tries: int
+    why: str = ""  # the last reason it was not reached
+
+
+def measure(kind: str, limit: float = LIMIT_SECONDS) -> Row:
+    """Start the job of ``kind`` and reach its probe as the agent does, for up to
+    ``limit`` seconds."""
+    script, prefix = JOBS[kind]
+    if prefix and shutil.which(prefix[0]) is None:
+        return Row(kind, False, 0.0, 0, f"{prefix[0]} is not installed")
+    with tempfile.TemporaryDirectory(prefix="dlprof-reach-") as folder:
+        job = subprocess.Popen([*prefix, sys.executable, "-c", script], cwd=folder,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               start_new_session=True)
+        try:
+            assert job.stdout is not None
+            if job.stdout.readline() != "ready\n":
+                return Row(kind, False, 0.0, 0, "the job did not start")
+            time.sleep(0.5)  # into its loop or wait
+            return _reach(kind, job.pid, limit)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, 9)
+            job.wait(30)
+
+
+def measure_trainer(kind: str, limit: float = LIMIT_SECONDS) -> Row:
+    """Start the trainer of ``kind``, wait for its third step, and reach its probe."""
+    with tempfile.TemporaryDirectory(prefix="dlprof-reach-") as folder:
+        step_log, until = Path(folder) / "steps.log", Path(folder) / "stop"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                          os.environ.get("PYTHONPATH")]))}
+        job = subprocess.Popen([sys.executable, "-c", _WITHOUT_ITS_PROBE, *TRAINERS[kind],
+                                "--step-log", str(step_log), "--until", str(until)],
+                               cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + TRAINER_START_SECONDS
+            while _steps_logged(step_log) < 3:
+                if job.poll() is not None or time.monotonic() > deadline:
+                    return Row(kind, False, 0.0, 0, "the job did not train")
+                time.sleep(0.2)
+            return _reach(kind, job.pid, limit)
+        finally:
+            until.touch()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, 9)
+            job.wait(30)
+
+
+def _steps_logged(path: Path) -> int:
+    try:
+        return sum('"step"' in line for line in path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def _reach(kind: str, pid: int, limit: float) -> Row:
+    began = time.monotonic()
+    tries, why = 0, ""
+    while time.monotonic() - began < limit:
+        tries += 1
+        try:
+            client = try_connect(pid, ProbeOptions(), 1.0, 0.0)
+        except NoProbe as error:
+            why = str(error)
+        else:
+            seconds = time.monotonic() - began
+            client.stop()
+            return Row(kind, True, seconds, tries)
+        pause = RETRY_SECONDS[min(tries - 1, len(RETRY_SECONDS) - 1)]
+        time.sleep(max(0.0, min(pause, limit - (time.monotonic() - began))))
+    return Row(kind, False, time.monotonic() - began, tries, why)
+
+
+def table(rows: list[Row], limit: float) -> str:
+    lines = [
+        "# Reaching the probe, by kind of job",
+        "",
+        "Written by `python -m benchmarks.reach` (the same rows, fewer of them, are checked",
+        "by `tests/test_reach_table.py`). Each job is started on the agent's own Python,",
+        "and its probe is reached as `attach` reaches it: an injection, then the channel's",
+        f"retry pauses ({', '.join(f'{s:g}' for s in RETRY_SECONDS[:3])} s, ...), for up to "
+        f"{limit:g} s. Seconds run from the",
+        "first try to the probe's first answer, or to the give-up.",
+        "",
+        f"Python {platform.python_version()} on {platform.machine()}, Linux "
+        f"{platform.release()}, {os.cpu_count()} CPUs.",
+        "",
+        "| kind of job | probe came up | seconds | tries | why not |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        why = re.sub(r"process \d+", "the process", row.why).replace("|", "/")
+        lines.append(f"| {row.kind} | {'yes' if row.came_up else 'no'} | {row.seconds:.1f} | "
+                     f"{row.tries} | {why if not row.came_up else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reach", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kinds", nargs="*", metavar="KIND", help="default: every kind")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--limit", type=float, default=LIMIT_SECONDS, metavar="SECONDS")
+    args = parser.parse_args(argv)
+    rows = []
+    for kind in args.kinds or [*JOBS, *TRAINERS]:
+        row = (measure_trainer if kind in TRAINERS else measure)(kind, args.limit)
+        print(f"{kind}: {'up' if row.came_up else 'not up'} after {row.seconds:.1f} s, "
+              f"{row.tries} tries", file=sys.stderr, flush=True)
+        rows.append(row)
+    args.out.write_text(table(rows, args.limit) + NOTES)
+    return 0
+
+
+NOTES = """
+## Notes
+
+- Python 3.13 and 3.14 targets: the Debian trixie and sid roots (`debootstrap`) were
+  not built on this machine, so every row is on the agent's Python only.
+- A torchrun DDP job is not a row yet. The trainers are the trainer tier's jobs
+  (`tests/jobs/`) with the probe they would start themselves left out.
+- A busy job with no thread waiting in the kernel is reached through its main
+  thread, stopped at a PC in another library (libtorch, oneDNN, MKL) with no signal
+  handler in progress. A pure-Python loop spends its time in libpython, where that
+  stop is never safe: it is reached only once it waits somewhere.
+- On 3.9-3.12 the main thread's lock waits (`join()`, `lock.acquire()`,
+  `Event.wait()`, `queue.get()`) end with EINTR and CPython waits again after running
+  the probe's pending call; a `time.sleep` is never cut short, so the probe comes
+  when it returns.
+"""
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Where a busy thread, one that never waits in the kernel, may be stopped and
+made to call ``mmap`` and ``Py_AddPendingCall``: at an instruction of a library
+that neither of them can be waiting for.
+
+Py_AddPendingCall is not async-signal-safe (CPython says so of
+``_PyEval_SignalReceived``): it takes the pending-call lock, so a thread stopped
+inside that lock's critical section, which is in libpython, would wait for
+itself. ``mmap`` is one system call, but a thread stopped inside libc or the
+dynamic loader may hold their locks, and the vdso is libc's too. So the stop is
+accepted only at a PC in another file-backed executable mapping (libtorch,
+oneDNN, MKL, an extension module's own code), and only with no signal handler
+in progress on the thread's stack (no return address into libc's signal
+restorer above it): a handler could have interrupted any of those. A stop
+anywhere else is released at once and tried again after a short random delay.
+
+A pure-Python loop spends its time in libpython and is not reached this way;
+its safe point is the eval loop itself, which only a pending call queued from
+another thread (or, on 3.14, the interpreter's own remote-debugging hook)
+reaches. The frame the stopped thread returns through holds its whole XSAVE
+state (``frame``), so AVX registers live in the interrupted kernel survive."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from dlprof_agent.collectors.procfs import Mapping
+
+# Files whose code the calls themselves use, or that hold the locks they take
+_UNSAFE_PREFIXES = ("libpython", "libc.so", "libc-", "ld-linux", "ld-musl", "ld.so",
+                    "libpthread", "libdl")
+# From the stopped PC's stack pointer: how far up a signal handler's frame is looked for
+HANDLER_SCAN_BYTES = 32 << 10
+
+
+def safe_pc(pc: int, maps: list[Mapping], unsafe_files: frozenset[str]) -> bool:
+    """``pc`` is in a file-backed executable mapping of a library the calls do not
+    use: not the interpreter (``unsafe_files``: its executable and libpython), libc,
+    the dynamic loader, the vdso, nor anonymous (JIT) code."""
+    mapping = next((m for m in maps if m[0] <= pc < m[1]), None)
+    if mapping is None:
+        return False
+    _, _, permissions, _, path = mapping
+    if "x" not in permissions or not path.startswith("/") or path in unsafe_files:
+        return False
+    return not os.path.basename(path).startswith(_UNSAFE_PREFIXES)
+
+
+def in_signal_handler(read: Callable[[int, int], bytes], rsp: int, stack_end: int,
+                      restorer: int) -> bool:
+    """A word on the stack above ``rsp`` is the address of libc's signal restorer:
+    the thread is inside a signal handler (or the stack cannot be read: taken as
+    such)."""
+    top = rsp & ~7
+    size = min(HANDLER_SCAN_BYTES, stack_end - top)
+    if size <= 0:
+        return True
+    try:
+        stack = read(top, size)
+    except OSError:
+        return True
+    needle = restorer.to_bytes(8, "little")
+    return any(stack[at:at + 8] == needle for at in range(0, len(stack) - 7, 8))

@@ -1,0 +1,119 @@
+"""A busy job with no thread waiting in the kernel, a single-threaded PyTorch loop
+pinned to one CPU, gets the probe: the injector stops its main thread at a PC
+outside Python and libc (``reach/safe_point.py``) and returns it through a frame
+with its whole XSAVE state. Its results are bit-identical with and without the
+attach, and killing the agent at any instant of the injection leaves it to finish
+with the same results."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dlprof_agent.reach.inject import inject
+from tests.conftest import agent_env
+from tests.helpers import wait_until
+
+pytestmark = [
+    pytest.mark.slow,  # starts PyTorch jobs
+    pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
+                       reason="the agent's own ptrace injector: x86-64, before Python 3.14"),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
+    pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset"),
+]
+
+# Trains a small MLP for sys.argv[1] steps on one thread, then prints when its loop
+# ended (time.monotonic) and a hash of its weights: the same bits on every run.
+LOOP = """
+import hashlib, sys, time, torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+data, target = torch.randn(64, 256), torch.randint(0, 10, (64,))
+print("ready", flush=True)
+for step in range(int(sys.argv[1])):
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(data), target).backward()
+    optimizer.step()
+weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+print(repr(time.monotonic()), hashlib.sha256(weights).hexdigest(), flush=True)
+"""
+STEPS = 4000
+
+
+def start_loop() -> subprocess.Popen[str]:
+    job = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", LOOP, str(STEPS)],
+                           stdout=subprocess.PIPE, text=True, cwd="/", start_new_session=True)
+    assert job.stdout is not None and job.stdout.readline() == "ready\n"
+    return job
+
+
+def finish(job: subprocess.Popen[str]) -> tuple[float, str]:
+    output = job.communicate(timeout=600)[0]
+    assert job.returncode == 0, output
+    ended, digest = output.split()
+    return float(ended), digest
+
+
+@pytest.fixture(scope="module")
+def untouched_digest() -> str:
+    return finish(start_loop())[1]
+
+
+def stop(job: subprocess.Popen[str]) -> None:
+    if job.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, 9)
+        job.wait(10)
+
+
+def test_a_pinned_torch_loop_runs_the_queued_code_and_computes_the_same(
+        tmp_path: Path, untouched_digest: str) -> None:
+    marker = tmp_path / "ran"
+    job = start_loop()
+    try:
+        inject(job.pid, f"import time; open({str(marker)!r}, 'w').write(repr(time.monotonic()))")
+        ended, digest = finish(job)
+    finally:
+        stop(job)
+    ran = float(wait_until(marker.read_text, 10))
+    assert ran < ended, "the code ran only once the loop had ended"
+    assert digest == untouched_digest, "the attach changed the job's results"
+
+
+def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_same(
+        untouched_digest: str) -> None:
+    attempt = ("import sys\n"
+               "from dlprof_agent.reach.inject import inject\n"
+               "inject(int(sys.argv[1]), 'pass')\n")
+    rng = random.Random(31)
+    harmed = []
+    for number in range(5):
+        job = start_loop()
+        try:
+            side = subprocess.Popen([sys.executable, "-c", attempt, str(job.pid)],
+                                    env=agent_env(), cwd="/", stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            time.sleep(rng.uniform(0.0, 1.0))  # the agent's start and its injection
+            side.kill()
+            side.wait(10)
+            state = Path(f"/proc/{job.pid}/stat").read_text().rpartition(")")[2].split()[0]
+            _, digest = finish(job)
+        finally:
+            stop(job)
+        if state in ("t", "T"):
+            harmed.append(f"try {number}: left stopped")
+        if digest != untouched_digest:
+            harmed.append(f"try {number}: computed something else")
+    assert not harmed, "\n".join(harmed)

@@ -1,0 +1,37 @@
+"""The reach table's measurement (``benchmarks/reach.py``) on the kinds of job it
+must reach quickly: a main thread in a lock wait comes up on the first try,
+within the wait; one in a sleep comes up once the sleep returns."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import pytest
+
+from benchmarks import reach
+
+pytestmark = [
+    pytest.mark.slow,  # real jobs, probes injected into them
+    pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
+                       reason="the agent's own ptrace injector: x86-64, before Python 3.14"),
+]
+
+
+# Each beside a worker thread that trains in Python: the pending call must be queued
+# from the main thread itself, whose timed wait goes on as restart_syscall once stopped.
+@pytest.mark.parametrize("kind", ["main in join()", "main in lock.acquire()",
+                                  "main in Event.wait(timeout)", "main in queue.get()",
+                                  "main in time.sleep(6) in a loop"])
+def test_a_waiting_main_thread_is_reached(kind: str) -> None:
+    row = reach.measure(kind, limit=60.0)
+    assert row.came_up, row.why
+    assert row.tries == 1, "reached by the first injection"
+
+
+def test_the_table_lists_each_row() -> None:
+    rows = [reach.Row("main in join()", True, 0.4, 1),
+            reach.Row("pure-Python loop, one thread", False, 30.0, 3, "no safe | point")]
+    text = reach.table(rows, 30.0)
+    assert "| main in join() | yes | 0.4 | 1 |  |" in text
+    assert "| pure-Python loop, one thread | no | 30.0 | 3 | no safe / point |" in text
