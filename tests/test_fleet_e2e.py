@@ -66,8 +66,9 @@ def start_node(processes: list[subprocess.Popen[bytes]], tmp_path: Path, node: i
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-         str(master_port), "--rdzv-id", JOB_ID, "tests/jobs/ddp_fleet.py",
-         "--until", str(tmp_path / "stop"), "--slow-rank", SLOW_RANK,
+         str(master_port), "--rdzv-id", JOB_ID, "tests/jobs/torch_ddp.py",
+         "--step-log", str(tmp_path / f"steps-{node}"), "--until", str(tmp_path / "stop"),
+         "--slow-rank", SLOW_RANK,
          "--input-sleep-ms", str(INPUT_SLEEP_MS)],
         cwd=REPO, env={**agent_env(), "OMP_NUM_THREADS": "1"}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))

@@ -43,6 +43,7 @@ from dlprof_agent.agent.loop import (
     sigterm_stops,
 )
 from dlprof_agent.agent.probe_exchanges import ReportsCondition
+from dlprof_agent.agent.probe_start import STOP_INJECTION_WAIT_SECONDS
 from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
@@ -73,9 +74,6 @@ from dlprof_agent.reach.channel import (
 from dlprof_agent.reach.connect import ProbeOptions
 
 log = logging.getLogger("dlprof_agent")
-
-# On a stop, how long probes being reached may take to come up and be stopped.
-STOP_INJECTION_WAIT_SECONDS = 3.0
 
 # Where probes of any user put their sockets (probe.protocol.runtime_dir_candidates).
 PROBE_SOCKET_DIRS = ("/tmp/dlprof-agent-*", "/run/user/*/dlprof-agent")

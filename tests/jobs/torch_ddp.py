@@ -1,11 +1,14 @@
 """One rank of a DistributedDataParallel job started by torchrun (gloo, one
 thread each): a small CNN on tensors held in memory, each step's end logged
-(step_log.py) to STEP_LOG.RANK."""
+(step_log.py) to STEP_LOG.RANK. Rank --slow-rank, if given, sleeps
+--input-sleep-ms before each step, where a job waits for its input, so the
+other ranks wait for it in the gradient all-reduce."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,7 +19,10 @@ from tests.jobs.step_log import StepLog, arguments, enable_probe
 
 
 def main() -> int:
-    args = arguments(__doc__ or "").parse_args()
+    parser = arguments(__doc__ or "")
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--input-sleep-ms", type=float, default=20.0)
+    args = parser.parse_args()
     rank = int(os.environ["RANK"])
     args.step_log = f"{args.step_log}.{rank}"
     enable_probe()
@@ -34,6 +40,8 @@ def main() -> int:
     log = StepLog(args, "torchrun_ddp")
     stop = torch.zeros(1)
     while True:
+        if rank == args.slow_rank:
+            time.sleep(args.input_sleep_ms / 1000)  # a slow input pipeline
         optimizer.zero_grad()
         loss_fn(model(images), labels).backward()
         optimizer.step()
