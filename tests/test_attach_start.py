@@ -56,6 +56,33 @@ def test_an_abandoned_start_stops_the_probe_it_reaches_later(
     assert start.source is None and not opened
 
 
+def test_a_probe_that_comes_while_the_attach_stops_is_not_announced_after_the_stop(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # "dlprof-agent: stopped by SIGTERM" is printed first; the injection under way
+    # then ends within abandon()'s wait: its "probe active" would come after it.
+    reaching, reached = threading.Event(), threading.Event()
+    source = StandInSource()
+    source.client = type("Client", (), {"hello": {"frameworks": ["torch"]}})()
+
+    def opening(*args: object, **kwargs: object) -> StandInSource:
+        reaching.set()
+        reached.wait(10)
+        return source
+
+    monkeypatch.setattr(probe_start, "open_probe", opening)
+    caplog.set_level("INFO", logger="dlprof_agent")
+    start = probe_start.ProbeStart(4242, ProbeOptions(), interval=1.0)
+    start.start()
+    assert reaching.wait(10)
+    stopping = threading.Thread(target=start.abandon)
+    stopping.start()
+    assert wait_until(lambda: start._stopping, 10)
+    reached.set()
+    stopping.join(10)
+    assert start.done and start.source is source  # handed over: the attach stops it
+    assert not [r for r in caplog.records if "probe active" in r.getMessage()]
+
+
 def test_the_channel_goes_to_the_sampler_and_the_note_says_what_is_awaited(
         monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()

@@ -177,9 +177,14 @@ def test_the_agents_threads_yield_to_the_job() -> None:
                              stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: scrape(port) == 200, "the agent's /metrics")
+
+        def idle_threads() -> int:
+            return [policy for _, policy in scheduling(agent.pid).values()].count(SCHED_IDLE)
+
+        # Served at once: each serving thread puts itself under SCHED_IDLE as it starts.
+        wait_for(lambda: idle_threads() >= 1 + WORKERS, "the serving threads under SCHED_IDLE")
         threads = scheduling(agent.pid)
-        policies = [policy for _, policy in threads.values()]
-        assert policies.count(SCHED_IDLE) == 1 + WORKERS
+        assert [policy for _, policy in threads.values()].count(SCHED_IDLE) == 1 + WORKERS
         assert sum(nice == AGENT_NICE for nice, policy in threads.values()
                    if policy != SCHED_IDLE) >= 1  # the render thread
         assert threads[agent.pid] == (0, 0)  # SCHED_OTHER at the nice it was started with

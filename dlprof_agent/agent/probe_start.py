@@ -49,6 +49,7 @@ class ProbeStart:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._abandoned = False
+        self._stopping = False  # the attach is ending: a probe that comes is not news
         self._source: ProbeSource | None = None
         self._failure: DlprofError | None = None
         self._started_at = time.monotonic()
@@ -115,13 +116,14 @@ class ProbeStart:
         except DlprofError as error:
             failure = error
         with self._lock:
-            late = self._abandoned
+            late, stopping = self._abandoned, self._stopping
             if not late:
                 self._source, self._failure = source, failure
         if source is not None and late:
             source.stop()  # the agent is stopping: the probe removes its hooks
         elif source is not None:
-            self._announce(source)
+            if not stopping:  # after "stopped by ...", the last line stays that one
+                self._announce(source)
             self._on_open(source)
         self._done.set()
 
@@ -155,6 +157,8 @@ class ProbeStart:
         """The attach is ending: wait a little for an injection under way, so that
         the probe it started is stopped now; one that comes later is stopped by the
         start's own thread."""
+        with self._lock:
+            self._stopping = True
         if self._thread.ident is not None:
             self._done.wait(STOP_INJECTION_WAIT_SECONDS)
         with self._lock:
