@@ -102,15 +102,14 @@ def _inject(pid: int, code: str, runtime: PythonRuntime, wait_seconds: float
     if remote_exec is not None and runtime.version == sys.version_info[:2]:
         inject_with_remote_exec(pid, code, remote_exec)
         return None
+    queued = pending_bootstrap(pid)
+    if queued is not None:
+        return queued
     if runtime.version is not None and runtime.version >= REMOTE_DEBUG_VERSION:
         # Another Python than the agent's: PEP 768's protocol by hand, before ptrace.
         target = find_remote_debug(pid, runtime)
         if target is not None:
-            inject_with_remote_debug(pid, code, target)
-            return None
-    queued = pending_bootstrap(pid)
-    if queued is not None:
-        return queued
+            return inject_with_remote_debug(pid, code, target)
     calls = plan_calls(pid, runtime) if platform.machine() == "x86_64" else None
     if calls is not None:
         return inject_with_ptrace(pid, code, calls, wait_seconds)

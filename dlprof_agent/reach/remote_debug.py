@@ -16,7 +16,9 @@ few writes into the job's memory that CPython's ``sys.remote_exec`` makes
 The main thread runs the file at its next eval-breaker check, between two bytecodes
 with the GIL held, and clears the flag. A main thread that waits in the kernel (a
 sleep, a lock, ``join()``) makes no such check until the wait returns: the probe then
-starts when it does. The lock waits' EINTR of the ptrace injector (``lock_wait``) does
+starts when it does, and until then the script stays queued (``QueuedRemoteExec``):
+its file is kept until the flag is cleared, and withdrawn (the flag cleared by the
+agent) when the agent exits first. The lock waits' EINTR of the ptrace injector (``lock_wait``) does
 not help here: on 3.14 an interrupted lock wait runs ``Py_MakePendingCalls``, which
 runs pending calls but not the remote debugger's script.
 
@@ -28,7 +30,11 @@ between the two (a GIL drop request) is lost and asked for again by its waiter.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import struct
+import threading
+import time
 from dataclasses import dataclass
 
 from dlprof_agent.collectors.procfs import (
@@ -45,11 +51,7 @@ from dlprof_agent.errors import (
     TargetGone,
     TargetNotFound,
 )
-from dlprof_agent.reach.bootstrap_files import (
-    BOOTSTRAP_FILE_SECONDS,
-    remove_later,
-    write_bootstrap,
-)
+from dlprof_agent.reach.bootstrap_files import Bootstrap, write_bootstrap
 from dlprof_agent.reach.debug_offsets import (
     COOKIE,
     EVAL_PLEASE_STOP_BIT,
@@ -59,11 +61,13 @@ from dlprof_agent.reach.debug_offsets import (
     parse_debug_offsets,
 )
 from dlprof_agent.reach.elf import scan_elf_file
-from dlprof_agent.reach.procfs import memory_map, running
+from dlprof_agent.reach.pending import QueuedBootstrap, remember
+from dlprof_agent.reach.procfs import memory_map, running, start_ticks
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
 
 DISABLE_ENV = "PYTHON_DISABLE_REMOTE_DEBUG"
+_WATCH_SECONDS = 1.0  # how often the agent looks whether the job took its script
 _OPT_OUT_HINT = ("the job turned off remote debugging, so the agent leaves it alone: "
                  f"start it without {DISABLE_ENV} and -X disable_remote_debug, or with "
                  "`dlprof-agent run -- ...`")
@@ -100,6 +104,49 @@ def _runtime_address(pid: int, runtime: PythonRuntime, procfs: str) -> int | Non
     starts = [start for start, _, _, offset, path in memory_map(pid)
               if path == runtime.library and offset == 0]
     return min(starts) + value if starts else None
+
+
+@dataclass(frozen=True)
+class QueuedRemoteExec(QueuedBootstrap):
+    """A script handed to the job's main thread: ``address`` is its pending flag, which
+    the job clears when it takes the script."""
+
+    def state(self) -> str:
+        """"queued", "ran" (the job took the script), or "gone"."""
+        if start_ticks(self.pid) != self.start_time:
+            return "gone"
+        try:
+            flag = struct.unpack("<i", _read(self.pid, self.address, 4, PROC_ROOT))[0]
+        except OSError:
+            return "gone" if start_ticks(self.pid) != self.start_time else "queued"
+        return "queued" if flag == 1 else "ran"
+
+    def withdraw(self) -> None:
+        """Clear the flag of a script the job has not taken yet (the agent is leaving):
+        the job then never opens a file that is about to be removed."""
+        if self.state() == "queued":
+            with contextlib.suppress(OSError):
+                _write(self.pid, self.address, struct.pack("<i", 0), PROC_ROOT)
+
+
+def _keep_until_taken(queued: QueuedRemoteExec, bootstrap: Bootstrap) -> None:
+    """Remove the script once the job has taken it (or is gone); at the agent's exit,
+    withdraw it first if the job has not. A fixed delay would not do: a main thread
+    that waits takes it only when its wait returns, hours later maybe."""
+    def leave() -> None:
+        queued.withdraw()
+        bootstrap.remove()
+
+    def watch() -> None:
+        while queued.state() == "queued":
+            time.sleep(_WATCH_SECONDS)
+        # The job opens the file right after clearing the flag: give it that moment.
+        time.sleep(_WATCH_SECONDS)
+        bootstrap.remove()
+
+    atexit.register(leave)
+    threading.Thread(target=watch, name=f"dlprof-remote-exec-{queued.pid}",
+                     daemon=True).start()
 
 
 def _read(pid: int, address: int, size: int, procfs: str) -> bytes:
@@ -166,11 +213,13 @@ def opted_out(pid: int, target: RemoteDebugTarget, procfs: str = PROC_ROOT) -> s
 
 
 def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
-                             procfs: str = PROC_ROOT) -> None:
-    """Have the main thread of ``pid`` run ``code`` at its next eval-breaker check.
-    Raises InjectionRefused when the job opted out (nothing was written to it),
-    TargetNotFound when it exits meanwhile, InjectionFailed otherwise."""
+                             procfs: str = PROC_ROOT) -> QueuedRemoteExec:
+    """Have the main thread of ``pid`` run ``code`` at its next eval-breaker check;
+    returns it, queued, until the job takes it. Raises InjectionRefused when the job
+    opted out (nothing was written to it), TargetNotFound when it exits meanwhile,
+    InjectionFailed otherwise."""
     offsets = target.offsets
+    start_time = start_ticks(pid, procfs)
     try:
         why = opted_out(pid, target, procfs)
         if why is not None:
@@ -194,14 +243,18 @@ def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
             raise InjectionFailed(f"the bootstrap path {bootstrap.seen_as} is too long for "
                                   "the job's remote-debugger buffer",
                                   "set TMPDIR to a shorter directory", pid=pid)
-        remove_later(bootstrap, BOOTSTRAP_FILE_SECONDS)
         support = main + offsets.remote_debugger_support
+        queued = QueuedRemoteExec(pid, start_time or 0, support + offsets.debugger_pending_call,
+                                  time.monotonic())
+        _keep_until_taken(queued, bootstrap)
         # Path first, then the flag, then the breaker: the job reads them in that order.
         _write(pid, support + offsets.debugger_script_path, path, procfs)
         _write(pid, support + offsets.debugger_pending_call, struct.pack("<i", 1), procfs)
         breaker = _pointer(pid, main + offsets.eval_breaker, procfs)
         _write(pid, main + offsets.eval_breaker,
                struct.pack("<Q", breaker | EVAL_PLEASE_STOP_BIT), procfs)
+        remember(queued)
+        return queued
     except PermissionError:
         raise refused(pid, procfs, "cannot write its memory") from None
     except OSError as error:
