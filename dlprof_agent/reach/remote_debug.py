@@ -8,7 +8,8 @@ few writes into the job's memory that CPython's ``sys.remote_exec`` makes
    (``debug_offsets``), cookie and version checked.
 2. The first interpreter (``runtime_state.interpreters_head``) must have
    ``config.remote_debug`` set: ``PYTHON_DISABLE_REMOTE_DEBUG`` in its environment or
-   ``-X disable_remote_debug`` clear it, and then the job is left untouched.
+   ``-X disable-remote-debug`` (so spelt: 3.14's ``python -X help``) clear it, and then
+   the job is left untouched.
 3. In the main thread's state (``interpreter_state.threads_main``) the script's path
    goes into the remote-debugger support buffer, its pending flag is set to 1, and
    the eval breaker gets ``_PY_EVAL_PLEASE_STOP_BIT``.
@@ -69,7 +70,7 @@ from dlprof_agent.reach.runtime import PythonRuntime
 DISABLE_ENV = "PYTHON_DISABLE_REMOTE_DEBUG"
 _WATCH_SECONDS = 1.0  # how often the agent looks whether the job took its script
 _OPT_OUT_HINT = ("the job turned off remote debugging, so the agent leaves it alone: "
-                 f"start it without {DISABLE_ENV} and -X disable_remote_debug, or with "
+                 f"start it without {DISABLE_ENV} and -X disable-remote-debug, or with "
                  "`dlprof-agent run -- ...`")
 
 
@@ -209,7 +210,7 @@ def opted_out(pid: int, target: RemoteDebugTarget, procfs: str = PROC_ROOT) -> s
         environment = {}
     if environment.get(DISABLE_ENV):
         return f"{DISABLE_ENV} is set in its environment"
-    return "it was started with -X disable_remote_debug (or built without remote debugging)"
+    return "it was started with -X disable-remote-debug (or built without remote debugging)"
 
 
 def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
