@@ -314,8 +314,21 @@ def _main_in_root(args: argparse.Namespace) -> int:
 NOTES = """
 ## Notes
 
-- Python 3.13 and 3.14 targets: the Debian trixie and sid roots (`debootstrap`) were
-  not built on this machine, so every row is on the agent's Python only.
+- Python 3.13 and 3.14 targets run in Debian roots (`scripts/build-python-roots`:
+  trixie, sid) and have their own sections below, written by `--root`; the table
+  above is on the agent's Python.
+- On 3.14 the probe is handed over with PEP 768's protocol: `sys.remote_exec` when
+  the agent runs 3.14 too, else the agent writes the script's path, the pending flag
+  and the eval-breaker bit itself through the job's `_Py_DebugOffsets`
+  (`reach/remote_debug.py`). The main thread runs it at its next eval-breaker check:
+  a busy loop, pure Python included, at once; a sleep when it returns. A main thread
+  in a lock wait (`join()`, `lock.acquire()`, `Event.wait()`, `queue.get()`) runs it
+  only when the wait returns: on 3.14 those wait in PyMutex's parking lot, which the
+  ptrace injector's EINTR does not recognise, and an interrupted wait would run
+  `Py_MakePendingCalls`, not the remote debugger's script. The probe stays queued
+  (its file kept, withdrawn if the agent exits first) and starts when the wait ends.
+- A 3.14 job started with `PYTHON_DISABLE_REMOTE_DEBUG` set or with
+  `-X disable-remote-debug` is left untouched: the agent says so and what to do.
 - A torchrun DDP job is not a row yet. The trainers are the trainer tier's jobs
   (`tests/jobs/`) with the probe they would start themselves left out.
 - A busy job with no thread waiting in the kernel is reached through its main
