@@ -42,6 +42,7 @@ from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     executable_path,
     inside_root,
+    mapped_file,
     open_memory,
     read_environ,
     read_executable,
@@ -90,21 +91,29 @@ def _runtime_address(pid: int, runtime: PythonRuntime, procfs: str) -> int | Non
         exe = read_executable(pid, root=procfs)
     except TargetGone:
         return None
-    file = (executable_path(pid, root=procfs) if runtime.library == exe
-            else inside_root(pid, runtime.library, root=procfs))
-    try:
-        scan = scan_elf_file(file)
-    except PermissionError:
-        return None
+    maps = memory_map(pid)
+    mapped = [(start, end) for start, end, _, offset, path in maps
+              if path == runtime.library and offset == 0]
+    # The executable through its link; a libpython through the job's root, then
+    # map_files (a library path seen from outside a chroot is not inside it).
+    files = ([executable_path(pid, root=procfs)] if runtime.library == exe
+             else [inside_root(pid, runtime.library, root=procfs)]
+             + [mapped_file(pid, start, end, root=procfs) for start, end in mapped[:1]])
+    scan = None
+    for file in files:
+        try:
+            scan = scan_elf_file(file)
+        except PermissionError:
+            continue
+        if scan is not None:
+            break
     location = scan.location("_PyRuntime") if scan is not None else None
     if scan is None or location is None:
         return None
     value, _ = location
     if not scan.shared:
         return value
-    starts = [start for start, _, _, offset, path in memory_map(pid)
-              if path == runtime.library and offset == 0]
-    return min(starts) + value if starts else None
+    return min(start for start, _ in mapped) + value if mapped else None
 
 
 @dataclass(frozen=True)
