@@ -15,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -92,6 +93,16 @@ _BUSY = "print('ready', flush=True)\nwhile True:\n    sum(range(1000))\n"
 # The main thread waits for a line on stdin; then runs Python again, then waits on.
 _WAITS_FOR_A_LINE = ("import sys, time\nprint('ready', flush=True)\nsys.stdin.readline()\n"
                      "print('woke', flush=True)\ntime.sleep(3600)\n")
+
+
+def _waits_in_read(pid: int) -> bool:
+    """The job's main thread is blocked in read(2) (syscall 0 on x86-64): past the
+    last bytecode before its wait, so a script handed to it now waits too."""
+    try:
+        with open(f"/proc/{pid}/syscall") as file:
+            return file.read().split()[0] == "0"
+    except (OSError, IndexError):
+        return False
 
 
 def _bootstrap_folders(root: Path) -> list[str]:
@@ -196,6 +207,7 @@ def test_a_sleeping_main_thread_takes_the_probe_when_its_sleep_returns(sid_root:
 def test_a_script_the_job_never_took_is_withdrawn_when_the_agent_leaves(
         job: Job, sid_root: Path) -> None:
     process = job(_WAITS_FOR_A_LINE)
+    wait_until(lambda: _waits_in_read(process.pid), 30, what="the main thread in its read")
     marker = sid_root / "tmp" / f"ran-{process.pid}"
     runtime = find_python_runtime(process.pid)
     assert runtime is not None
@@ -214,3 +226,25 @@ def test_a_script_the_job_never_took_is_withdrawn_when_the_agent_leaves(
     _, stderr = process.communicate(timeout=30)
     assert not marker.exists(), "a withdrawn script never runs"
     assert "debugger script" not in stderr, stderr
+
+
+def test_a_waiting_main_thread_runs_the_script_when_its_wait_returns(
+        job: Job, sid_root: Path) -> None:
+    process = job(_WAITS_FOR_A_LINE)
+    wait_until(lambda: _waits_in_read(process.pid), 30, what="the main thread in its read")
+    marker = sid_root / "tmp" / f"ran-{process.pid}"
+    queued = inject(process.pid, f"open({str(marker)[len(str(sid_root)):]!r}, 'w').close()")
+    assert isinstance(queued, QueuedRemoteExec)
+    # While it waits, the script stays queued and its file stays (watched every second,
+    # it once went at the first look, before the flag was even set).
+    watched_until = time.monotonic() + 2.5
+    while time.monotonic() < watched_until:
+        assert queued.state() == "queued"
+        assert _bootstrap_folders(sid_root), "the script's file is kept while queued"
+        time.sleep(0.1)
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == "woke\n"
+    wait_until(marker.exists, 30, what="the script run once the wait returned")
+    wait_until(lambda: queued.state() == "ran", 10, what="the flag cleared by the job")

@@ -256,13 +256,19 @@ def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
         support = main + offsets.remote_debugger_support
         queued = QueuedRemoteExec(pid, start_time or 0, support + offsets.debugger_pending_call,
                                   time.monotonic())
+        try:
+            # Path first, then the flag, then the breaker: the job reads them in that order.
+            _write(pid, support + offsets.debugger_script_path, path, procfs)
+            _write(pid, support + offsets.debugger_pending_call, struct.pack("<i", 1), procfs)
+            breaker = _pointer(pid, main + offsets.eval_breaker, procfs)
+            _write(pid, main + offsets.eval_breaker,
+                   struct.pack("<Q", breaker | EVAL_PLEASE_STOP_BIT), procfs)
+        except BaseException:
+            bootstrap.remove()
+            raise
+        # Only now: watched before the flag is set, it would read as taken at once
+        # and the file would go before a waiting main thread opens it.
         _keep_until_taken(queued, bootstrap)
-        # Path first, then the flag, then the breaker: the job reads them in that order.
-        _write(pid, support + offsets.debugger_script_path, path, procfs)
-        _write(pid, support + offsets.debugger_pending_call, struct.pack("<i", 1), procfs)
-        breaker = _pointer(pid, main + offsets.eval_breaker, procfs)
-        _write(pid, main + offsets.eval_breaker,
-               struct.pack("<Q", breaker | EVAL_PLEASE_STOP_BIT), procfs)
         remember(queued)
         return queued
     except PermissionError:
