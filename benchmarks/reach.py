@@ -3,9 +3,12 @@ seconds from the first try, and the tries, as the agent makes them (an
 injection, then the channel's retry pauses). Writes docs/reach.md.
 
     python -m benchmarks.reach [--out docs/reach.md] [--limit 30] [KIND ...]
+    python -m benchmarks.reach --root build/roots/sid [KIND ...]
 
-Each job runs on this machine's Python (the agent's) and is stopped after its
-row. Nothing here asserts: tests/test_reach_table.py does, on a few kinds."""
+Each job runs on this machine's Python (the agent's), or with --root on the python3
+of a Debian root (scripts/build-python-roots) through chroot, and is stopped after
+its row. A --root run rewrites only that root's section of the file. Nothing here
+asserts: tests/test_reach_table.py and tests/test_remote_debug.py do, on a few kinds."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlprof_agent.probe.bootstrap import package_parent
 from dlprof_agent.reach.channel import RETRY_SECONDS
 from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
 
@@ -111,19 +115,49 @@ class Row:
     why: str = ""  # the last reason it was not reached
 
 
-def measure(kind: str, limit: float = LIMIT_SECONDS) -> Row:
+def root_python_version(root: Path) -> str | None:
+    """The version of the python3 in Debian root ``root`` ("3.14.1"); None when there
+    is none that runs (not built, or the agent may not chroot)."""
+    if not (root / "usr" / "bin" / "python3").exists():
+        return None
+    try:
+        done = subprocess.run(["chroot", str(root), "python3", "-c",
+                               "import platform; print(platform.python_version())"],
+                              capture_output=True, text=True, timeout=60, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def show_package_in(root: Path) -> None:
+    """Copy the agent's package into ``root`` where the injected bootstrap looks for it
+    (the agent's own path), so a job inside the root can import the probe."""
+    inside = root / package_parent().lstrip("/") / "dlprof_agent"
+    shutil.rmtree(inside, ignore_errors=True)
+    shutil.copytree(Path(package_parent()) / "dlprof_agent", inside,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def job_command(script: str, root: Path | None) -> list[str]:
+    return (["chroot", str(root.resolve()), "python3", "-c", script] if root is not None
+            else [sys.executable, "-c", script])
+
+
+def measure(kind: str, limit: float = LIMIT_SECONDS, root: Path | None = None) -> Row:
     """Start the job of ``kind`` and reach its probe as the agent does, for up to
-    ``limit`` seconds."""
+    ``limit`` seconds; inside Debian root ``root`` when given (see show_package_in)."""
     script, prefix = JOBS[kind]
     if prefix and shutil.which(prefix[0]) is None:
         return Row(kind, False, 0.0, 0, f"{prefix[0]} is not installed")
     with tempfile.TemporaryDirectory(prefix="dlprof-reach-") as folder:
-        job = subprocess.Popen([*prefix, sys.executable, "-c", script], cwd=folder,
+        job = subprocess.Popen([*prefix, *job_command(script, root)],
+                               cwd=folder if root is None else root,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                start_new_session=True)
         try:
             assert job.stdout is not None
-            if job.stdout.readline() != "ready\n":
+            # Lines before it are noise (torch's UCX without /proc in a root).
+            if "ready\n" not in job.stdout:
                 return Row(kind, False, 0.0, 0, "the job did not start")
             time.sleep(0.5)  # into its loop or wait
             return _reach(kind, job.pid, limit)
@@ -183,6 +217,40 @@ def _reach(kind: str, pid: int, limit: float) -> Row:
     return Row(kind, False, time.monotonic() - began, tries, why)
 
 
+def _rows(rows: list[Row]) -> list[str]:
+    lines = ["| kind of job | probe came up | seconds | tries | why not |", "|---|---|---|---|---|"]
+    for row in rows:
+        why = re.sub(r"process \d+", "the process", row.why).replace("|", "/")
+        lines.append(f"| {row.kind} | {'yes' if row.came_up else 'no'} | {row.seconds:.1f} | "
+                     f"{row.tries} | {why if not row.came_up else ''} |")
+    return lines
+
+
+ROOT_SECTION = "## In a Debian root: "
+
+
+def root_section(rows: list[Row], limit: float, root: Path, version: str) -> str:
+    """The section of ``--root`` rows: the same jobs, on the root's python3."""
+    return "\n".join([
+        f"{ROOT_SECTION}{root.name}, Python {version}",
+        "",
+        f"Written by `python -m benchmarks.reach --root ROOT`: each job runs as `chroot ROOT "
+        f"python3 -c ...` (Python {version}), the agent on Python "
+        f"{platform.python_version()} outside it, for up to {limit:g} s.",
+        "",
+        *_rows(rows),
+    ]) + "\n"
+
+
+def with_root_section(text: str, section: str) -> str:
+    """``text`` with ``section`` in place of the section of the same root, or added."""
+    title = section.splitlines()[0]
+    parts = re.split(r"(?m)^(?=## )", text)
+    kept = [part for part in parts if part.splitlines()[:1] != [title]]
+    before = "".join(kept).rstrip("\n")
+    return before + "\n\n" + section if before else section
+
+
 def table(rows: list[Row], limit: float) -> str:
     lines = [
         "# Reaching the probe, by kind of job",
@@ -197,13 +265,8 @@ def table(rows: list[Row], limit: float) -> str:
         f"Python {platform.python_version()} on {platform.machine()}, Linux "
         f"{platform.release()}, {os.cpu_count()} CPUs.",
         "",
-        "| kind of job | probe came up | seconds | tries | why not |",
-        "|---|---|---|---|---|",
+        *_rows(rows),
     ]
-    for row in rows:
-        why = re.sub(r"process \d+", "the process", row.why).replace("|", "/")
-        lines.append(f"| {row.kind} | {'yes' if row.came_up else 'no'} | {row.seconds:.1f} | "
-                     f"{row.tries} | {why if not row.came_up else ''} |")
     return "\n".join(lines) + "\n"
 
 
@@ -213,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kinds", nargs="*", metavar="KIND", help="default: every kind")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--limit", type=float, default=LIMIT_SECONDS, metavar="SECONDS")
+    parser.add_argument("--root", type=Path, metavar="DIR",
+                        help="run the jobs (not the trainers) on the python3 of this Debian "
+                             "root (scripts/build-python-roots), through chroot")
     args = parser.parse_args(argv)
+    if args.root is not None:
+        return _main_in_root(args)
     rows = []
     for kind in args.kinds or [*JOBS, *TRAINERS]:
         row = (measure_trainer if kind in TRAINERS else measure)(kind, args.limit)
@@ -224,11 +292,52 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _main_in_root(args: argparse.Namespace) -> int:
+    root: Path = args.root
+    version = root_python_version(root)
+    if version is None:
+        print(f"error: no python3 runs in {root}: build it with scripts/build-python-roots "
+              "(as root)", file=sys.stderr)
+        return 1
+    show_package_in(root)
+    rows = []
+    for kind in args.kinds or list(JOBS):
+        row = measure(kind, args.limit, root)
+        print(f"{kind}: {'up' if row.came_up else 'not up'} after {row.seconds:.1f} s, "
+              f"{row.tries} tries", file=sys.stderr, flush=True)
+        rows.append(row)
+    section = root_section(rows, args.limit, root, version)
+    text = args.out.read_text() if args.out.exists() else ""
+    args.out.write_text(with_root_section(text, section))
+    return 0
+
+
 NOTES = """
 ## Notes
 
-- Python 3.13 and 3.14 targets: the Debian trixie and sid roots (`debootstrap`) were
-  not built on this machine, so every row is on the agent's Python only.
+- Python 3.13 and 3.14 targets run in Debian roots (`scripts/build-python-roots`:
+  trixie, sid) and have their own sections below, written by `--root`; the table
+  above is on the agent's Python.
+- On 3.14 the probe is handed over with PEP 768's protocol: `sys.remote_exec` when
+  the agent runs 3.14 too, else the agent writes the script's path, the pending flag
+  and the eval-breaker bit itself through the job's `_Py_DebugOffsets`
+  (`reach/remote_debug.py`). The main thread runs it at its next eval-breaker check:
+  a busy loop, pure Python included, at once; a sleep when it returns. A main thread
+  in a lock wait (`join()`, `lock.acquire()`, `Event.wait()`, `queue.get()`) runs it
+  only when the wait returns: on 3.14 those wait in PyMutex's parking lot, which the
+  ptrace injector's EINTR does not recognise, and an interrupted wait would run
+  `Py_MakePendingCalls`, not the remote debugger's script. The probe stays queued
+  (its file kept, withdrawn if the agent exits first) and starts when the wait ends.
+- A 3.14 job started with `PYTHON_DISABLE_REMOTE_DEBUG` set or with
+  `-X disable-remote-debug` is left untouched: the agent says so and what to do.
+- In the roots (no /proc, /dev/shm or /sys mounted) the DataLoader job itself
+  fails: its workers' connection is reset, so "not a Python process" is said of
+  a process that has ended. That row says nothing of reaching it.
+- The trixie (3.13) rows show an open bug: across a chroot the ptrace injector does
+  not find libc's functions (it opens the library by the path the host sees, inside
+  the job's root), so it falls back to gdb, and gdb's call kills the job ("signaled
+  while in a function called from GDB"). The same happened to a 3.14 job before
+  the PEP 768 path was added. Jobs outside a chroot are not affected.
 - A torchrun DDP job is not a row yet. The trainers are the trainer tier's jobs
   (`tests/jobs/`) with the probe they would start themselves left out.
 - A busy job with no thread waiting in the kernel is reached through its main

@@ -1,7 +1,9 @@
 """Runs a short bootstrap string inside an already-running CPython process: the one
-entry point to the injectors, and the place that picks one. ``sys.remote_exec`` on
-Python 3.14+ (``remote_exec``), and before that the agent's own ptrace injector on
-x86-64 (``ptrace``), or gdb elsewhere (``gdb``).
+entry point to the injectors, and the place that picks one. On Python 3.14+
+``sys.remote_exec`` when the agent runs the job's minor version (``remote_exec``), else
+the same protocol through the job's debug offsets (``remote_debug``); before 3.14, or
+where those offsets are not known, the agent's own ptrace injector on x86-64
+(``ptrace``), or gdb elsewhere (``gdb``).
 
 Two rules decide whether the job survives.
 
@@ -42,6 +44,7 @@ from dlprof_agent.reach.gdb import inject_with_gdb
 from dlprof_agent.reach.pending import QueuedBootstrap, pending_bootstrap
 from dlprof_agent.reach.procfs import comm
 from dlprof_agent.reach.ptrace import inject_with_ptrace, plan_calls
+from dlprof_agent.reach.remote_debug import find_remote_debug, inject_with_remote_debug
 from dlprof_agent.reach.remote_exec import inject_with_remote_exec
 from dlprof_agent.reach.runtime import (
     MIN_TARGET_VERSION,
@@ -52,6 +55,7 @@ from dlprof_agent.reach.threads import exited_during_injection
 
 # For a thread of the job to be seen waiting in the kernel, where the code is queued from.
 SAFE_POINT_WAIT_SECONDS = 10.0
+REMOTE_DEBUG_VERSION = (3, 14)  # PEP 768: the interpreter runs a script it is handed
 
 
 def inject(pid: int, code: str, *, wait_seconds: float | None = None
@@ -101,6 +105,11 @@ def _inject(pid: int, code: str, runtime: PythonRuntime, wait_seconds: float
     queued = pending_bootstrap(pid)
     if queued is not None:
         return queued
+    if runtime.version is not None and runtime.version >= REMOTE_DEBUG_VERSION:
+        # Another Python than the agent's: PEP 768's protocol by hand, before ptrace.
+        target = find_remote_debug(pid, runtime)
+        if target is not None:
+            return inject_with_remote_debug(pid, code, target)
     calls = plan_calls(pid, runtime) if platform.machine() == "x86_64" else None
     if calls is not None:
         return inject_with_ptrace(pid, code, calls, wait_seconds)

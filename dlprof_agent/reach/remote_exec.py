@@ -35,7 +35,7 @@ def inject_with_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str
     except (OSError, RuntimeError, ValueError) as error:
         raise InjectionFailed(f"sys.remote_exec into process {pid} failed: {_first_line(error)}",
                               "the job must not disable remote debugging "
-                              "(PYTHON_DISABLE_REMOTE_DEBUG, -X disable_remote_debug)",
+                              "(PYTHON_DISABLE_REMOTE_DEBUG, -X disable-remote-debug)",
                               pid=pid) from None
 
 

@@ -1,0 +1,74 @@
+"""PEP 768's remote exec from an agent whose Python is not the job's: the debug
+offsets read from bytes laid out as CPython 3.14's header says, and the reach table's
+sections for jobs run in a Debian root. Real 3.14 jobs: test_remote_debug_roots.py."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from benchmarks import reach
+from dlprof_agent.reach import debug_offsets
+from dlprof_agent.reach.debug_offsets import UnknownDebugOffsets, parse_debug_offsets
+
+VERSION_3_14 = 0x030E0AF0  # PY_VERSION_HEX of 3.14.10, a final release
+
+
+def _table(version_hex: int = VERSION_3_14, cookie: bytes = b"xdebugpy") -> bytes:
+    """A 3.14 _Py_DebugOffsets (Include/internal/pycore_debug_offsets.h, 3.14): the
+    cookie, the version, free_threaded, then 92 uint64_t fields, here each 1000 plus
+    its word's index so that a field read from the wrong word shows."""
+    words = [1000 + index for index in range(3, 95)]
+    return cookie + struct.pack("<QQ", version_hex, 0) + struct.pack("<92Q", *words)
+
+
+def test_the_3_14_table_is_95_words() -> None:
+    # 3 header words and 19 sections of 3+16+9+8+11+2+4+3+3+4+3+2+3+3+4+2+4+2+6 words
+    assert debug_offsets.TABLE_BYTES[(3, 14)] == 95 * 8
+
+
+def test_the_fields_of_a_3_14_table() -> None:
+    offsets = parse_debug_offsets(_table())
+    assert offsets.version == (3, 14)
+    assert not offsets.free_threaded
+    # runtime_state starts at word 3: interpreters_head is its third field
+    assert offsets.interpreters_head == 1005
+    # interpreter_state starts at word 6: threads_main is its fifth field
+    assert offsets.threads_main == 1010
+    # thread_state starts at word 22: native_thread_id is its seventh field
+    assert offsets.native_thread_id == 1028
+    # debugger_support is the last section, words 89-94, after llist_node (87-88)
+    assert (offsets.eval_breaker, offsets.remote_debugger_support,
+            offsets.remote_debugging_enabled, offsets.debugger_pending_call,
+            offsets.debugger_script_path, offsets.debugger_script_path_size) == (
+        1089, 1090, 1091, 1092, 1093, 1094)
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    (_table(cookie=b"notdebug"), "cookie"),
+    (_table(version_hex=0x030D05F0), "python 3.13"),  # 3.13's layout is another
+    (_table(version_hex=0x030F00F0), "python 3.15"),
+    (_table(version_hex=0x030E00B3), "pre-release"),  # 3.14.0b3
+    (_table()[:400], "cut short"),
+    (b"xdebugpy", "cookie"),
+])
+def test_tables_that_are_not_read(raw: bytes, says: str) -> None:
+    with pytest.raises(UnknownDebugOffsets, match=says):
+        parse_debug_offsets(raw)
+
+
+def test_a_root_section_replaces_that_roots_old_one() -> None:
+    old = reach.root_section([reach.Row("main in join()", False, 30.0, 3, "no")], 30.0,
+                             Path("roots/sid"), "3.14.1")
+    new = reach.root_section([reach.Row("main in join()", True, 0.3, 1)], 30.0,
+                             Path("roots/sid"), "3.14.1")
+    other = reach.root_section([reach.Row("main in join()", True, 0.2, 1)], 30.0,
+                               Path("roots/trixie"), "3.13.5")
+    text = reach.with_root_section("# Table\n\n## Notes\n\n- a note\n", old)
+    text = reach.with_root_section(reach.with_root_section(text, other), new)
+    assert text.count("## In a Debian root: sid") == 1
+    assert "| main in join() | yes | 0.3 | 1 |  |" in text
+    assert "| main in join() | no |" not in text
+    assert "## In a Debian root: trixie" in text and "- a note" in text

@@ -1,0 +1,253 @@
+"""Real Python 3.14 jobs, run through chroot in a Debian sid root (scripts/
+build-python-roots), reached from the agent's own Python with PEP 768's protocol done
+by hand (reach/remote_debug.py): the debug offsets of the real binary, the probe
+coming up and counting steps, the opt-out leaving the job untouched, a sleeping main
+thread taking the probe when its sleep returns, and a script never taken withdrawn.
+Each test skips, saying why, where the root is absent (CI builds none)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks import reach
+from dlprof_agent.collectors.probe import ProbeClient
+from dlprof_agent.errors import InjectionRefused
+from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.reach.inject import inject
+from dlprof_agent.reach.remote_debug import (
+    QueuedRemoteExec,
+    find_remote_debug,
+    inject_with_remote_debug,
+)
+from dlprof_agent.reach.runtime import find_python_runtime
+from tests.helpers import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
+SID_ROOT = Path(os.environ.get("DLPROF_PYTHON_ROOTS", REPO / "build" / "roots")) / "sid"
+
+
+def _root_problem() -> str | None:
+    if platform.machine() != "x86_64":
+        return "the roots are built for x86-64"
+    if os.geteuid() != 0:
+        return "running a job in a Debian root needs chroot, as root"
+    if sys.version_info[:2] == (3, 14):
+        return "the agent itself runs 3.14: sys.remote_exec is used instead"
+    if reach.root_python_version(SID_ROOT) is None:
+        return (f"no Debian sid root with python3 at {SID_ROOT}: build it with "
+                "scripts/build-python-roots --suite sid (as root)")
+    return None
+
+
+_PROBLEM = _root_problem()
+pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
+              pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
+
+Job = Callable[..., "subprocess.Popen[str]"]
+
+
+@pytest.fixture(scope="module")
+def sid_root() -> Path:
+    reach.show_package_in(SID_ROOT)
+    return SID_ROOT
+
+
+@pytest.fixture
+def job(sid_root: Path) -> Iterator[Job]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(script: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None
+              ) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [CHROOT, str(sid_root.resolve()), "python3", *args, "-c", script],
+            cwd=sid_root, env={"PATH": "/usr/bin:/bin", **(env or {})},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
+        started.append(process)
+        assert process.stdout is not None
+        # torch's UCX says on stdout that it cannot read /proc (not mounted in the root)
+        for line in process.stdout:
+            if line == "ready\n":
+                return process
+        raise AssertionError(f"the job ended before it was ready: {process.wait()}")
+
+    yield start
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=30)
+
+
+
+_BUSY = "print('ready', flush=True)\nwhile True:\n    sum(range(1000))\n"
+# The main thread waits for a line on stdin; then runs Python again, then waits on.
+_WAITS_FOR_A_LINE = ("import sys, time\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+                     "print('woke', flush=True)\ntime.sleep(3600)\n")
+
+
+def _waits_in_read(pid: int) -> bool:
+    """The job's main thread is blocked in read(2) (syscall 0 on x86-64): past the
+    last bytecode before its wait, so a script handed to it now waits too."""
+    try:
+        with open(f"/proc/{pid}/syscall") as file:
+            return file.read().split()[0] == "0"
+    except (OSError, IndexError):
+        return False
+
+
+def _bootstrap_folders(root: Path) -> list[str]:
+    return [name for name in os.listdir(root / "tmp") if name.startswith("dlprof-bootstrap-")]
+
+
+def test_the_debug_offsets_of_a_real_3_14_job(job: Job) -> None:
+    process = job(_BUSY)
+    runtime = find_python_runtime(process.pid)
+    assert runtime is not None and runtime.version == (3, 14)
+    target = find_remote_debug(process.pid, runtime)
+    assert target is not None, "3.14's table read from its _PyRuntime"
+    offsets = target.offsets
+    with open(f"/proc/{process.pid}/mem", "rb", buffering=0) as memory:
+        def pointer(address: int) -> int:
+            memory.seek(address)
+            value: int = struct.unpack("<Q", memory.read(8))[0]
+            return value
+        interpreter = pointer(target.runtime_address + offsets.interpreters_head)
+        main = pointer(interpreter + offsets.threads_main)
+        # The main thread's state names the job's own first thread: the layout is right.
+        assert pointer(main + offsets.native_thread_id) == process.pid
+
+
+def test_the_probe_comes_up_in_a_3_14_job(job: Job) -> None:
+    process = job(_BUSY)
+    client = _reach(process.pid, 60)
+    try:
+        assert client.snapshot() is not None
+    finally:
+        client.stop()
+    assert process.poll() is None, "the job runs on"
+
+
+def _connect(pid: int) -> ProbeClient | None:
+    try:
+        return try_connect(pid, ProbeOptions(), 1.0, 0.0)
+    except NoProbe:
+        return None
+
+
+def _reach(pid: int, seconds: float) -> ProbeClient:
+    client = wait_until(lambda: _connect(pid), seconds, interval=1.0,
+                        what=f"the probe in the 3.14 job {pid}")
+    assert client is not None
+    return client
+
+
+_TORCH_STEPS = """
+import torch
+torch.set_num_threads(1)
+model = torch.nn.Linear(64, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+data, target = torch.randn(32, 64), torch.randint(0, 4, (32,))
+print("ready", flush=True)
+while True:
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(data), target).backward()
+    optimizer.step()
+"""
+
+
+def test_the_steps_of_a_3_14_torch_job_are_read(job: Job, sid_root: Path) -> None:
+    if not list((sid_root / "usr" / "lib" / "python3" / "dist-packages").glob("torch")):
+        pytest.skip("no python3-torch in the sid root: scripts/build-python-roots --torch")
+    process = job(_TORCH_STEPS)
+    client = _reach(process.pid, 90)
+    try:
+        steps: int = wait_until(lambda: sum(count for _, count in client.snapshot().steps),
+                                60, interval=0.5, what="steps counted by the probe")
+        assert steps > 0
+    finally:
+        client.stop()
+
+
+@pytest.mark.parametrize(("env", "args", "says"), [
+    ({"PYTHON_DISABLE_REMOTE_DEBUG": "1"}, (), "PYTHON_DISABLE_REMOTE_DEBUG is set"),
+    ({}, ("-X", "disable-remote-debug"), "-X disable-remote-debug"),
+])
+def test_a_job_that_opted_out_is_left_untouched(job: Job, sid_root: Path, env: dict[str, str],
+                                                 args: tuple[str, ...], says: str) -> None:
+    process = job(_WAITS_FOR_A_LINE, args=args, env=env)
+    before = _bootstrap_folders(sid_root)
+    with pytest.raises(InjectionRefused) as refusal:
+        inject(process.pid, "open('/tmp/should-not-run', 'w')")
+    assert says in str(refusal.value)
+    assert "start it without PYTHON_DISABLE_REMOTE_DEBUG" in (refusal.value.hint or "")
+    assert _bootstrap_folders(sid_root) == before, "no script was written for it"
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == "woke\n", "the job goes on as before"
+    assert not (sid_root / "tmp" / "should-not-run").exists()
+
+
+def test_a_sleeping_main_thread_takes_the_probe_when_its_sleep_returns(sid_root: Path) -> None:
+    row = reach.measure("main in time.sleep(6) in a loop", 60.0, sid_root)
+    assert row.came_up, row.why
+    assert row.tries == 1, "queued by the first try, run when the sleep returned"
+
+
+def test_a_script_the_job_never_took_is_withdrawn_when_the_agent_leaves(
+        job: Job, sid_root: Path) -> None:
+    process = job(_WAITS_FOR_A_LINE)
+    wait_until(lambda: _waits_in_read(process.pid), 30, what="the main thread in its read")
+    marker = sid_root / "tmp" / f"ran-{process.pid}"
+    runtime = find_python_runtime(process.pid)
+    assert runtime is not None
+    target = find_remote_debug(process.pid, runtime)
+    assert target is not None
+    queued = inject_with_remote_debug(process.pid, f"open({str(marker)[len(str(sid_root)):]!r}, "
+                                      "'w').close()", target)
+    assert isinstance(queued, QueuedRemoteExec)
+    assert queued.state() == "queued", "the main thread waits: nothing ran yet"
+    queued.withdraw()  # what the agent does at exit
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == "woke\n"
+    os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=30)
+    assert not marker.exists(), "a withdrawn script never runs"
+    assert "debugger script" not in stderr, stderr
+
+
+def test_a_waiting_main_thread_runs_the_script_when_its_wait_returns(
+        job: Job, sid_root: Path) -> None:
+    process = job(_WAITS_FOR_A_LINE)
+    wait_until(lambda: _waits_in_read(process.pid), 30, what="the main thread in its read")
+    marker = sid_root / "tmp" / f"ran-{process.pid}"
+    queued = inject(process.pid, f"open({str(marker)[len(str(sid_root)):]!r}, 'w').close()")
+    assert isinstance(queued, QueuedRemoteExec)
+    # While it waits, the script stays queued and its file stays (watched every second,
+    # it once went at the first look, before the flag was even set).
+    watched_until = time.monotonic() + 2.5
+    while time.monotonic() < watched_until:
+        assert queued.state() == "queued"
+        assert _bootstrap_folders(sid_root), "the script's file is kept while queued"
+        time.sleep(0.1)
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == "woke\n"
+    wait_until(marker.exists, 30, what="the script run once the wait returned")
+    wait_until(lambda: queued.state() == "ran", 10, what="the flag cleared by the job")
