@@ -202,3 +202,17 @@ def test_good_command_arguments_are_merged() -> None:
     assert options["layers"] is True
     assert options["warmup_steps"] == 3
     assert options["max_layers"] == DEFAULT_OPTIONS["max_layers"]
+
+
+def test_a_trace_window_times_the_layers_of_warm_up_steps_too() -> None:
+    # `dlprof-agent trace` on a job with no agent opens a fresh session, whose first
+    # steps are warm-up: its window came out with steps only, no layers or kernels.
+    from dlprof_agent.probe.trace_window import Capture
+
+    recorder = Recorder(warmup_steps=10, layer_sampling=LayerSampling())
+    recorder.step_boundary("optimizer", now=1.0)
+    recorder.step_boundary("optimizer", now=2.0)
+    assert not recorder.layer_step  # warm-up: layers are not timed
+    recorder.capture = Capture(2, deadline=1e9, offset_ns=0)
+    recorder.step_boundary("optimizer", now=3.0)
+    assert recorder.layer_step and recorder.steps["warmup"] == 2

@@ -270,6 +270,8 @@ class Recorder:
             self.steady = self.steps["warmup"] >= self.warmup_steps
             self.layer_step = self.steady and (self._layer_sampling is None
                                                or self._layer_sampling.interval <= 1)
+            if self.capture is not None:
+                self.layer_step = True  # a trace window takes warm-up steps' layers too
             return
         sampling = self.layer_sampling
         weight = 1
