@@ -145,6 +145,11 @@ class InjectionFailed(InjectionError):
     """The injection was tried and did not work."""
 
 
+class UnknownDebugOffsets(InjectionError):
+    """A 3.14+ job's _Py_DebugOffsets are not a table this agent can read (the
+    message says why): another injector is tried."""
+
+
 class InjectionNotNow(InjectionFailed):
     """The target cannot take the probe at this moment; a later try may work."""
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import reach
+from dlprof_agent.errors import UnknownDebugOffsets
 from dlprof_agent.reach import debug_offsets
-from dlprof_agent.reach.debug_offsets import UnknownDebugOffsets, parse_debug_offsets
+from dlprof_agent.reach.debug_offsets import parse_debug_offsets
 
 VERSION_3_14 = 0x030E0AF0  # PY_VERSION_HEX of 3.14.10, a final release
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from dlprof_agent.errors import UnknownDebugOffsets
+
 COOKIE = b"xdebugpy"
 # pycore_ceval.h (3.14): the eval-breaker bit that makes a thread handle "pending" work,
 # the remote debugger's script among it, at its next check.
@@ -73,10 +75,6 @@ LAYOUTS = {(3, 14): _LAYOUT_3_14}
 TABLE_BYTES = {version: 8 * sum(len(fields) for _, fields in layout)
                for version, layout in LAYOUTS.items()}
 READ_BYTES = max(TABLE_BYTES.values())  # what to read from _PyRuntime before parsing
-
-
-class UnknownDebugOffsets(ValueError):
-    """Not a debug-offsets table this agent can read; the message says why."""
 
 
 @dataclass(frozen=True)

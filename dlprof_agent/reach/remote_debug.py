@@ -52,6 +52,7 @@ from dlprof_agent.errors import (
     InjectionRefused,
     TargetGone,
     TargetNotFound,
+    UnknownDebugOffsets,
 )
 from dlprof_agent.reach.bootstrap_files import Bootstrap, write_bootstrap
 from dlprof_agent.reach.debug_offsets import (
@@ -59,7 +60,6 @@ from dlprof_agent.reach.debug_offsets import (
     EVAL_PLEASE_STOP_BIT,
     READ_BYTES,
     DebugOffsets,
-    UnknownDebugOffsets,
     parse_debug_offsets,
 )
 from dlprof_agent.reach.elf import scan_elf_file
