@@ -200,6 +200,26 @@ def agent(busy: subprocess.Popen[bytes]) -> Iterator[tuple[subprocess.Popen[byte
     stop(process)
 
 
+@contextlib.contextmanager
+def running_prometheus(config: Path, data: Path, cwd: Path | None = None
+                       ) -> Iterator[Prometheus]:
+    """A real Prometheus server on ``config``, ready, stopped on leaving."""
+    if PROMETHEUS is None:
+        pytest.fail("the prometheus server is not installed (Debian package `prometheus`)")
+    port = free_port()
+    process = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Prometheus(port)
+    try:
+        wait_for(lambda: http_get(f"{server.url}/-/ready"), "Prometheus to be ready")
+        yield server
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 @pytest.fixture
 def prometheus(tmp_path: Path, agent: tuple[subprocess.Popen[bytes], int]
                ) -> Iterator[Prometheus]:
@@ -211,13 +231,5 @@ def prometheus(tmp_path: Path, agent: tuple[subprocess.Popen[bytes], int]
         "scrape_configs:\n"
         "  - job_name: dlprof\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{agent[1]}']}}]\n")
-    port = free_port()
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = Prometheus(port)
-    wait_for(lambda: http_get(f"{server.url}/-/ready"), "Prometheus to be ready")
-    yield server
-    process.terminate()
-    process.wait(10)
+    with running_prometheus(config, tmp_path / "data") as server:
+        yield server

@@ -36,6 +36,7 @@ from tests.conftest import (
     agent_env,
     free_port,
     http_get,
+    running_prometheus,
     wait_for,
 )
 
@@ -371,19 +372,9 @@ def shipped_prometheus(tmp_path: Path, training: tuple[int, int]) -> Iterator[Pr
         example.unlink()  # localhost:9945 would be a second, down target
     (config / "targets" / "agent.json").write_text(
         json.dumps([{"targets": [f"127.0.0.1:{training[0]}"]}]))
-    port = free_port()
     # Started from elsewhere: the config's relative paths must resolve against its folder.
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = Prometheus(port)
-    try:
-        wait_for(lambda: http_get(f"{server.url}/-/ready"), "Prometheus to be ready")
+    with running_prometheus(config / "prometheus.yml", tmp_path / "data", cwd=tmp_path) as server:
         yield server
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 @pytest.mark.e2e

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROMETHEUS, REPO, Prometheus, agent_env, free_port, http_get, wait_for
+from tests.conftest import REPO, Prometheus, agent_env, free_port, running_prometheus, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,8 @@ def firing(prometheus: Prometheus, alertname: str) -> list[dict[str, str]]:
         f'ALERTS{{alertstate="firing",alertname=~"{alertname}"}}')]
 
 
-def start_prometheus(tmp_path: Path, processes: list[subprocess.Popen[bytes]],
-                     agent_ports: list[int]) -> Prometheus:
+def rules_config(tmp_path: Path, agent_ports: list[int]) -> Path:
+    """Prometheus's config: the agents' scrape and the generated rules."""
     rules = tmp_path / "rules.yml"
     generated = subprocess.run(
         [sys.executable, "-m", "dlprof_agent", "rules", "--rate-window", "10s", "--for", "10s"],
@@ -49,15 +49,7 @@ def start_prometheus(tmp_path: Path, processes: list[subprocess.Popen[bytes]],
         "scrape_configs:\n"
         "  - job_name: dlprof\n"
         f"    static_configs: [{{targets: [{targets}]}}]\n")
-    port = free_port()
-    assert PROMETHEUS is not None
-    processes.append(subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    server = Prometheus(port)
-    wait_for(lambda: http_get(f"{server.url}/-/ready"), "Prometheus to be ready")
-    return server
+    return config
 
 
 def start_node(processes: list[subprocess.Popen[bytes]], tmp_path: Path, node: int,
@@ -86,53 +78,51 @@ def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:
 
 def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
-    if PROMETHEUS is None:
-        pytest.fail("the prometheus server is not installed (Debian package `prometheus`)")
     ports = [start_daemon(processes, node) for node in (0, 1)]
     daemons = list(processes)
-    prometheus = start_prometheus(tmp_path, processes, ports)
-    master_port = free_port()
-    for node in (0, 1):
-        start_node(processes, tmp_path, node, master_port)
+    with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
+        master_port = free_port()
+        for node in (0, 1):
+            start_node(processes, tmp_path, node, master_port)
 
-    def step_series() -> list[dict[str, str]]:
-        return [series["metric"] for series in prometheus.query(
-            'dlprof_steps_total{phase="steady"} > 20')]
+        def step_series() -> list[dict[str, str]]:
+            return [series["metric"] for series in prometheus.query(
+                'dlprof_steps_total{phase="steady"} > 20')]
 
-    try:
-        ranks = wait_for(lambda: len(step_series()) == 2 and step_series(),
-                         "steady steps from both ranks", 180)
-        assert {series["job_id"] for series in ranks} == {JOB_ID}
-        assert sorted(series["rank"] for series in ranks) == ["0", "1"]
-        info = prometheus.query("dlprof_target_info")
-        nodes = {series["metric"]["rank"]: series["metric"]["node"] for series in info
-                 if series["metric"].get("role") == "rank"}
-        assert nodes == {"0": "node-0", "1": "node-1"}
+        try:
+            ranks = wait_for(lambda: len(step_series()) == 2 and step_series(),
+                             "steady steps from both ranks", 180)
+            assert {series["job_id"] for series in ranks} == {JOB_ID}
+            assert sorted(series["rank"] for series in ranks) == ["0", "1"]
+            info = prometheus.query("dlprof_target_info")
+            nodes = {series["metric"]["rank"]: series["metric"]["node"] for series in info
+                     if series["metric"].get("role") == "rank"}
+            assert nodes == {"0": "node-0", "1": "node-1"}
 
-        fast_rank_fired: list[dict[str, str]] = []
+            fast_rank_fired: list[dict[str, str]] = []
 
-        def straggler() -> list[dict[str, str]]:
-            alerts = firing(prometheus, ".*[Ss]traggler.*")
-            fast_rank_fired.extend(a for a in alerts if a.get("rank") != SLOW_RANK)
-            return alerts
+            def straggler() -> list[dict[str, str]]:
+                alerts = firing(prometheus, ".*[Ss]traggler.*")
+                fast_rank_fired.extend(a for a in alerts if a.get("rank") != SLOW_RANK)
+                return alerts
 
-        alerts = wait_for(straggler, "the straggler alert for the slow rank", 180)
-        assert {(a["job_id"], a["rank"], a["cause"]) for a in alerts} == {
-            (JOB_ID, SLOW_RANK, "input")}
-        assert not fast_rank_fired, fast_rank_fired
-        # The rank that waits in the all-reduce is not called input-bound.
-        verdicts = prometheus.query('dlprof_finding{finding="input_bound"} == 1')
-        assert {v["metric"]["rank"] for v in verdicts} <= {SLOW_RANK}, verdicts
+            alerts = wait_for(straggler, "the straggler alert for the slow rank", 180)
+            assert {(a["job_id"], a["rank"], a["cause"]) for a in alerts} == {
+                (JOB_ID, SLOW_RANK, "input")}
+            assert not fast_rank_fired, fast_rank_fired
+            # The rank that waits in the all-reduce is not called input-bound.
+            verdicts = prometheus.query('dlprof_finding{finding="input_bound"} == 1')
+            assert {v["metric"]["rank"] for v in verdicts} <= {SLOW_RANK}, verdicts
 
-        daemons[1].send_signal(signal.SIGTERM)  # node 1's agent goes away
-        daemons[1].wait(30)
-        missing = wait_for(lambda: firing(prometheus, ".*[Mm]issing.*"),
-                           "the missing-ranks alert", 120)
-        assert {a["job_id"] for a in missing} == {JOB_ID}
-    finally:
-        (tmp_path / "stop").touch()
-        for process in processes[3:]:
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+            daemons[1].send_signal(signal.SIGTERM)  # node 1's agent goes away
+            daemons[1].wait(30)
+            missing = wait_for(lambda: firing(prometheus, ".*[Mm]issing.*"),
+                               "the missing-ranks alert", 120)
+            assert {a["job_id"] for a in missing} == {JOB_ID}
+        finally:
+            (tmp_path / "stop").touch()
+            for process in processes[2:]:  # the launchers
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)

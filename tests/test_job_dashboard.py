@@ -24,7 +24,7 @@ import pytest
 from dlprof_agent.cli.main import main
 from dlprof_agent.exporters.prometheus_rules import STRAGGLER_ALERT
 from dlprof_agent.grafana import build as dashboards
-from tests.conftest import PROMETHEUS, Prometheus, free_port, http_get, wait_for
+from tests.conftest import PROMETHEUS, Prometheus, http_get, running_prometheus, wait_for
 from tests.test_dashboards import LABEL_VALUES, substitute
 
 pytestmark = pytest.mark.e2e
@@ -86,7 +86,6 @@ def job_prometheus(tmp_path: Path) -> Iterator[Prometheus]:
     """Prometheus scraping the two ranks' stand-in agents, with the command's rules."""
     if PROMETHEUS is None:
         pytest.fail("the prometheus server is not installed (Debian package `prometheus`)")
-    import subprocess
 
     started = time.monotonic()
     servers = [serve_rank(rank, started) for rank in PHASES_MS]
@@ -99,18 +98,10 @@ def job_prometheus(tmp_path: Path) -> Iterator[Prometheus]:
         "scrape_configs:\n"
         "  - job_name: dlprof\n"
         f"    static_configs: [{{targets: [{targets}]}}]\n")
-    port = free_port()
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = Prometheus(port)
     try:
-        wait_for(lambda: http_get(f"{server.url}/-/ready"), "Prometheus to be ready")
-        yield server
+        with running_prometheus(tmp_path / "prometheus.yml", tmp_path / "data") as server:
+            yield server
     finally:
-        process.terminate()
-        process.wait(10)
         for rank_server in servers:
             rank_server.shutdown()
             rank_server.server_close()
