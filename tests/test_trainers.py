@@ -39,10 +39,6 @@ pytestmark = pytest.mark.slow
 
 TABLE = REPO / "docs" / "trainers.md"
 TOLERANCE = 0.02  # step time and samples/s against the job's own timer; the split's sum
-# Compiled Keras fit: step time agreed to 0.0% in one full run here (4.5 / 4.5 ms)
-# and was 4.7% long in the next (5.0 / 4.8 ms); why is not yet understood. Until it
-# is, the tier shows its figures in the table and fails only past this.
-TIMING_TOLERANCE = {"keras_compiled": 0.08}
 WARMUP_STEPS = 5
 # The window compared: at least this many steady steps, and long enough for the
 # findings to have judged (a 3 s window, raised after holding for a few seconds).
@@ -142,9 +138,9 @@ class Measured:
     trainer: str
     probe_up: bool = False
     probe_step_seconds: float = math.nan
-    job_step_seconds: float = math.nan
+    job_step_bounds: tuple[float, float] = (math.nan, math.nan)  # see job_window
     probe_samples_per_second: float = math.nan
-    job_samples_per_second: float = math.nan
+    job_rate_bounds: tuple[float, float] = (math.nan, math.nan)
     steps: int = 0
     split: dict[str, float] = field(default_factory=dict)  # share of the step time
     raised: set[str] = field(default_factory=set)
@@ -158,12 +154,11 @@ class Measured:
         fail = self.failures.append
         if not self.probe_up:
             fail("probe not up")
-        timing = TIMING_TOLERANCE.get(self.trainer, TOLERANCE)
-        step_error = self.probe_step_seconds / self.job_step_seconds - 1
-        if not abs(step_error) <= timing:
+        step_error = outside(self.probe_step_seconds, self.job_step_bounds)
+        if not abs(step_error) <= TOLERANCE:
             fail(f"step time {step_error:+.1%} against the job's")
-        rate_error = self.probe_samples_per_second / self.job_samples_per_second - 1
-        if not abs(rate_error) <= timing:
+        rate_error = outside(self.probe_samples_per_second, self.job_rate_bounds)
+        if not abs(rate_error) <= TOLERANCE:
             fail("no samples/s" if not self.probe_samples_per_second
                  or math.isnan(self.probe_samples_per_second)
                  else f"samples/s {rate_error:+.1%} against the job's")
@@ -187,15 +182,42 @@ def job_log(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def step_end_at(log: list[dict[str, object]], probe_steps: int) -> float:
-    """When the job's own timer saw the step the probe counted as its probe_steps-th."""
-    for entry in log:
+def outside(value: float, bounds: tuple[float, float]) -> float:
+    """How far ``value`` lies outside ``bounds``, relative to the nearer bound
+    (0 inside, nan when either is unknown)."""
+    low, high = bounds
+    if value < low:
+        return value / low - 1
+    if value > high:
+        return value / high - 1
+    return 0.0 if low <= value <= high else math.nan
+
+
+def boundary_between(log: list[dict[str, object]], probe_steps: int) -> tuple[float, float]:
+    """When the probe's ``probe_steps``-th step ended, as the job's own timer can
+    place it: after the end of the job's step before the first one that logged
+    that count, and no later than that step's end. The probe closes a step where
+    its source sees one (a Keras train_function's start, an optimizer's step's
+    end), which lies somewhere inside the job's step: a step of 0.5 s at an
+    epoch's turn on the window's edge, counted by one and not the other, is 4% of
+    a 12 s window (compiled Keras fit, 4.7 against 4.5 ms, before this)."""
+    ends = [entry for entry in log if "end" in entry]
+    for index, entry in enumerate(ends):
         counted = entry.get("probe_steps")
         if isinstance(counted, int) and counted >= probe_steps:
-            end = entry["end"]
-            assert isinstance(end, float)
-            return end
+            assert index > 0, f"the probe counted {probe_steps} at the job's first logged step"
+            before, end = ends[index - 1]["end"], entry["end"]
+            assert isinstance(before, float) and isinstance(end, float)
+            return before, end
     raise AssertionError(f"the job logged no step the probe counted as {probe_steps}")
+
+
+def job_window(log: list[dict[str, object]], first: int, last: int) -> tuple[float, float]:
+    """The shortest and longest the job's timer allows for the probe's steps
+    ``first`` (its count at the window's start) to ``last``."""
+    start_earliest, start_latest = boundary_between(log, first)
+    end_earliest, end_latest = boundary_between(log, last)
+    return end_earliest - start_latest, end_latest - start_earliest
 
 
 def measure(trainer: Trainer, tmp_path: Path,
@@ -257,16 +279,16 @@ def measure(trainer: Trainer, tmp_path: Path,
     log = job_log(log_path)
     steps = after.steady_steps - before.steady_steps
     assert after.steps - before.steps == steps, "warm-up steps inside the window"
-    job_seconds = step_end_at(log, after.steps) - step_end_at(log, before.steps)
+    shortest, longest = job_window(log, before.steps, after.steps)
     probe_seconds = after.step_seconds - before.step_seconds
     batch = log[0]["batch"]
     assert isinstance(batch, int)
     measured.steps = steps
     measured.probe_step_seconds = probe_seconds / steps
-    measured.job_step_seconds = job_seconds / steps
+    measured.job_step_bounds = (shortest / steps, longest / steps)
     measured.probe_samples_per_second = (after.steady_samples - before.steady_samples) \
         / probe_seconds
-    measured.job_samples_per_second = batch * steps / job_seconds
+    measured.job_rate_bounds = (batch * steps / longest, batch * steps / shortest)
     measured.split = {phase: (seconds - before.phases.get(phase, 0.0)) / probe_seconds
                       for phase, seconds in after.phases.items()}
     measured.judged = after.judged
@@ -281,14 +303,21 @@ def measure(trainer: Trainer, tmp_path: Path,
 RESULTS: dict[str, Measured] = {}
 
 
+def _span(bounds: tuple[float, float], decimals: int) -> str:
+    """The job's figure: one number, or its bounds where they differ as shown."""
+    low, high = (f"{value:.{decimals}f}" for value in bounds)
+    return low if low == high else f"{low}-{high}"
+
+
 def _row(measured: Measured) -> str:
     split = ", ".join(f"{phase} {share:.0%}" for phase, share in
                       sorted(measured.split.items(), key=lambda item: -item[1])) or "-"
-    step = (f"{measured.probe_step_seconds * 1e3:.1f} / {measured.job_step_seconds * 1e3:.1f}"
+    low, high = measured.job_step_bounds
+    step = (f"{measured.probe_step_seconds * 1e3:.1f} / {_span((low * 1e3, high * 1e3), 1)}"
             if measured.steps else "-")
-    rate = (f"{measured.probe_samples_per_second:.0f} / {measured.job_samples_per_second:.0f}"
-            if measured.steps and measured.probe_samples_per_second else "none / "
-            f"{measured.job_samples_per_second:.0f}")
+    job_rate = _span(measured.job_rate_bounds, 0)
+    rate = (f"{measured.probe_samples_per_second:.0f} / {job_rate}"
+            if measured.steps and measured.probe_samples_per_second else f"none / {job_rate}")
     findings = ", ".join(f"{f} (the host)" if f in HOST_FINDINGS else f
                          for f in sorted(measured.raised)) or "none"
     result = "pass" if not measured.failures else "; ".join(measured.failures)
@@ -308,11 +337,12 @@ def table() -> Iterator[None]:
         "`attach --layers` to real third-party trainers on small in-memory data, on",
         "one CPU thread each, compared with each job's own step timer over the same",
         "steady steps (a callback logs every step's end). Step time and samples/s:",
-        "the agent's / the job's. A check passes within 2%; the split must sum to",
+        "the agent's / the job's. The job's timer places the window's edges only to",
+        "within a step (the agent closes a step where its trainer's hook sees one),",
+        "so its figure is a range where an edge step was long, such as an epoch's",
+        "turn. A check passes within 2% of that range; the split must sum to",
         "100 +- 2%, no finding may fire (but those whose cause is the host, such as",
         "`cpu_contention` on a shared machine), and layer names must be readable.",
-        "Compiled Keras `fit`'s step time is checked within 8% only: it agreed to",
-        "0.0% in one full run and was 4.7% long in the next, not yet explained.",
         "",
         "| trainer | split of the step (agent) | step ms: agent / job | samples/s: "
         "agent / job | steps | findings | result |",
