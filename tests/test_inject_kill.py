@@ -26,6 +26,7 @@ from dlprof_agent.probe.bootstrap import injection_code
 from dlprof_agent.reach import bootstrap_files, pending
 from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
+from dlprof_agent.reach.procfs import start_ticks
 from dlprof_agent.reach.runtime import find_python_runtime
 from tests.conftest import agent_env
 
@@ -335,7 +336,9 @@ def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
     """What an agent killed mid-injection left (a bootstrap folder naming its pid, or an
     older agent's unnamed folder or gdb script) goes once that agent is gone and the
     job had time to read it; a live agent's files, young files, another user's files,
-    links and look-alikes stay."""
+    links and look-alikes stay. A folder that names its job stays while that job lives
+    (its main thread may take the script hours later) and goes once it is gone, or its
+    pid is another process's."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -351,7 +354,10 @@ def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
 
     gone = [folder(f"dlprof-bootstrap-{dead.pid}-{'a' * 16}"),
             folder(f"dlprof-bootstrap-{'b' * 16}"),  # an older agent's: no pid in the name
-            folder(f"dlprof-bootstrap-{dead.pid}-{'c' * 16}", script=False)]
+            folder(f"dlprof-bootstrap-{dead.pid}-{'c' * 16}", script=False),
+            folder(f"dlprof-bootstrap-{dead.pid}-{dead.pid}.1-{'1' * 16}"),  # job gone
+            # a live pid, but started at another time: the pid was reused
+            folder(f"dlprof-bootstrap-{dead.pid}-{os.getpid()}.1-{'2' * 16}")]
     old_script = tmp_path / "tmpab_cd123.gdb"
     old_script.write_text("commands\n  echo dlprof-agent: probe bootstrap ran\\n\nend\n")
     os.utime(old_script, (old, old))
@@ -359,7 +365,9 @@ def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
 
     kept = [folder(f"dlprof-bootstrap-{os.getpid()}-{'d' * 16}"),  # its agent is alive
             folder(f"dlprof-bootstrap-{dead.pid}-{'e' * 16}", age=time.time()),  # young
-            folder("dlprof-bootstrap-notours")]
+            folder("dlprof-bootstrap-notours"),
+            folder(f"dlprof-bootstrap-{dead.pid}-{os.getpid()}.{start_ticks(os.getpid())}-"
+                   f"{'3' * 16}")]  # its job lives, and may take it yet
     someone_elses = tmp_path / "tmpzz_zz999.gdb"
     someone_elses.write_text("break main\n")
     os.utime(someone_elses, (old, old))

@@ -16,7 +16,8 @@ import tempfile
 import threading
 import time
 
-from dlprof_agent.collectors.procfs import PROC_ROOT, inside_root
+from dlprof_agent.collectors.procfs import PROC_ROOT, inside_root, read_stat
+from dlprof_agent.errors import TargetGone
 
 BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
 
@@ -28,12 +29,17 @@ class Bootstrap:
     after the target has exited and its /proc/<pid>/root is gone.
     """
 
-    def __init__(self, tmp: str, seen_as_tmp: str, code: str) -> None:
+    def __init__(self, tmp: str, seen_as_tmp: str, code: str,
+                 target: tuple[int, int] | None = None) -> None:
         self._tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         self._lock = threading.Lock()
         try:
-            # The agent's pid in the name: a later agent removes it once this one is gone.
-            self._name = f"dlprof-bootstrap-{os.getpid()}-{secrets.token_hex(8)}"
+            # The agent's pid in the name: a later agent removes it once this one is
+            # gone. The target's pid and start time: not while a job that may still
+            # take it (a main thread that waits, hours maybe) lives.
+            for_target = f"{target[0]}.{target[1]}-" if target is not None else ""
+            self._name = (f"dlprof-bootstrap-{os.getpid()}-{for_target}"
+                          f"{secrets.token_hex(8)}")
             os.mkdir(self._name, 0o700, dir_fd=self._tmp_fd)
             # The target may run as another user: it may open the file, nobody may list.
             os.chmod(self._name, 0o711, dir_fd=self._tmp_fd)
@@ -60,17 +66,20 @@ class Bootstrap:
             self._tmp_fd = -1
 
 
-def write_bootstrap(pid: int, code: str, *, procfs: str = PROC_ROOT) -> Bootstrap:
+def write_bootstrap(pid: int, code: str, *, procfs: str = PROC_ROOT,
+                    start_ticks: int | None = None) -> Bootstrap:
     """Write ``code`` to a file process ``pid`` can open (at ``.seen_as``).
 
     Prefers the target's own /tmp, reached through /proc/<pid>/root, so a job in another
-    container sees the file; falls back to the agent's temporary directory.
+    container sees the file; falls back to the agent's temporary directory. With the
+    job's ``start_ticks``, the file outlives a killed agent as long as the job does.
     """
+    target = (pid, start_ticks) if start_ticks is not None else None
     try:
-        return Bootstrap(inside_root(pid, "/tmp", root=procfs), "/tmp", code)
+        return Bootstrap(inside_root(pid, "/tmp", root=procfs), "/tmp", code, target)
     except OSError:
         local = tempfile.gettempdir()
-        return Bootstrap(local, local, code)
+        return Bootstrap(local, local, code, target)
 
 
 def remove_later(bootstrap: Bootstrap, seconds: float) -> None:
@@ -82,7 +91,7 @@ def remove_later(bootstrap: Bootstrap, seconds: float) -> None:
     atexit.register(bootstrap.remove)
 
 
-_BOOTSTRAP_DIR = re.compile(r"dlprof-bootstrap-(?:(\d+)-)?[0-9a-f]{16}")
+_BOOTSTRAP_DIR = re.compile(r"dlprof-bootstrap-(?:(\d+)-)?(?:(\d+)\.(\d+)-)?[0-9a-f]{16}")
 _OLD_GDB_SCRIPT = re.compile(r"tmp[a-z0-9_]{8}\.gdb")  # written by agents before 0.x
 _OLD_GDB_SCRIPT_SIGN = b"echo dlprof-agent: probe bootstrap ran"
 _OLD_GDB_SCRIPT_SECONDS = 60.0  # those agents removed theirs within 20 s
@@ -98,10 +107,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _job_alive(pid: int, start_ticks: int) -> bool:
+    try:
+        stat = read_stat(pid)
+    except (TargetGone, ValueError, IndexError):
+        return False
+    return stat is not None and stat.start_ticks == start_ticks
+
+
 def _remove_stale_in(tmp: str, now: float) -> list[str]:
     """Remove, from directory ``tmp``, bootstrap folders and gdb scripts that an agent
     killed mid-injection left: only ours (our uid, no symbolic links), only once the
-    agent named in them is gone and the job has had BOOTSTRAP_FILE_SECONDS to read them."""
+    agent named in them is gone and the job has had BOOTSTRAP_FILE_SECONDS to read them,
+    or, where the folder names its job, once that job is gone: a remote-debugging
+    script stays queued in the job until its main thread next runs Python, and a job
+    that then found no file would say so on its stderr."""
     removed: list[str] = []
     try:
         tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
@@ -120,9 +140,10 @@ def _remove_stale_in(tmp: str, now: float) -> list[str]:
                 continue
             age = now - info.st_mtime
             if folder is not None:
-                owner = folder.group(1)
+                owner, job, job_start = folder.groups()
                 if (not stat.S_ISDIR(info.st_mode) or age < BOOTSTRAP_FILE_SECONDS
-                        or (owner is not None and _pid_alive(int(owner)))):
+                        or (owner is not None and _pid_alive(int(owner)))
+                        or (job is not None and _job_alive(int(job), int(job_start)))):
                     continue
                 with contextlib.suppress(OSError):
                     os.unlink(f"{name}/bootstrap.py", dir_fd=tmp_fd)

@@ -24,7 +24,8 @@ not help here: on 3.14 an interrupted lock wait runs ``Py_MakePendingCalls``, wh
 runs pending calls but not the remote debugger's script.
 
 No thread is stopped and nothing runs in the job but the interpreter's own code, so an
-agent killed at any instant leaves at most a flag the job acts on once. Like CPython's
+agent killed at any instant leaves at most a flag the job acts on once; the script's
+folder names the job, and a later agent's cleanup keeps it while the job lives. Like CPython's
 own, the eval breaker's update is a read and a write, not atomic: a bit the job sets
 between the two (a GIL drop request) is lost and asked for again by its waiter.
 """
@@ -242,7 +243,7 @@ def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
             raise InjectionFailed(f"process {pid} has no main thread state",
                                   "attach once the job has started", pid=pid)
         try:
-            bootstrap = write_bootstrap(pid, code, procfs=procfs)
+            bootstrap = write_bootstrap(pid, code, procfs=procfs, start_ticks=start_time)
         except OSError as error:
             raise InjectionFailed(f"cannot write the bootstrap script: {error}",
                                   "make a temporary directory writable (TMPDIR)",
