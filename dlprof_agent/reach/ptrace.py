@@ -45,7 +45,6 @@ from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
     executable_path,
-    inside_root,
     open_memory,
     read_executable,
 )
@@ -61,6 +60,7 @@ from dlprof_agent.reach.frame import (
     signed,
 )
 from dlprof_agent.reach.lock_wait import in_lock_wait
+from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -160,41 +160,6 @@ def _write_memory(pid: int, address: int, data: bytes) -> None:
         memory.seek(address)
         if memory.write(data) != len(data):
             raise OSError(f"short write to process {pid}")
-
-
-def _function_address(pid: int, maps: list[Mapping], path: str,
-                      file: str, name: str) -> int | None:
-    """Where ``name``, defined in ``file`` (mapped as ``path``), is in process ``pid``;
-    None unless the bytes there are the file's own (a wrong address is never called)."""
-    scan = scan_elf_file(file)
-    location = scan.location(name) if scan is not None else None
-    if scan is None or location is None:
-        return None
-    value, offset = location
-    base = 0
-    if scan.shared:
-        starts = [start for start, _, _, map_offset, mapped in maps
-                  if mapped == path and map_offset == 0]
-        if not starts:
-            return None
-        base = min(starts)
-    try:
-        with open(file, "rb") as source:
-            source.seek(offset)
-            expected = source.read(16)
-        if len(expected) < 16 or _read_memory(pid, base + value, 16) != expected:
-            return None
-    except OSError:
-        return None
-    return base + value
-
-
-def _libc_path(maps: list[Mapping]) -> str | None:
-    for *_, path in maps:
-        name = os.path.basename(path)
-        if name.startswith(("libc.so", "libc-2.", "ld-musl-")):
-            return path
-    return None
 
 
 def _find_sigreturn(pid: int, maps: list[Mapping], libc: str) -> int | None:
@@ -353,7 +318,7 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     """Addresses in ``pid`` of Py_AddPendingCall, PyRun_SimpleString, mmap and an
     rt_sigreturn; None when one cannot be found and checked (then gdb is used)."""
     maps = memory_map(pid)
-    libc = _libc_path(maps)
+    libc = libc_path(maps)
     if libc is None:
         return None
     try:
@@ -362,28 +327,36 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
         return None
     if exe is None:
         return None
-    python_file = (executable_path(pid) if runtime.library == exe
-                   else inside_root(pid, runtime.library))
-    add = _function_address(pid, maps, runtime.library, python_file, "Py_AddPendingCall")
-    run = _function_address(pid, maps, runtime.library, python_file, "PyRun_SimpleString")
-    allocate = _function_address(pid, maps, libc, inside_root(pid, libc), "mmap")
+    # Every file through the job's root (``mapped_files``): a job in a chroot or a
+    # container has its own libc, never the agent's.
+    python_files = ([executable_path(pid)] if runtime.library == exe
+                    else mapped_file_paths(pid, runtime.library, maps))
+    add = function_address(pid, maps, runtime.library, python_files, "Py_AddPendingCall")
+    run = function_address(pid, maps, runtime.library, python_files, "PyRun_SimpleString")
+    allocate = function_address(pid, maps, libc, mapped_file_paths(pid, libc, maps), "mmap")
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
     busy = (frozenset({runtime.library, exe}) if runtime.version is not None
             and runtime.version < (3, 13) else None)
     return CallAddresses(add, run, allocate, gadget,
-                         _function_extent(pid, maps, runtime.library, python_file,
+                         _function_extent(pid, maps, runtime.library, python_files,
                                           "PyThread_acquire_lock_timed"), busy)
 
 
-def _function_extent(pid: int, maps: list[Mapping], path: str, file: str, name: str
-                     ) -> tuple[int, int] | None:
+def _function_extent(pid: int, maps: list[Mapping], path: str, files: list[str],
+                     name: str) -> tuple[int, int] | None:
     """[start, end) of function ``name`` in ``pid``, checked as _function_address is."""
-    start = _function_address(pid, maps, path, file, name)
-    scan = scan_elf_file(file) if start is not None else None
-    size = scan.size(name) if scan is not None else None
-    return None if start is None or not size else (start, start + size)
+    start = function_address(pid, maps, path, files, name)
+    if start is None:
+        return None
+    for file in files:
+        with contextlib.suppress(PermissionError):
+            scan = scan_elf_file(file)
+            if scan is not None:
+                size = scan.size(name)
+                return (start, start + size) if size else None
+    return None
 
 
 def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: float

@@ -1,0 +1,163 @@
+"""Real Python 3.13 jobs, run through chroot in a Debian trixie root (scripts/
+build-python-roots), reached from the agent's own Python: the ptrace injector finds
+the job's own libc and libpython through its root, the probe comes up and the job
+computes on; gdb, where it is the injector, reads the job's files too, and refuses
+to call into the job where it would read others. Each test skips, saying why, where the
+root is absent (CI builds none)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks import reach
+from dlprof_agent.collectors.probe import ProbeClient
+from dlprof_agent.errors import InjectionFailed
+from dlprof_agent.reach import gdb
+from dlprof_agent.reach import inject as injector
+from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.reach.gdb import inject_with_gdb
+from dlprof_agent.reach.inject import inject
+from dlprof_agent.reach.ptrace import plan_calls
+from dlprof_agent.reach.runtime import find_python_runtime
+from tests.helpers import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
+TRIXIE_ROOT = Path(os.environ.get("DLPROF_PYTHON_ROOTS", REPO / "build" / "roots")) / "trixie"
+
+
+def _root_problem() -> str | None:
+    if platform.machine() != "x86_64":
+        return "the roots are built for x86-64"
+    if os.geteuid() != 0:
+        return "running a job in a Debian root needs chroot, as root"
+    if sys.version_info[:2] == (3, 13):
+        return "the agent itself runs 3.13: the job would not be in another root's Python"
+    if reach.root_python_version(TRIXIE_ROOT) is None:
+        return (f"no Debian trixie root with python3 at {TRIXIE_ROOT}: build it with "
+                "scripts/build-python-roots --suite trixie (as root)")
+    return None
+
+
+_PROBLEM = _root_problem()
+pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
+              pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
+
+Job = Callable[..., "subprocess.Popen[str]"]
+
+# Counts on, printing each thousandth round: a job that computes prints more lines.
+_COUNTS = ("import time\nprint('ready', flush=True)\ni = 0\nwhile True:\n"
+           "    i += 1\n    time.sleep(0.001)\n    if i % 100 == 0:\n"
+           "        print(i, flush=True)\n")
+
+
+@pytest.fixture(scope="module")
+def trixie_root() -> Path:
+    reach.show_package_in(TRIXIE_ROOT)
+    return TRIXIE_ROOT
+
+
+@pytest.fixture
+def job(trixie_root: Path) -> Iterator[Job]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(script: str, *args: str) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [CHROOT, str(trixie_root.resolve()), "python3", "-c", script, *args],
+            cwd=trixie_root, env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        started.append(process)
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line == "ready\n":
+                return process
+        raise AssertionError(f"the job ended before it was ready: {process.wait()}")
+
+    yield start
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=30)
+
+
+def _computes_on(process: subprocess.Popen[str]) -> None:
+    """The job is alive and still prints its count, higher than before."""
+    assert process.stdout is not None
+    assert process.poll() is None, f"the job died: {process.returncode}"
+    first = int(process.stdout.readline())
+    later = int(process.stdout.readline())
+    assert later > first
+    assert process.poll() is None
+
+
+def _connect(pid: int) -> ProbeClient | None:
+    try:
+        return try_connect(pid, ProbeOptions(), 1.0, 0.0)
+    except NoProbe:
+        return None
+
+
+def _reach(pid: int) -> ProbeClient:
+    client = wait_until(lambda: _connect(pid), 60, interval=1.0,
+                        what=f"the probe in the 3.13 job {pid}")
+    assert client is not None
+    return client
+
+
+def test_the_ptrace_injector_calls_the_jobs_own_libc(job: Job) -> None:
+    process = job(_COUNTS)
+    runtime = find_python_runtime(process.pid)
+    assert runtime is not None and runtime.version == (3, 13)
+    calls = plan_calls(process.pid, runtime)
+    assert calls is not None, "libc's mmap found through the job's root, not gdb's turn"
+    client = _reach(process.pid)
+    try:
+        assert client.snapshot() is not None
+    finally:
+        client.stop()
+    _computes_on(process)
+
+
+def _needs_gdb() -> None:
+    if shutil.which("gdb") is None:
+        pytest.skip("gdb is not installed")
+
+
+def test_gdb_reads_the_jobs_own_files_and_the_job_lives(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_gdb()
+    process = job(_COUNTS)
+    monkeypatch.setattr(injector, "plan_calls", lambda pid, runtime: None)  # gdb's turn
+    inject(process.pid, "print('queued by gdb', flush=True)")
+    assert process.stdout is not None
+    lines = process.stdout
+    assert wait_until(lambda: lines.readline() == "queued by gdb\n", 30,
+                      what="the job to print from the code gdb queued")
+    _computes_on(process)
+
+
+def test_gdb_refuses_to_call_an_address_other_than_the_jobs(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_gdb()
+    process = job(_COUNTS)
+    runtime = find_python_runtime(process.pid)
+    checked = gdb.checked_addresses(process.pid, runtime)
+    assert set(checked) == {"mmap", "Py_AddPendingCall", "PyRun_SimpleString"}
+    # As if gdb had read another libc than the job's: its mmap is not where the job's is.
+    monkeypatch.setattr(gdb, "checked_addresses",
+                        lambda pid, runtime: {**checked, "mmap": checked["mmap"] + 16})
+    with pytest.raises(InjectionFailed, match="gdb reads another file for mmap"):
+        inject_with_gdb(process.pid, "print('must not run', flush=True)", 10.0, runtime)
+    _computes_on(process)
+
