@@ -2,8 +2,10 @@
 build-python-roots), reached from the agent's own Python: the ptrace injector finds
 the job's own libc and libpython through its root, the probe comes up and the job
 computes on; gdb, where it is the injector, reads the job's files too, and refuses
-to call into the job where it would read others. Each test skips, saying why, where the
-root is absent (CI builds none)."""
+to call into the job where it would read others. A main thread in a lock wait (3.13's
+parking lot) runs the queued code while it waits, and every wait ends when it would
+have, with the same result. Each test skips, saying why, where the root is absent (CI
+builds none)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.ptrace import plan_calls
 from dlprof_agent.reach.runtime import find_python_runtime
 from tests.helpers import wait_until
+from tests.test_main_thread_waits import RESULTS, WAITS
 
 REPO = Path(__file__).resolve().parents[1]
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
@@ -161,3 +164,27 @@ def test_gdb_refuses_to_call_an_address_other_than_the_jobs(
         inject_with_gdb(process.pid, "print('must not run', flush=True)", 10.0, runtime)
     _computes_on(process)
 
+
+@pytest.mark.parametrize("kind", sorted(RESULTS))
+def test_the_code_queued_in_a_waiting_3_13_main_thread_runs(
+        job: Job, trixie_root: Path, kind: str) -> None:
+    seconds = 8.0
+    marker = f"/tmp/dlprof-waits-{os.getpid()}-{kind}"  # as the job sees it
+    process = job(WAITS, kind, str(seconds))
+    wait_until(lambda: Path(f"/proc/{process.pid}/syscall").read_text().split()[0]
+               not in ("running", "-1"), 10, what="the main thread to wait")
+    try:
+        inject(process.pid, f"import time; open({marker!r}, 'w').write(repr(time.monotonic()))")
+        output = process.communicate(timeout=seconds + 60)[0]
+        assert process.returncode == 0, output
+        began, ended, result = output.split(maxsplit=2)
+        ran = float(wait_until((trixie_root / marker.lstrip("/")).read_text, 10))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (trixie_root / marker.lstrip("/")).unlink()
+    assert result.strip() == RESULTS[kind], "the wait returned something else"
+    assert float(ended) - float(began) >= seconds, "the wait ended early"
+    if kind == "time.sleep":
+        assert ran >= float(began) + seconds, "a sleep is never cut short"
+    else:
+        assert ran < float(began) + seconds, "a lock wait runs the queued code while it waits"

@@ -59,7 +59,7 @@ from dlprof_agent.reach.frame import (
     signal_frame,
     signed,
 )
-from dlprof_agent.reach.lock_wait import in_lock_wait
+from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, in_lock_wait
 from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
@@ -191,14 +191,15 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
 
 
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
-            maps: list[Mapping], *, lock_function: tuple[int, int] | None = None,
+            maps: list[Mapping], *, lock_function: LockWait | None = None,
             busy: frozenset[str] | None = None) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
     when it is not waiting in a system call we may borrow it from. ``call`` is the
     function's address, its arguments, and the address of an rt_sigreturn. The main
     thread waiting for a lock in ``lock_function`` (PyThread_acquire_lock_timed's
-    extent) comes back from its wait with EINTR, so that it runs a pending call now.
+    extent, or 3.13's parking lot) comes back from its wait with EINTR, so that it runs
+    a pending call now.
     With ``busy`` (the interpreter's files), a thread stopped outside any system call
     is taken too, at a safe PC (``safe_point``)."""
     function, args, gadget = call
@@ -240,7 +241,7 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
 
 
 def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
-                     gadget: int, *, lock_function: tuple[int, int] | None = None,
+                     gadget: int, *, lock_function: LockWait | None = None,
                      busy: frozenset[str] | None = None, main_only: bool = False) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds; it needs nothing more from us once it is
@@ -305,9 +306,10 @@ class CallAddresses(NamedTuple):
     run_simple_string: int  # PyRun_SimpleString
     mmap: int  # libc's
     sigreturn: int  # an rt_sigreturn of libc's signal restorer
-    # [start, end) of PyThread_acquire_lock_timed: the main thread's wait there is ended
-    # with EINTR (``lock_wait``); None where it cannot be found and checked
-    lock_wait: tuple[int, int] | None = None
+    # [start, end) of PyThread_acquire_lock_timed, or 3.13's parking-lot wait: the main
+    # thread's wait there is ended with EINTR (``lock_wait``); None where it cannot be
+    # found and checked
+    lock_wait: LockWait | None = None
     # The interpreter's executable and libpython, where a busy main thread is never
     # stopped (``safe_point``); None: a busy thread is not borrowed (3.13's pending-call
     # mutex may release the caller's GIL; an unknown version)
@@ -339,9 +341,21 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
         return None
     busy = (frozenset({runtime.library, exe}) if runtime.version is not None
             and runtime.version < (3, 13) else None)
-    return CallAddresses(add, run, allocate, gadget,
-                         _function_extent(pid, maps, runtime.library, python_files,
-                                          "PyThread_acquire_lock_timed"), busy)
+    lock_wait: LockWait | None = (
+        _parking_lot_wait(pid, maps, runtime.library, python_files)
+        if runtime.version == (3, 13) else
+        _function_extent(pid, maps, runtime.library, python_files,
+                         "PyThread_acquire_lock_timed"))
+    return CallAddresses(add, run, allocate, gadget, lock_wait, busy)
+
+
+def _parking_lot_wait(pid: int, maps: list[Mapping], path: str, files: list[str]
+                      ) -> ParkingLotWait | None:
+    semaphore_wait = _function_extent(pid, maps, path, files, "_PySemaphore_Wait")
+    park = _function_extent(pid, maps, path, files, "_PyParkingLot_Park")
+    if semaphore_wait is None or park is None:
+        return None
+    return ParkingLotWait(semaphore_wait, park)
 
 
 def _function_extent(pid: int, maps: list[Mapping], path: str, files: list[str],
