@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import random
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from dlprof_agent.reach.gdb import inject_with_gdb
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.ptrace import plan_calls
 from dlprof_agent.reach.runtime import find_python_runtime
+from tests.conftest import agent_env
 from tests.helpers import wait_until
 from tests.test_main_thread_waits import RESULTS, WAITS
 
@@ -188,3 +191,53 @@ def test_the_code_queued_in_a_waiting_3_13_main_thread_runs(
         assert ran >= float(began) + seconds, "a sleep is never cut short"
     else:
         assert ran < float(began) + seconds, "a lock wait runs the queued code while it waits"
+
+
+@pytest.mark.parametrize("kind", ["join", "lock.acquire", "queue.get"])
+def test_killing_the_agent_while_it_ends_a_3_13_wait_leaves_the_wait_as_it_was(
+        job: Job, kind: str) -> None:
+    """Kills (SIGKILL) of the agent at random instants of an injection into a 3.13 job
+    whose main thread waits in the parking lot: each wait ends when it would have, with
+    the same result, the job never left stopped or traced."""
+    seconds = 2.5
+    attempt = ("import sys\n"
+               "from dlprof_agent.reach.inject import inject\n"
+               "inject(int(sys.argv[1]), 'pass')\n")
+
+    def waiting() -> subprocess.Popen[str]:
+        process = job(WAITS, kind, str(seconds))
+        wait_until(lambda: Path(f"/proc/{process.pid}/syscall").read_text().split()[0]
+                   not in ("running", "-1"), 10, what="the main thread to wait")
+        return process
+
+    def agent(process: subprocess.Popen[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", attempt, str(process.pid)],
+                                env=agent_env(), cwd="/", stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+
+    process = waiting()
+    began_at = time.monotonic()
+    assert agent(process).wait(60) == 0
+    whole = time.monotonic() - began_at  # the agent's start and one injection
+    process.communicate(timeout=seconds + 60)
+    rng = random.Random(313)
+    harmed = []
+    for number in range(5):
+        process = waiting()
+        side = agent(process)
+        time.sleep(rng.uniform(0.0, whole * 1.1))
+        side.kill()
+        side.wait(10)
+        state = Path(f"/proc/{process.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        tracer = next(line.split()[1] for line in
+                      Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                      if line.startswith("TracerPid:"))
+        output = process.communicate(timeout=seconds + 60)[0]
+        began, ended, result = output.split(maxsplit=2)
+        if state in ("t", "T") or tracer != "0":
+            harmed.append(f"try {number}: left in state {state}, traced by {tracer}")
+        if (process.returncode != 0 or result.strip() != RESULTS[kind]
+                or float(ended) - float(began) < seconds):
+            harmed.append(f"try {number}: the wait returned {result.strip()} after "
+                          f"{float(ended) - float(began):.2f} s, exit {process.returncode}")
+    assert not harmed, "\n".join(harmed)
