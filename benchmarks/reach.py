@@ -138,9 +138,20 @@ def show_package_in(root: Path) -> None:
                     ignore=shutil.ignore_patterns("__pycache__"))
 
 
+# In a mount namespace of its own, a job in a root has /proc and a /dev/shm of its own
+# (torch's DataLoader workers hand batches over in shared memory and read /proc); both
+# go with the namespace when the job ends, and no other run in the root sees them.
+_IN_ROOT = ('mount -t proc proc "$0/proc" && mount -t tmpfs -o mode=1777 tmpfs "$0/dev/shm"; '
+            'exec chroot "$0" python3 -c "$1"')
+
+
 def job_command(script: str, root: Path | None) -> list[str]:
-    return (["chroot", str(root.resolve()), "python3", "-c", script] if root is not None
-            else [sys.executable, "-c", script])
+    if root is None:
+        return [sys.executable, "-c", script]
+    if shutil.which("unshare") is None:
+        return ["chroot", str(root.resolve()), "python3", "-c", script]
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", _IN_ROOT,
+            str(root.resolve()), script]
 
 
 def measure(kind: str, limit: float = LIMIT_SECONDS, root: Path | None = None) -> Row:
@@ -330,24 +341,22 @@ NOTES = """
   (its file kept, withdrawn if the agent exits first) and starts when the wait ends.
 - A 3.14 job started with `PYTHON_DISABLE_REMOTE_DEBUG` set or with
   `-X disable-remote-debug` is left untouched: the agent says so and what to do.
-- In the roots (no /proc, /dev/shm or /sys mounted) the DataLoader job itself
-  fails: its workers' connection is reset, so "not a Python process" is said of
-  a process that has ended. That row says nothing of reaching it.
-- The trixie (3.13) rows show an open bug: across a chroot the ptrace injector does
-  not find libc's functions (it opens the library by the path the host sees, inside
-  the job's root), so it falls back to gdb, and gdb's call kills the job ("signaled
-  while in a function called from GDB"). The same happened to a 3.14 job before
-  the PEP 768 path was added. Jobs outside a chroot are not affected.
+- In a root each job runs in a mount namespace of its own, with /proc and a
+  /dev/shm of its own mounted there (the DataLoader's workers need both); they go
+  when the job ends.
+- The injector opens the job's libc and libpython through the job's root, and a
+  chroot's directory is taken off the paths its memory map shows: opened by the
+  host's path, gdb called the host's libc addresses in a 3.13 job in a chroot.
 - A torchrun DDP job is not a row yet. The trainers are the trainer tier's jobs
   (`tests/jobs/`) with the probe they would start themselves left out.
 - A busy job with no thread waiting in the kernel is reached through its main
   thread, stopped at a PC in another library (libtorch, oneDNN, MKL) with no signal
   handler in progress. A pure-Python loop spends its time in libpython, where that
   stop is never safe: it is reached only once it waits somewhere.
-- On 3.9-3.12 the main thread's lock waits (`join()`, `lock.acquire()`,
+- On 3.9-3.13 the main thread's lock waits (`join()`, `lock.acquire()`,
   `Event.wait()`, `queue.get()`) end with EINTR and CPython waits again after running
-  the probe's pending call; a `time.sleep` is never cut short, so the probe comes
-  when it returns.
+  the probe's pending call (on 3.13, Park's own wait in the parking lot only); a
+  `time.sleep` is never cut short, so the probe comes when it returns.
 """
 
 if __name__ == "__main__":

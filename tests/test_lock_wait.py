@@ -1,5 +1,6 @@
 """Which waits the ptrace injector ends with EINTR (``reach/lock_wait.py``), on a
-stand-in memory, and the frame that makes a borrowed thread's wait return it."""
+stand-in memory: 3.9-3.12's lock wait, and 3.13's parking lot (Park's own wait, never
+the raw mutex's); and the frame that makes a borrowed thread's wait return it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import struct
 from collections.abc import Callable
 
 from dlprof_agent.reach.frame import REGISTERS, signal_frame
-from dlprof_agent.reach.lock_wait import STACK_SCAN_BYTES, in_lock_wait
+from dlprof_agent.reach.lock_wait import (
+    STACK_SCAN_BYTES,
+    ParkingLotWait,
+    frame_bytes,
+    in_lock_wait,
+)
 
 LOCK_FUNCTION = (0x401000, 0x401266)  # [start, end) of PyThread_acquire_lock_timed
 STACK_TOP = 0x7FFE0000
@@ -92,3 +98,73 @@ def test_the_frame_restarts_a_wait_or_ends_it_with_eintr() -> None:
     assert restored(restart) == (202, 0x7F0000002000 - 2)  # the syscall again
     interrupted = signal_frame(at, regs, bytes(512), 0, 0x7F0000003000, interrupt=True)
     assert restored(interrupted) == ((1 << 64) - 4, 0x7F0000002000)  # returns -EINTR
+
+
+# Prologues of _PySemaphore_Wait as Debian's 3.13 and 3.14 and a 3.11 build start them
+TRIXIE_PROLOGUE = bytes.fromhex("f30f1efa 4154 4989fc 55 4889f5 53 4883ec20 85d2")
+SID_PROLOGUE = bytes.fromhex("f30f1efa 53 4889f9 4883ec30 85d2")
+PUSHES_AND_IMMEDIATE = bytes.fromhex("4156 4155 4189d5 4154 55 4889fd 48c7c7ffffffff 53 "
+                                     "4881ec00010000")
+
+
+def test_the_frame_of_a_prologue() -> None:
+    assert frame_bytes(TRIXIE_PROLOGUE) == 3 * 8 + 0x20
+    assert frame_bytes(SID_PROLOGUE) == 8 + 0x30
+    assert frame_bytes(PUSHES_AND_IMMEDIATE) == 5 * 8 + 0x100
+    assert frame_bytes(bytes.fromhex("55 4889e5 e800000000")) is None  # a call: unknown
+    assert frame_bytes(bytes.fromhex("53 4889f9")) is None  # ends before its frame
+
+
+SEMAPHORE_WAIT = (0x643F80, 0x64403C)
+PARK = (0x643C50, 0x643DBC)
+PARKING_LOT = ParkingLotWait(SEMAPHORE_WAIT, PARK)
+IN_SEMAPHORE_WAIT = 0x643FC1  # after its call of sem_wait (through the PLT)
+IN_PARK = 0x643D32  # after Park's call of _PySemaphore_Wait
+IN_RAW_MUTEX = 0x73C774  # after the raw mutex's call of _PySemaphore_Wait
+
+
+def _call(at: int, target: int) -> dict[int, bytes]:
+    """``call rel32`` of ``target`` right before the return address ``at``."""
+    return {at - 5: b"\xe8" + (target - at).to_bytes(4, "little", signed=True)}
+
+
+def parked(words: dict[int, int]) -> Callable[[int, int], bytes]:
+    code = {SEMAPHORE_WAIT[0]: TRIXIE_PROLOGUE, **_call(IN_SEMAPHORE_WAIT, 0x420730),
+            **_call(IN_PARK, SEMAPHORE_WAIT[0]), **_call(IN_RAW_MUTEX, SEMAPHORE_WAIT[0]),
+            **_call(0x59D99B, 0x59D9D0)}
+    return reader(memory(words, code))
+
+
+def test_parks_own_wait_in_the_parking_lot_is_a_lock_wait() -> None:
+    rsp = STACK_TOP - 4096
+    # libc's frames, the return into _PySemaphore_Wait, its frame (56 bytes, here with
+    # a stale return address of an earlier call in it), then the return into Park
+    stack = {rsp + 8: 0x7F0000001234, rsp + 120: IN_SEMAPHORE_WAIT, rsp + 136: 0x59D99B,
+             rsp + 184: IN_PARK}
+    assert in_lock_wait(registers(), parked(stack), STACK_TOP, PARKING_LOT)
+    resumed = registers(orig_rax=219, rax=(1 << 64) - 516, rsi=0x89)
+    assert in_lock_wait(resumed, parked(stack), STACK_TOP, PARKING_LOT)
+
+
+def test_other_waits_on_the_parking_lots_semaphore_are_not() -> None:
+    rsp = STACK_TOP - 4096
+    # The bucket's raw mutex: its caller ignores EINTR and would queue itself twice
+    raw = {rsp + 120: IN_SEMAPHORE_WAIT, rsp + 184: IN_RAW_MUTEX, rsp + 232: IN_PARK}
+    assert not in_lock_wait(registers(), parked(raw), STACK_TOP, PARKING_LOT)
+    # Park's address one word off the end of _PySemaphore_Wait's frame: not its caller
+    off = {rsp + 120: IN_SEMAPHORE_WAIT, rsp + 192: IN_PARK}
+    assert not in_lock_wait(registers(), parked(off), STACK_TOP, PARKING_LOT)
+    # A return into Park after a call of another function
+    other = {rsp + 120: IN_SEMAPHORE_WAIT, rsp + 184: PARK[0] + 0x114}
+    assert not in_lock_wait(registers(), reader(memory(other, {
+        SEMAPHORE_WAIT[0]: TRIXIE_PROLOGUE, **_call(IN_SEMAPHORE_WAIT, 0x420730),
+        **_call(PARK[0] + 0x114, 0x73C720)})), STACK_TOP, PARKING_LOT)
+    # Nothing of _PySemaphore_Wait on the stack; a sleep
+    assert not in_lock_wait(registers(), parked({rsp + 184: IN_PARK}), STACK_TOP, PARKING_LOT)
+    good = {rsp + 120: IN_SEMAPHORE_WAIT, rsp + 184: IN_PARK}
+    assert not in_lock_wait(registers(orig_rax=230), parked(good), STACK_TOP, PARKING_LOT)
+    # A prologue it cannot read: the frame's size is unknown, the wait is left alone
+    unknown = reader(memory(good, {SEMAPHORE_WAIT[0]: bytes.fromhex("55 e800000000"),
+                                   **_call(IN_SEMAPHORE_WAIT, 0x420730),
+                                   **_call(IN_PARK, SEMAPHORE_WAIT[0])}))
+    assert not in_lock_wait(registers(), unknown, STACK_TOP, PARKING_LOT)

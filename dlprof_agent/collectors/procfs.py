@@ -156,6 +156,16 @@ def mapped_file(pid: int, start: int, end: int, *, root: str = PROC_ROOT) -> str
     return proc_path(pid, "map_files", f"{start:x}-{end:x}", root=root)
 
 
+def read_root(pid: int, *, root: str = PROC_ROOT) -> str | None:
+    """Where the process's root directory is as the agent sees it: "/" for the agent's
+    own (or another mount namespace's), the directory of a chroot; None when it cannot
+    be read."""
+    try:
+        return os.readlink(proc_path(pid, "root", root=root))
+    except OSError:
+        return None
+
+
 def executable_path(pid: int, *, root: str = PROC_ROOT) -> str:
     """The process's executable, openable even from another mount namespace."""
     return proc_path(pid, "exe", root=root)

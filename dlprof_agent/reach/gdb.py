@@ -13,8 +13,14 @@ import signal
 import subprocess
 import time
 
-from dlprof_agent.collectors.procfs import PROC_ROOT
-from dlprof_agent.errors import InjectionFailed, InjectionNotNow
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    executable_path,
+    inside_root,
+    read_executable,
+)
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
+from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -23,8 +29,9 @@ from dlprof_agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.reach.procfs import raise_if_gone, running, start_ticks
+from dlprof_agent.reach.procfs import memory_map, raise_if_gone, running, start_ticks
 from dlprof_agent.reach.refusal import refused
+from dlprof_agent.reach.runtime import PythonRuntime
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
     exited_during_injection,
@@ -56,6 +63,15 @@ def _in_kernel(pid, lwp):
         return False
     return bool(state) and state[0] not in ("running", "-1")
 
+def _other_file(checked):
+    # An address the agent found and checked against the job's memory: where gdb sees
+    # another, gdb read another file than the job runs, and calling it kills the job.
+    for name, address in checked.items():
+        seen = int(gdb.parse_and_eval("(long)&%s" % name))
+        if seen != address:
+            return name
+    return None
+
 def _queue(payload):
     inferior = gdb.selected_inferior()
     pid = inferior.pid
@@ -67,6 +83,10 @@ def _queue(payload):
     waiting[0].switch()  # the main thread when it waits, else another one
     for library in ("libc[.]", "ld-musl", "libpython3"):
         gdb.execute("sharedlibrary " + library, to_string=True)
+    mismatch = _other_file({checked!r})
+    if mismatch is not None:
+        _say("other-file", mismatch)
+        return
     size = -(-len(payload) // {page}) * {page}
     address = int(gdb.parse_and_eval(
         "((long (*)(long, long, long, long, long, long))mmap)(0, %d, {prot}, {flags}, -1, 0)"
@@ -105,20 +125,49 @@ def _wait_for_a_thread_in_kernel(pid: int, deadline: float) -> bool:
     return True
 
 
-def _gdb_command(gdb: str, pid: int, payload: bytes) -> list[str]:
+def checked_addresses(pid: int, runtime: PythonRuntime | None) -> dict[str, int]:
+    """The functions gdb is to call, where the agent finds them in the job and their
+    bytes match the job's own files (``mapped_files``); those it cannot check are left
+    out."""
+    maps = memory_map(pid)
+    libc = libc_path(maps)
+    files: dict[str, tuple[str, list[str]]] = {}
+    if libc is not None:
+        files["mmap"] = (libc, mapped_file_paths(pid, libc, maps))
+    if runtime is not None:
+        try:
+            exe = read_executable(pid)
+        except TargetGone:
+            exe = None
+        python = (runtime.library, [executable_path(pid)] if runtime.library == exe
+                  else mapped_file_paths(pid, runtime.library, maps))
+        files["Py_AddPendingCall"] = files["PyRun_SimpleString"] = python
+    found = {name: function_address(pid, maps, path, paths, name)
+             for name, (path, paths) in files.items()}
+    return {name: address for name, address in found.items() if address is not None}
+
+
+def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | None = None
+                 ) -> list[str]:
     script = _GDB_PYTHON.format(
         mark=GDB_MARK, page=mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, flag_bytes=FLAG_BYTES,
-        placeholder=ADDRESS_PLACEHOLDER.encode(), payload_hex=payload.hex())
+        placeholder=ADDRESS_PLACEHOLDER.encode(), payload_hex=payload.hex(),
+        checked=checked or {})
     return [gdb, "--batch", "--nx", "-iex", "set auto-load off",
             "-iex", "set auto-solib-add off", "-iex", "set debuginfod enabled off",
             # A signal during a call (our SIGINT on a stuck session) unwinds the call.
             "-iex", "set unwindonsignal on",
+            # The job's own files, through its root: in a chroot or a container gdb
+            # would otherwise read the agent's libc by the same name and call its
+            # addresses in the job.
+            "-iex", f"set sysroot {inside_root(pid, '')}", "-se", executable_path(pid),
             "-p", str(pid), "-ex", f"python exec(bytes.fromhex('{script.encode().hex()}'))"]
 
 
 
-def inject_with_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap:
+def inject_with_gdb(pid: int, code: str, wait_seconds: float,
+                    runtime: PythonRuntime | None = None) -> QueuedBootstrap:
     gdb = shutil.which("gdb")
     if gdb is None:
         raise InjectionFailed(
@@ -129,7 +178,7 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap
     if queued is not None:
         return queued
     start_time = start_ticks(pid)
-    command = _gdb_command(gdb, pid, pending_payload(code))
+    command = _gdb_command(gdb, pid, pending_payload(code), checked_addresses(pid, runtime))
     deadline = time.monotonic() + wait_seconds
     while True:
         if not _wait_for_a_thread_in_kernel(pid, deadline):
@@ -152,6 +201,11 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float) -> QueuedBootstrap
         raise refused(pid, PROC_ROOT, "ptrace was denied")
     if verdict and verdict[0] == "no-thread-in-kernel":
         raise no_safe_point(pid, wait_seconds)
+    if verdict and verdict[0] == "other-file":
+        raise InjectionFailed(
+            f"not injecting into process {pid}: gdb reads another file for "
+            f"{verdict[-1]} than the job runs, and calling it would kill the job",
+            "start the job with `dlprof-agent run -- python ...` instead", pid=pid)
     detail = (" ".join(verdict) if verdict else None) or next(
         (line.strip() for line in output.splitlines()
          if "rror" in line or "not defined" in line), "gdb gave up")

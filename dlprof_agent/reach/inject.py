@@ -113,4 +113,4 @@ def _inject(pid: int, code: str, runtime: PythonRuntime, wait_seconds: float
     calls = plan_calls(pid, runtime) if platform.machine() == "x86_64" else None
     if calls is not None:
         return inject_with_ptrace(pid, code, calls, wait_seconds)
-    return inject_with_gdb(pid, code, wait_seconds)
+    return inject_with_gdb(pid, code, wait_seconds, runtime)

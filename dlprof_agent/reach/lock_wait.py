@@ -11,17 +11,32 @@ which runs ``Py_MakePendingCalls`` and waits again for what is left of its
 timeout. Either way the caller retries, so ending that wait changes nothing but
 when the queued probe runs. Any other wait (``sleep``, ``select``, ``recv``, a
 C library's own condition variable) is restarted as before, never ended: its
-caller may not retry. 3.13's lock objects wait in PyMutex's parking lot instead,
-which is not recognised here: there the probe is only queued.
+caller may not retry.
+
+On 3.13 those waits park in the parking lot (Python/parking_lot.c):
+``_PyParkingLot_Park`` waits on a semaphore in ``_PySemaphore_Wait``, which turns
+EINTR into Py_PARK_INTR; Park takes itself off the queue (or, where a wake-up is
+already on its way, waits for it) and returns that to its caller, and every caller
+waits again: PyMutex's slow lock (``_thread.lock.acquire``, under ``Event.wait`` and
+``queue.get`` too) first runs ``Py_MakePendingCalls`` where it handles signals, and
+``join()`` does so after ``PyEvent_WaitTimed`` (Python/lock.c, Modules/
+_threadmodule.c). A real signal to a Python handler ends the same wait the same way:
+``sem_wait`` is never restarted after a handler (signal(7)). One wait on that
+semaphore does not retry: the parking lot's own raw mutex (``_PyRawMutex_LockSlow``)
+ignores the result and would queue itself twice. So the wait is ended only where the
+return address right above ``_PySemaphore_Wait``'s frame (its size read from its
+prologue) is Park's own call of it.
 
 The wait is recognised by the system call (a futex wait, or the restart_syscall
 that goes on with one after an earlier stop) and by a return address
-into ``PyThread_acquire_lock_timed`` on the stack just above it, right after a
-call instruction."""
+into ``PyThread_acquire_lock_timed`` (3.9-3.12), or into ``_PySemaphore_Wait`` then
+``_PyParkingLot_Park`` (3.13), on the stack just above it, right after a call
+instruction."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 FUTEX = 202
 # A wait with a timeout that a ptrace stop interrupted goes on as restart_syscall, its
@@ -36,6 +51,7 @@ EINTR = 4
 # From the futex call's stack pointer: libc's futex wrapper, its semaphore wait and
 # the semaphore call take a few hundred bytes at most.
 STACK_SCAN_BYTES = 1024
+_PROLOGUE_BYTES = 48  # of _PySemaphore_Wait: enough for its pushes and its frame
 
 
 def _signed(register: int) -> int:
@@ -52,27 +68,110 @@ def _after_a_call(read: Callable[[int, int], bytes], address: int) -> bool:
     return len(before) == 6 and (before[1] == 0xE8 or before[:2] == b"\xff\x15")
 
 
-def in_lock_wait(registers: dict[str, int], read: Callable[[int, int], bytes],
-                 stack_end: int, lock_function: tuple[int, int]) -> bool:
-    """The thread, stopped with ``registers``, waits on a futex for
-    PyThread_acquire_lock_timed, which lies at [start, end) of ``lock_function``.
-    ``read(address, size)`` reads the job's memory; the stack ends at ``stack_end``."""
+class ParkingLotWait(NamedTuple):
+    """Where 3.13's parking-lot wait is in the job: [start, end) of each function."""
+
+    semaphore_wait: tuple[int, int]  # _PySemaphore_Wait
+    park: tuple[int, int]  # _PyParkingLot_Park
+
+
+LockWait = tuple[int, int] | ParkingLotWait  # PyThread_acquire_lock_timed, or 3.13's
+
+
+def _calls(read: Callable[[int, int], bytes], address: int, function: int) -> bool:
+    """``address`` follows a ``call rel32`` of ``function``."""
+    try:
+        before = read(address - 5, 5)
+    except OSError:
+        return False
+    return (len(before) == 5 and before[0] == 0xE8
+            and address + int.from_bytes(before[1:], "little", signed=True) == function)
+
+
+def _stack_words(registers: dict[str, int], read: Callable[[int, int], bytes],
+                 stack_end: int) -> list[int]:
+    """The words just above the stopped futex wait, nearest first; none unless it is
+    one (a futex wait, interrupted by the stop)."""
     if _signed(registers["orig_rax"]) not in (FUTEX, RESTART_SYSCALL) or _signed(
             registers["rax"]) not in _INTERRUPTED_FUTEX:
-        return False
+        return []
     if (registers["rsi"] & _FUTEX_COMMAND) not in _FUTEX_WAITS:
-        return False
-    start, end = lock_function
+        return []
     top = registers["rsp"] & ~7
     size = min(STACK_SCAN_BYTES, stack_end - top)
     if size <= 0:
-        return False
+        return []
     try:
         stack = read(top, size)
     except OSError:
+        return []
+    return [int.from_bytes(stack[at:at + 8], "little") for at in range(0, len(stack) - 7, 8)]
+
+
+def in_lock_wait(registers: dict[str, int], read: Callable[[int, int], bytes],
+                 stack_end: int, lock_function: LockWait) -> bool:
+    """The thread, stopped with ``registers``, waits on a futex for
+    PyThread_acquire_lock_timed, which lies at [start, end) of ``lock_function``, or
+    (a ParkingLotWait) in the parking lot for a caller that retries.
+    ``read(address, size)`` reads the job's memory; the stack ends at ``stack_end``."""
+    words = _stack_words(registers, read, stack_end)
+    if isinstance(lock_function, ParkingLotWait):
+        return _parked(words, read, lock_function)
+    start, end = lock_function
+    return any(start < word < end and _after_a_call(read, word) for word in words)
+
+
+def _parked(words: list[int], read: Callable[[int, int], bytes], wait: ParkingLotWait
+            ) -> bool:
+    (semaphore, semaphore_end), (park, park_end) = wait.semaphore_wait, wait.park
+    try:
+        frame = frame_bytes(read(semaphore, _PROLOGUE_BYTES))
+    except OSError:
         return False
-    for at in range(0, len(stack) - 7, 8):
-        word = int.from_bytes(stack[at:at + 8], "little")
-        if start < word < end and _after_a_call(read, word):
-            return True
-    return False
+    if frame is None:
+        return False
+    # The caller's return address is right above _PySemaphore_Wait's frame: the words
+    # between may hold stale return addresses of earlier calls, so none is searched for.
+    above = 1 + frame // 8
+    return any(semaphore < word < semaphore_end and _after_a_call(read, word)
+               and index + above < len(words)
+               and park < words[index + above] < park_end
+               and _calls(read, words[index + above], semaphore)
+               for index, word in enumerate(words))
+
+
+def frame_bytes(code: bytes) -> int | None:
+    """The bytes a function's prologue, ``code``, puts on the stack below its return
+    address (pushes, then ``sub $n, %rsp``), as gcc and clang write it for x86-64;
+    None for any instruction other than those and register moves."""
+    at, pushed = 0, 0
+    while at < len(code):
+        rest = code[at:]
+        if rest[:4] == b"\xf3\x0f\x1e\xfa":  # endbr64
+            at += 4
+        elif 0x50 <= rest[0] <= 0x57:  # push %rax..%rdi
+            pushed, at = pushed + 8, at + 1
+        elif rest[0] == 0x41 and len(rest) > 1 and 0x50 <= rest[1] <= 0x57:  # %r8..%r15
+            pushed, at = pushed + 8, at + 2
+        elif rest[:3] == b"\x48\x83\xec" and len(rest) >= 4:  # sub $imm8, %rsp
+            return pushed + rest[3]
+        elif rest[:3] == b"\x48\x81\xec" and len(rest) >= 7:  # sub $imm32, %rsp
+            return pushed + int.from_bytes(rest[3:7], "little")
+        elif _register_move(rest):
+            at += _register_move(rest)
+        else:
+            return None
+    return None
+
+
+def _register_move(code: bytes) -> int:
+    """The length of a ``mov`` between registers, or of an immediate to a register,
+    at the start of ``code``; 0 for anything else."""
+    rex = 1 if code and 0x40 <= code[0] <= 0x4F else 0
+    if len(code) < rex + 2 or code[rex + 1] >> 6 != 3:
+        return 0
+    if code[rex] in (0x89, 0x8B):
+        return rex + 2
+    if code[rex] == 0xC7 and code[rex + 1] >> 3 & 7 == 0:
+        return rex + 6 if len(code) >= rex + 6 else 0
+    return 0

@@ -45,7 +45,6 @@ from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
     executable_path,
-    inside_root,
     open_memory,
     read_executable,
 )
@@ -60,7 +59,8 @@ from dlprof_agent.reach.frame import (
     signal_frame,
     signed,
 )
-from dlprof_agent.reach.lock_wait import in_lock_wait
+from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, in_lock_wait
+from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -162,41 +162,6 @@ def _write_memory(pid: int, address: int, data: bytes) -> None:
             raise OSError(f"short write to process {pid}")
 
 
-def _function_address(pid: int, maps: list[Mapping], path: str,
-                      file: str, name: str) -> int | None:
-    """Where ``name``, defined in ``file`` (mapped as ``path``), is in process ``pid``;
-    None unless the bytes there are the file's own (a wrong address is never called)."""
-    scan = scan_elf_file(file)
-    location = scan.location(name) if scan is not None else None
-    if scan is None or location is None:
-        return None
-    value, offset = location
-    base = 0
-    if scan.shared:
-        starts = [start for start, _, _, map_offset, mapped in maps
-                  if mapped == path and map_offset == 0]
-        if not starts:
-            return None
-        base = min(starts)
-    try:
-        with open(file, "rb") as source:
-            source.seek(offset)
-            expected = source.read(16)
-        if len(expected) < 16 or _read_memory(pid, base + value, 16) != expected:
-            return None
-    except OSError:
-        return None
-    return base + value
-
-
-def _libc_path(maps: list[Mapping]) -> str | None:
-    for *_, path in maps:
-        name = os.path.basename(path)
-        if name.startswith(("libc.so", "libc-2.", "ld-musl-")):
-            return path
-    return None
-
-
 def _find_sigreturn(pid: int, maps: list[Mapping], libc: str) -> int | None:
     for start, end, permissions, _, path in maps:
         if path != libc or "x" not in permissions or end - start > _MAX_CODE_BYTES:
@@ -226,14 +191,15 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
 
 
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
-            maps: list[Mapping], *, lock_function: tuple[int, int] | None = None,
+            maps: list[Mapping], *, lock_function: LockWait | None = None,
             busy: frozenset[str] | None = None) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
     when it is not waiting in a system call we may borrow it from. ``call`` is the
     function's address, its arguments, and the address of an rt_sigreturn. The main
     thread waiting for a lock in ``lock_function`` (PyThread_acquire_lock_timed's
-    extent) comes back from its wait with EINTR, so that it runs a pending call now.
+    extent, or 3.13's parking lot) comes back from its wait with EINTR, so that it runs
+    a pending call now.
     With ``busy`` (the interpreter's files), a thread stopped outside any system call
     is taken too, at a safe PC (``safe_point``)."""
     function, args, gadget = call
@@ -275,7 +241,7 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
 
 
 def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
-                     gadget: int, *, lock_function: tuple[int, int] | None = None,
+                     gadget: int, *, lock_function: LockWait | None = None,
                      busy: frozenset[str] | None = None, main_only: bool = False) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds; it needs nothing more from us once it is
@@ -340,9 +306,10 @@ class CallAddresses(NamedTuple):
     run_simple_string: int  # PyRun_SimpleString
     mmap: int  # libc's
     sigreturn: int  # an rt_sigreturn of libc's signal restorer
-    # [start, end) of PyThread_acquire_lock_timed: the main thread's wait there is ended
-    # with EINTR (``lock_wait``); None where it cannot be found and checked
-    lock_wait: tuple[int, int] | None = None
+    # [start, end) of PyThread_acquire_lock_timed, or 3.13's parking-lot wait: the main
+    # thread's wait there is ended with EINTR (``lock_wait``); None where it cannot be
+    # found and checked
+    lock_wait: LockWait | None = None
     # The interpreter's executable and libpython, where a busy main thread is never
     # stopped (``safe_point``); None: a busy thread is not borrowed (3.13's pending-call
     # mutex may release the caller's GIL; an unknown version)
@@ -353,7 +320,7 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     """Addresses in ``pid`` of Py_AddPendingCall, PyRun_SimpleString, mmap and an
     rt_sigreturn; None when one cannot be found and checked (then gdb is used)."""
     maps = memory_map(pid)
-    libc = _libc_path(maps)
+    libc = libc_path(maps)
     if libc is None:
         return None
     try:
@@ -362,28 +329,48 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
         return None
     if exe is None:
         return None
-    python_file = (executable_path(pid) if runtime.library == exe
-                   else inside_root(pid, runtime.library))
-    add = _function_address(pid, maps, runtime.library, python_file, "Py_AddPendingCall")
-    run = _function_address(pid, maps, runtime.library, python_file, "PyRun_SimpleString")
-    allocate = _function_address(pid, maps, libc, inside_root(pid, libc), "mmap")
+    # Every file through the job's root (``mapped_files``): a job in a chroot or a
+    # container has its own libc, never the agent's.
+    python_files = ([executable_path(pid)] if runtime.library == exe
+                    else mapped_file_paths(pid, runtime.library, maps))
+    add = function_address(pid, maps, runtime.library, python_files, "Py_AddPendingCall")
+    run = function_address(pid, maps, runtime.library, python_files, "PyRun_SimpleString")
+    allocate = function_address(pid, maps, libc, mapped_file_paths(pid, libc, maps), "mmap")
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
     busy = (frozenset({runtime.library, exe}) if runtime.version is not None
             and runtime.version < (3, 13) else None)
-    return CallAddresses(add, run, allocate, gadget,
-                         _function_extent(pid, maps, runtime.library, python_file,
-                                          "PyThread_acquire_lock_timed"), busy)
+    lock_wait: LockWait | None = (
+        _parking_lot_wait(pid, maps, runtime.library, python_files)
+        if runtime.version == (3, 13) else
+        _function_extent(pid, maps, runtime.library, python_files,
+                         "PyThread_acquire_lock_timed"))
+    return CallAddresses(add, run, allocate, gadget, lock_wait, busy)
 
 
-def _function_extent(pid: int, maps: list[Mapping], path: str, file: str, name: str
-                     ) -> tuple[int, int] | None:
+def _parking_lot_wait(pid: int, maps: list[Mapping], path: str, files: list[str]
+                      ) -> ParkingLotWait | None:
+    semaphore_wait = _function_extent(pid, maps, path, files, "_PySemaphore_Wait")
+    park = _function_extent(pid, maps, path, files, "_PyParkingLot_Park")
+    if semaphore_wait is None or park is None:
+        return None
+    return ParkingLotWait(semaphore_wait, park)
+
+
+def _function_extent(pid: int, maps: list[Mapping], path: str, files: list[str],
+                     name: str) -> tuple[int, int] | None:
     """[start, end) of function ``name`` in ``pid``, checked as _function_address is."""
-    start = _function_address(pid, maps, path, file, name)
-    scan = scan_elf_file(file) if start is not None else None
-    size = scan.size(name) if scan is not None else None
-    return None if start is None or not size else (start, start + size)
+    start = function_address(pid, maps, path, files, name)
+    if start is None:
+        return None
+    for file in files:
+        with contextlib.suppress(PermissionError):
+            scan = scan_elf_file(file)
+            if scan is not None:
+                size = scan.size(name)
+                return (start, start + size) if size else None
+    return None
 
 
 def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: float

@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     executable_path,
-    inside_root,
-    mapped_file,
     open_memory,
     read_environ,
     read_executable,
@@ -64,6 +62,7 @@ from dlprof_agent.reach.debug_offsets import (
     parse_debug_offsets,
 )
 from dlprof_agent.reach.elf import scan_elf_file
+from dlprof_agent.reach.mapped_files import mapped_file_paths
 from dlprof_agent.reach.pending import QueuedBootstrap, remember
 from dlprof_agent.reach.procfs import memory_map, running, start_ticks
 from dlprof_agent.reach.refusal import refused
@@ -93,13 +92,12 @@ def _runtime_address(pid: int, runtime: PythonRuntime, procfs: str) -> int | Non
     except TargetGone:
         return None
     maps = memory_map(pid)
-    mapped = [(start, end) for start, end, _, offset, path in maps
+    mapped = [start for start, _, _, offset, path in maps
               if path == runtime.library and offset == 0]
     # The executable through its link; a libpython through the job's root, then
-    # map_files (a library path seen from outside a chroot is not inside it).
+    # map_files (``mapped_files``).
     files = ([executable_path(pid, root=procfs)] if runtime.library == exe
-             else [inside_root(pid, runtime.library, root=procfs)]
-             + [mapped_file(pid, start, end, root=procfs) for start, end in mapped[:1]])
+             else mapped_file_paths(pid, runtime.library, maps, procfs=procfs))
     scan = None
     for file in files:
         try:
@@ -114,7 +112,7 @@ def _runtime_address(pid: int, runtime: PythonRuntime, procfs: str) -> int | Non
     value, _ = location
     if not scan.shared:
         return value
-    return min(start for start, _ in mapped) + value if mapped else None
+    return min(mapped) + value if mapped else None
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,12 @@ from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
     executable_path,
-    inside_root,
-    mapped_file,
     read_executable,
     read_memory_map,
 )
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.reach.elf import ElfScan, scan_elf_file
+from dlprof_agent.reach.mapped_files import mapped_file_paths
 from dlprof_agent.reach.procfs import raise_if_gone
 from dlprof_agent.reach.refusal import refused
 
@@ -59,10 +58,9 @@ def _libpython_mappings(maps: list[Mapping]) -> dict[str, tuple[int, int]]:
 
 def _scan_mapped(pid: int, procfs: str, path: str, addresses: tuple[int, int]
                  ) -> ElfScan | None:
-    # Through the target's root first (its mount namespace); then map_files, which
-    # still opens a library deleted or replaced since it was loaded.
-    candidates = [inside_root(pid, path.removesuffix(" (deleted)"), root=procfs),
-                  mapped_file(pid, *addresses, root=procfs)]
+    # Through the target's root first (its mount namespace, its chroot); then
+    # map_files, which still opens a library deleted or replaced since it was loaded.
+    candidates = mapped_file_paths(pid, path, [(*addresses, "", 0, path)], procfs=procfs)
     denied: PermissionError | None = None
     for candidate in candidates:
         try:

@@ -1,0 +1,103 @@
+"""Where the agent opens a file that a job has mapped (its libc, its libpython), so
+that what it reads is the job's own file and not a namesake of the agent's, and where
+a function of such a file is in the job.
+
+/proc/<pid>/maps names each file from the reader's root where the file can be reached
+from it, and from the job's mount namespace otherwise. For a job in a container (its
+own mount namespace) the path is the job's view, and /proc/<pid>/root leads to it. For
+a job in a chroot of the agent's namespace the path is the agent's view: it starts with
+the chroot's directory, which is stripped before going through /proc/<pid>/root (the
+path as it is would name the agent's own libc, whose addresses called in the job kill
+it). /proc/<pid>/map_files comes last: it opens the mapped file itself, even when
+deleted since, but only with CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE.
+
+Callers still check the bytes they rely on against the job's memory."""
+
+from __future__ import annotations
+
+import os
+
+from dlprof_agent.collectors.procfs import (
+    PROC_ROOT,
+    Mapping,
+    inside_root,
+    mapped_file,
+    open_memory,
+    read_root,
+)
+from dlprof_agent.reach.elf import scan_elf_file
+
+_DELETED = " (deleted)"
+_CHECKED_BYTES = 16  # of a function's code, compared between its file and the job
+
+
+def job_view(path: str, job_root: str | None) -> str:
+    """``path``, as /proc/<pid>/maps shows it to the agent, as the job sees it: the job's
+    root directory, as the agent sees it, taken off the front."""
+    if job_root is None or job_root == "/" or not job_root.startswith("/"):
+        return path
+    prefix = job_root.rstrip("/")
+    return path[len(prefix):] if path.startswith(prefix + "/") else path
+
+
+def mapped_file_paths(pid: int, path: str, maps: list[Mapping], *, procfs: str = PROC_ROOT
+                      ) -> list[str]:
+    """Paths through which the agent may open the file ``path`` mapped in ``pid`` (as
+    its memory map names it), the likeliest first; each to be tried in turn."""
+    clean = path.removesuffix(_DELETED)
+    paths = [inside_root(pid, job_view(clean, read_root(pid, root=procfs)), root=procfs)]
+    start = next(((start, end) for start, end, _, offset, mapped in maps
+                  if mapped == path and offset == 0), None)
+    if start is not None:
+        paths.append(mapped_file(pid, *start, root=procfs))
+    return list(dict.fromkeys(paths))
+
+
+def libc_path(maps: list[Mapping]) -> str | None:
+    """The C library's path in a memory map (glibc's or musl's)."""
+    for *_, path in maps:
+        name = os.path.basename(path)
+        if name.startswith(("libc.so", "libc-2.", "ld-musl-")):
+            return path
+    return None
+
+
+def function_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
+                     *, procfs: str = PROC_ROOT) -> int | None:
+    """Where ``name``, defined in the file mapped as ``path`` and opened through the first
+    of ``files`` that can be read, is in process ``pid``; None unless the bytes there are
+    the file's own (a wrong address is never called)."""
+    for file in files:
+        try:
+            scan = scan_elf_file(file)
+        except PermissionError:
+            continue
+        if scan is not None:
+            break
+    else:
+        return None
+    location = scan.location(name)
+    if location is None:
+        return None
+    value, offset = location
+    base = 0
+    if scan.shared:
+        starts = [start for start, _, _, map_offset, mapped in maps
+                  if mapped == path and map_offset == 0]
+        if not starts:
+            return None
+        base = min(starts)
+    try:
+        with open(file, "rb") as source:
+            source.seek(offset)
+            expected = source.read(_CHECKED_BYTES)
+        found = _read_memory(pid, base + value, _CHECKED_BYTES, procfs)
+    except OSError:
+        return None
+    return base + value if len(expected) == _CHECKED_BYTES and found == expected else None
+
+
+def _read_memory(pid: int, address: int, size: int, procfs: str) -> bytes:
+    with open_memory(pid, root=procfs) as memory:
+        memory.seek(address)
+        return memory.read(size)

@@ -1,0 +1,243 @@
+"""Real Python 3.13 jobs, run through chroot in a Debian trixie root (scripts/
+build-python-roots), reached from the agent's own Python: the ptrace injector finds
+the job's own libc and libpython through its root, the probe comes up and the job
+computes on; gdb, where it is the injector, reads the job's files too, and refuses
+to call into the job where it would read others. A main thread in a lock wait (3.13's
+parking lot) runs the queued code while it waits, and every wait ends when it would
+have, with the same result. Each test skips, saying why, where the root is absent (CI
+builds none)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks import reach
+from dlprof_agent.collectors.probe import ProbeClient
+from dlprof_agent.errors import InjectionFailed
+from dlprof_agent.reach import gdb
+from dlprof_agent.reach import inject as injector
+from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.reach.gdb import inject_with_gdb
+from dlprof_agent.reach.inject import inject
+from dlprof_agent.reach.ptrace import plan_calls
+from dlprof_agent.reach.runtime import find_python_runtime
+from tests.conftest import agent_env
+from tests.helpers import wait_until
+from tests.test_main_thread_waits import RESULTS, WAITS
+
+REPO = Path(__file__).resolve().parents[1]
+CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
+TRIXIE_ROOT = Path(os.environ.get("DLPROF_PYTHON_ROOTS", REPO / "build" / "roots")) / "trixie"
+
+
+def _root_problem() -> str | None:
+    if platform.machine() != "x86_64":
+        return "the roots are built for x86-64"
+    if os.geteuid() != 0:
+        return "running a job in a Debian root needs chroot, as root"
+    if sys.version_info[:2] == (3, 13):
+        return "the agent itself runs 3.13: the job would not be in another root's Python"
+    if reach.root_python_version(TRIXIE_ROOT) is None:
+        return (f"no Debian trixie root with python3 at {TRIXIE_ROOT}: build it with "
+                "scripts/build-python-roots --suite trixie (as root)")
+    return None
+
+
+_PROBLEM = _root_problem()
+pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
+              pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
+
+Job = Callable[..., "subprocess.Popen[str]"]
+
+# Counts on, printing each thousandth round: a job that computes prints more lines.
+_COUNTS = ("import time\nprint('ready', flush=True)\ni = 0\nwhile True:\n"
+           "    i += 1\n    time.sleep(0.001)\n    if i % 100 == 0:\n"
+           "        print(i, flush=True)\n")
+
+
+@pytest.fixture(scope="module")
+def trixie_root() -> Path:
+    reach.show_package_in(TRIXIE_ROOT)
+    return TRIXIE_ROOT
+
+
+@pytest.fixture
+def job(trixie_root: Path) -> Iterator[Job]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(script: str, *args: str) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [CHROOT, str(trixie_root.resolve()), "python3", "-c", script, *args],
+            cwd=trixie_root, env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        started.append(process)
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line == "ready\n":
+                return process
+        raise AssertionError(f"the job ended before it was ready: {process.wait()}")
+
+    yield start
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=30)
+
+
+def _computes_on(process: subprocess.Popen[str]) -> None:
+    """The job is alive and still prints its count, higher than before."""
+    assert process.stdout is not None
+    assert process.poll() is None, f"the job died: {process.returncode}"
+    first = int(process.stdout.readline())
+    later = int(process.stdout.readline())
+    assert later > first
+    assert process.poll() is None
+
+
+def _connect(pid: int) -> ProbeClient | None:
+    try:
+        return try_connect(pid, ProbeOptions(), 1.0, 0.0)
+    except NoProbe:
+        return None
+
+
+def _reach(pid: int) -> ProbeClient:
+    client = wait_until(lambda: _connect(pid), 60, interval=1.0,
+                        what=f"the probe in the 3.13 job {pid}")
+    assert client is not None
+    return client
+
+
+def test_the_ptrace_injector_calls_the_jobs_own_libc(job: Job) -> None:
+    process = job(_COUNTS)
+    runtime = find_python_runtime(process.pid)
+    assert runtime is not None and runtime.version == (3, 13)
+    calls = plan_calls(process.pid, runtime)
+    assert calls is not None, "libc's mmap found through the job's root, not gdb's turn"
+    client = _reach(process.pid)
+    try:
+        assert client.snapshot() is not None
+    finally:
+        client.stop()
+    _computes_on(process)
+
+
+def _needs_gdb() -> None:
+    if shutil.which("gdb") is None:
+        pytest.skip("gdb is not installed")
+
+
+def test_gdb_reads_the_jobs_own_files_and_the_job_lives(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_gdb()
+    process = job(_COUNTS)
+    monkeypatch.setattr(injector, "plan_calls", lambda pid, runtime: None)  # gdb's turn
+    inject(process.pid, "print('queued by gdb', flush=True)")
+    assert process.stdout is not None
+    lines = process.stdout
+    assert wait_until(lambda: lines.readline() == "queued by gdb\n", 30,
+                      what="the job to print from the code gdb queued")
+    _computes_on(process)
+
+
+def test_gdb_refuses_to_call_an_address_other_than_the_jobs(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_gdb()
+    process = job(_COUNTS)
+    runtime = find_python_runtime(process.pid)
+    checked = gdb.checked_addresses(process.pid, runtime)
+    assert set(checked) == {"mmap", "Py_AddPendingCall", "PyRun_SimpleString"}
+    # As if gdb had read another libc than the job's: its mmap is not where the job's is.
+    monkeypatch.setattr(gdb, "checked_addresses",
+                        lambda pid, runtime: {**checked, "mmap": checked["mmap"] + 16})
+    with pytest.raises(InjectionFailed, match="gdb reads another file for mmap"):
+        inject_with_gdb(process.pid, "print('must not run', flush=True)", 10.0, runtime)
+    _computes_on(process)
+
+
+@pytest.mark.parametrize("kind", sorted(RESULTS))
+def test_the_code_queued_in_a_waiting_3_13_main_thread_runs(
+        job: Job, trixie_root: Path, kind: str) -> None:
+    seconds = 8.0
+    marker = f"/tmp/dlprof-waits-{os.getpid()}-{kind}"  # as the job sees it
+    process = job(WAITS, kind, str(seconds))
+    wait_until(lambda: Path(f"/proc/{process.pid}/syscall").read_text().split()[0]
+               not in ("running", "-1"), 10, what="the main thread to wait")
+    try:
+        inject(process.pid, f"import time; open({marker!r}, 'w').write(repr(time.monotonic()))")
+        output = process.communicate(timeout=seconds + 60)[0]
+        assert process.returncode == 0, output
+        began, ended, result = output.split(maxsplit=2)
+        ran = float(wait_until((trixie_root / marker.lstrip("/")).read_text, 10))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (trixie_root / marker.lstrip("/")).unlink()
+    assert result.strip() == RESULTS[kind], "the wait returned something else"
+    assert float(ended) - float(began) >= seconds, "the wait ended early"
+    if kind == "time.sleep":
+        assert ran >= float(began) + seconds, "a sleep is never cut short"
+    else:
+        assert ran < float(began) + seconds, "a lock wait runs the queued code while it waits"
+
+
+@pytest.mark.parametrize("kind", ["join", "lock.acquire", "queue.get"])
+def test_killing_the_agent_while_it_ends_a_3_13_wait_leaves_the_wait_as_it_was(
+        job: Job, kind: str) -> None:
+    """Kills (SIGKILL) of the agent at random instants of an injection into a 3.13 job
+    whose main thread waits in the parking lot: each wait ends when it would have, with
+    the same result, the job never left stopped or traced."""
+    seconds = 2.5
+    attempt = ("import sys\n"
+               "from dlprof_agent.reach.inject import inject\n"
+               "inject(int(sys.argv[1]), 'pass')\n")
+
+    def waiting() -> subprocess.Popen[str]:
+        process = job(WAITS, kind, str(seconds))
+        wait_until(lambda: Path(f"/proc/{process.pid}/syscall").read_text().split()[0]
+                   not in ("running", "-1"), 10, what="the main thread to wait")
+        return process
+
+    def agent(process: subprocess.Popen[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", attempt, str(process.pid)],
+                                env=agent_env(), cwd="/", stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+
+    process = waiting()
+    began_at = time.monotonic()
+    assert agent(process).wait(60) == 0
+    whole = time.monotonic() - began_at  # the agent's start and one injection
+    process.communicate(timeout=seconds + 60)
+    rng = random.Random(313)
+    harmed = []
+    for number in range(5):
+        process = waiting()
+        side = agent(process)
+        time.sleep(rng.uniform(0.0, whole * 1.1))
+        side.kill()
+        side.wait(10)
+        state = Path(f"/proc/{process.pid}/stat").read_text().rpartition(")")[2].split()[0]
+        tracer = next(line.split()[1] for line in
+                      Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                      if line.startswith("TracerPid:"))
+        output = process.communicate(timeout=seconds + 60)[0]
+        began, ended, result = output.split(maxsplit=2)
+        if state in ("t", "T") or tracer != "0":
+            harmed.append(f"try {number}: left in state {state}, traced by {tracer}")
+        if (process.returncode != 0 or result.strip() != RESULTS[kind]
+                or float(ended) - float(began) < seconds):
+            harmed.append(f"try {number}: the wait returned {result.strip()} after "
+                          f"{float(ended) - float(began):.2f} s, exit {process.returncode}")
+    assert not harmed, "\n".join(harmed)
