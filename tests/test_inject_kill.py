@@ -26,7 +26,7 @@ from dlprof_agent.probe.bootstrap import injection_code
 from dlprof_agent.reach import bootstrap_files, pending
 from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
-from dlprof_agent.reach.ptrace import CallAddresses
+from dlprof_agent.reach.ptrace import CallAddresses, plan_calls
 from dlprof_agent.reach.runtime import PythonRuntime, find_python_runtime
 from tests.conftest import agent_env
 
@@ -289,7 +289,7 @@ def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
     loop's own code is not one, as where its extent is unknown): nothing is done to the
     job (the error says a later try may work), and a later try once it waits again
     succeeds."""
-    planned = inject_module.plan_calls
+    planned = plan_calls
 
     def without_the_eval_loop(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
         calls = planned(pid, runtime)
