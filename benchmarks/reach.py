@@ -7,8 +7,9 @@ injection, then the channel's retry pauses). Writes docs/reach.md.
 
 Each job runs on this machine's Python (the agent's), or with --root on the python3
 of a Debian root (scripts/build-python-roots) through chroot, and is stopped after
-its row. A --root run rewrites only that root's section of the file. Nothing here
-asserts: tests/test_reach_table.py and tests/test_remote_debug.py do, on a few kinds."""
+its row. A --root run rewrites only that root's section of the file, and a run
+without it keeps the roots' sections. Nothing here asserts: tests/test_reach_table.py
+and tests/test_remote_debug.py do, on a few kinds."""
 
 from __future__ import annotations
 
@@ -315,7 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: {'up' if row.came_up else 'not up'} after {row.seconds:.1f} s, "
               f"{row.tries} tries", file=sys.stderr, flush=True)
         rows.append(row)
-    args.out.write_text(table(rows, args.limit) + NOTES)
+    text = table(rows, args.limit) + NOTES
+    if args.out.exists():  # the roots' sections stay: each is rewritten by its --root run
+        for part in re.split(r"(?m)^(?=## )", args.out.read_text()):
+            if part.startswith(ROOT_SECTION):
+                text = with_root_section(text, part.rstrip("\n") + "\n")
+    args.out.write_text(text)
     return 0
 
 
