@@ -1,9 +1,9 @@
 """A busy job with no thread waiting in the kernel, a single-threaded PyTorch loop
 pinned to one CPU, gets the probe: the injector stops its main thread at a PC
 outside Python and libc or in the eval loop's own code (``reach/safe_point.py``) and
-returns it through a frame with its whole XSAVE state. Its results are bit-identical with and without the
-attach, and killing the agent at any instant of the injection leaves it to finish
-with the same results."""
+returns it through a frame with its whole XSAVE state. Its results are bit-identical
+with and without the attach, and killing the agent at any instant of the injection
+leaves it to finish with the same results."""
 
 from __future__ import annotations
 
