@@ -293,7 +293,9 @@ def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
 
     def without_the_eval_loop(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
         calls = planned(pid, runtime)
-        return None if calls is None else calls._replace(eval_loop=None)
+        if calls is None or calls.busy_stops is None:
+            return calls
+        return calls._replace(busy_stops=calls.busy_stops._replace(eval_loop=None))
 
     monkeypatch.setattr(inject_module, "plan_calls", without_the_eval_loop)
     out = tmp_path / "ran"

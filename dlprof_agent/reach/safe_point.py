@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 from dlprof_agent.collectors.procfs import Mapping
 
@@ -81,3 +82,13 @@ def in_signal_handler(read: Callable[[int, int], bytes], rsp: int, stack_end: in
         return True
     needle = restorer.to_bytes(8, "little")
     return any(stack[at:at + 8] == needle for at in range(0, len(stack) - 7, 8))
+
+
+class BusyStops(NamedTuple):
+    """Where a busy main thread of one job may be stopped: ``safe_pc`` with these."""
+
+    unsafe_files: frozenset[str]  # the interpreter's executable and libpython
+    eval_loop: tuple[int, int] | None  # [start, end) of _PyEval_EvalFrameDefault, if known
+
+    def accepts(self, pc: int, maps: list[Mapping]) -> bool:
+        return safe_pc(pc, maps, self.unsafe_files, self.eval_loop)
