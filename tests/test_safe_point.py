@@ -13,7 +13,12 @@ import pytest
 
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.runtime import find_python_runtime
-from dlprof_agent.reach.safe_point import HANDLER_SCAN_BYTES, in_signal_handler, safe_pc
+from dlprof_agent.reach.safe_point import (
+    HANDLER_SCAN_BYTES,
+    BusyStops,
+    in_signal_handler,
+    safe_pc,
+)
 
 PYTHON = "/usr/bin/python3.11"
 MAPS = [
@@ -78,6 +83,9 @@ def test_the_eval_loop_own_code_is_a_safe_pc_and_the_rest_of_python_is_not() -> 
     assert not safe_pc(0x7F0000400900, MAPS, INTERPRETER), "no extent: libpython is unsafe"
     # An extent that is no executable code of the job is not trusted
     assert not safe_pc(0x7F0000800100, MAPS, INTERPRETER, (0x7F0000800000, 0x7F0000900000))
+    stops = BusyStops(INTERPRETER, EVAL_LOOP)
+    assert stops.accepts(0x7F0000400900, MAPS)
+    assert not stops._replace(eval_loop=None).accepts(0x7F0000400900, MAPS)
 
 
 # What the eval loop's own code must never call directly: the pending-call lock's
