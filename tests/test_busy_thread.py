@@ -1,9 +1,9 @@
 """A busy job with no thread waiting in the kernel, a single-threaded PyTorch loop
 pinned to one CPU, gets the probe: the injector stops its main thread at a PC
-outside Python and libc (``reach/safe_point.py``) and returns it through a frame
-with its whole XSAVE state. Its results are bit-identical with and without the
-attach, and killing the agent at any instant of the injection leaves it to finish
-with the same results."""
+outside Python and libc or in the eval loop's own code (``reach/safe_point.py``) and
+returns it through a frame with its whole XSAVE state. Its results are bit-identical
+with and without the attach, and killing the agent at any instant of the injection
+leaves it to finish with the same results."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ print(repr(time.monotonic()), hashlib.sha256(weights).hexdigest(), flush=True)
 STEPS = 4000
 
 
-def start_loop() -> subprocess.Popen[str]:
-    job = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", LOOP, str(STEPS)],
+def start_loop(steps: int = STEPS) -> subprocess.Popen[str]:
+    job = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", LOOP, str(steps)],
                            stdout=subprocess.PIPE, text=True, cwd="/", start_new_session=True)
     assert job.stdout is not None and job.stdout.readline() == "ready\n"
     return job
@@ -92,28 +92,60 @@ def test_a_pinned_torch_loop_runs_the_queued_code_and_computes_the_same(
     assert digest == untouched_digest, "the attach changed the job's results"
 
 
-def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_same(
-        untouched_digest: str) -> None:
-    attempt = ("import sys\n"
-               "from dlprof_agent.reach.inject import inject\n"
-               "inject(int(sys.argv[1]), 'pass')\n")
+# An agent that says when its injection begins (after its imports), and ends with it
+AGENT = ("import sys\n"
+         "from dlprof_agent.reach.inject import inject\n"
+         "print('injecting', flush=True)\n"
+         "inject(int(sys.argv[1]), 'pass')\n")
+KILLS = 20
+LONG_STEPS = 3 * STEPS  # long enough for most of the kills, on any machine
+
+
+def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_same() -> None:
+    """20 agents, each killed (SIGKILL) at a random instant from the start of its
+    injection to a little past its usual end, one after the other into a long loop
+    (and into another while kills remain once it has ended): it is never left stopped
+    or traced, and its weights are bit-identical to an untouched run's."""
+    env = agent_env()
+    untouched = finish(start_loop(LONG_STEPS))[1]
+
+    def agent(job: subprocess.Popen[str]) -> subprocess.Popen[str]:
+        started = subprocess.Popen([sys.executable, "-c", AGENT, str(job.pid)], env=env,
+                                   cwd="/", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True, start_new_session=True)
+        assert started.stdout is not None and started.stdout.readline() == "injecting\n"
+        return started
+
     rng = random.Random(31)
-    harmed = []
-    for number in range(5):
-        job = start_loop()
+    harmed: list[str] = []
+    duration, kills, jobs = 0.0, 0, 0
+    while kills < KILLS:
+        job = start_loop(LONG_STEPS)
+        jobs += 1
         try:
-            side = subprocess.Popen([sys.executable, "-c", attempt, str(job.pid)],
-                                    env=agent_env(), cwd="/", stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True)
-            time.sleep(rng.uniform(0.0, 1.0))  # the agent's start and its injection
-            side.kill()
-            side.wait(10)
-            state = Path(f"/proc/{job.pid}/stat").read_text().rpartition(")")[2].split()[0]
+            if duration == 0.0:  # the injection's usual length, uncut
+                whole = agent(job)
+                began = time.monotonic()
+                assert whole.wait(60) == 0
+                duration = time.monotonic() - began
+            while kills < KILLS and job.poll() is None:
+                delay = rng.uniform(0.0, duration * 1.2)
+                side = agent(job)
+                time.sleep(delay)
+                side.kill()
+                side.wait(10)
+                if side.stdout is not None:
+                    side.stdout.close()
+                kills += 1
+                state = Path(f"/proc/{job.pid}/stat").read_text().rpartition(")")[2].split()[0]
+                tracer = [line for line in Path(f"/proc/{job.pid}/status").read_text()
+                          .splitlines() if line.startswith("TracerPid:")]
+                if state in ("t", "T") or tracer != ["TracerPid:\t0"]:
+                    harmed.append(f"kill {kills} (at {delay:.2f} s): left {state} {tracer}")
             _, digest = finish(job)
         finally:
             stop(job)
-        if state in ("t", "T"):
-            harmed.append(f"try {number}: left stopped")
-        if digest != untouched_digest:
-            harmed.append(f"try {number}: computed something else")
-    assert not harmed, "\n".join(harmed)
+        if digest != untouched:
+            harmed.append(f"job {jobs}: computed something else")
+    assert not harmed, (f"{KILLS} kills (an injection takes {duration:.2f} s here):\n"
+                        + "\n".join(harmed))

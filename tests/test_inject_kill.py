@@ -27,7 +27,8 @@ from dlprof_agent.reach import bootstrap_files, pending
 from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.procfs import start_ticks
-from dlprof_agent.reach.runtime import find_python_runtime
+from dlprof_agent.reach.ptrace import CallAddresses, plan_calls
+from dlprof_agent.reach.runtime import PythonRuntime, find_python_runtime
 from tests.conftest import agent_env
 
 pytestmark = pytest.mark.skipif(
@@ -283,9 +284,21 @@ def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
 
 
 def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
-        processes: list[subprocess.Popen[str]], tmp_path: Path) -> None:
-    """A pure-Python spin never enters the kernel: nothing is done to the job (the error
-    says a later try may work), and a later try once it waits again succeeds."""
+        processes: list[subprocess.Popen[str]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pure-Python spin never enters the kernel, and has no safe point here (the eval
+    loop's own code is not one, as where its extent is unknown): nothing is done to the
+    job (the error says a later try may work), and a later try once it waits again
+    succeeds."""
+    planned = plan_calls
+
+    def without_the_eval_loop(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
+        calls = planned(pid, runtime)
+        if calls is None or calls.busy_stops is None:
+            return calls
+        return calls._replace(busy_stops=calls.busy_stops._replace(eval_loop=None))
+
+    monkeypatch.setattr(inject_module, "plan_calls", without_the_eval_loop)
     out = tmp_path / "ran"
     spin = ("import time\nprint('ready', flush=True)\n"
             "end = time.monotonic() + 3\nwhile time.monotonic() < end: pass\n"

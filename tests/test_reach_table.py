@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +36,18 @@ def test_the_table_lists_each_row() -> None:
     text = reach.table(rows, 30.0)
     assert "| main in join() | yes | 0.4 | 1 |  |" in text
     assert "| pure-Python loop, one thread | no | 30.0 | 3 | no safe / point |" in text
+
+
+def test_a_run_on_the_agents_python_keeps_the_roots_sections(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "reach.md"
+    section = reach.root_section([reach.Row("main in join()", False, 30.0, 4, "gdb")], 30.0,
+                                 Path("roots/trixie"), "3.13.5")
+    out.write_text(reach.with_root_section("# the old table\n", section))
+    monkeypatch.setattr(reach, "measure",
+                        lambda kind, limit: reach.Row(kind, True, 0.1, 1))
+    assert reach.main(["--out", str(out), "main in join()"]) == 0
+    text = out.read_text()
+    assert "# the old table" not in text
+    assert "| main in join() | yes | 0.1 | 1 |  |" in text
+    assert text.endswith(section)

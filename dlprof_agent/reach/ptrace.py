@@ -3,7 +3,7 @@ the kernel, has it call a function, and the thread puts itself back.
 
 The agent is the tracer, and stops one thread only, one that waits in the kernel in a
 system call that leaves the signal mask alone (``threads``), or, where none does, the
-busy main thread at a PC outside Python, libc and the loader (``safe_point``). With
+busy main thread at a safe PC, another library's or the eval loop's (``safe_point``). With
 PTRACE_SEIZE and PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the
 thread running as before. The agent writes, below the thread's red zone, a signal frame
 (``frame``) holding the thread's registers and its whole XSAVE state, AVX included (its
@@ -71,7 +71,7 @@ from dlprof_agent.reach.pending import (
 from dlprof_agent.reach.procfs import memory_map, start_ticks
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
-from dlprof_agent.reach.safe_point import in_signal_handler, safe_pc
+from dlprof_agent.reach.safe_point import BusyStops, in_signal_handler
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
     blocked_signals,
@@ -192,7 +192,7 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
 
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
             maps: list[Mapping], *, lock_function: LockWait | None = None,
-            busy: frozenset[str] | None = None) -> bool:
+            busy: BusyStops | None = None) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
     when it is not waiting in a system call we may borrow it from. ``call`` is the
@@ -200,8 +200,8 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
     thread waiting for a lock in ``lock_function`` (PyThread_acquire_lock_timed's
     extent, or 3.13's parking lot) comes back from its wait with EINTR, so that it runs
     a pending call now.
-    With ``busy`` (the interpreter's files), a thread stopped outside any system call
-    is taken too, at a safe PC (``safe_point``)."""
+    With ``busy``, a thread stopped outside any system call is taken too, at a safe PC
+    (``safe_point``)."""
     function, args, gadget = call
     regs = ptrace.registers(tid)
     r = dict(zip(REGISTERS, regs, strict=True))
@@ -212,7 +212,7 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
                  and in_lock_wait(r, lambda address, size: _read_memory(pid, address, size),
                                   stack[1], lock_function))
     if orig < 0:
-        if busy is None or stack is None or not safe_pc(r["rip"], maps, busy) or (
+        if busy is None or stack is None or not busy.accepts(r["rip"], maps) or (
                 in_signal_handler(lambda address, size: _read_memory(pid, address, size),
                                   r["rsp"], stack[1], gadget)):
             return False
@@ -242,7 +242,7 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
 
 def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
                      gadget: int, *, lock_function: LockWait | None = None,
-                     busy: frozenset[str] | None = None, main_only: bool = False) -> bool:
+                     busy: BusyStops | None = None, main_only: bool = False) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds; it needs nothing more from us once it is
     set on its way, so the agent may die at any moment. False when none could be had.
@@ -310,10 +310,9 @@ class CallAddresses(NamedTuple):
     # thread's wait there is ended with EINTR (``lock_wait``); None where it cannot be
     # found and checked
     lock_wait: LockWait | None = None
-    # The interpreter's executable and libpython, where a busy main thread is never
-    # stopped (``safe_point``); None: a busy thread is not borrowed (3.13's pending-call
-    # mutex may release the caller's GIL; an unknown version)
-    busy_unsafe_files: frozenset[str] | None = None
+    # Where a busy main thread may be stopped (``safe_point``); None: a busy thread is not
+    # borrowed (3.13's pending-call mutex may release the caller's GIL; an unknown version)
+    busy_stops: BusyStops | None = None
 
 
 def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
@@ -339,8 +338,10 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
-    busy = (frozenset({runtime.library, exe}) if runtime.version is not None
-            and runtime.version < (3, 13) else None)
+    busy = (BusyStops(frozenset({runtime.library, exe}),
+                      _function_extent(pid, maps, runtime.library, python_files,
+                                       "_PyEval_EvalFrameDefault"))
+            if runtime.version is not None and runtime.version < (3, 13) else None)
     lock_wait: LockWait | None = (
         _parking_lot_wait(pid, maps, runtime.library, python_files)
         if runtime.version == (3, 13) else
@@ -388,13 +389,13 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
         if pending:  # the main thread, for a while: from another the call may wait long
             return _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
                                     lock_function=calls.lock_wait,
-                                    busy=calls.busy_unsafe_files,
+                                    busy=calls.busy_stops,
                                     main_only=time.monotonic() < main_until)
         # mmap: a main thread in a lock wait is left in it for the pending call, unless
         # it is the only thread there is to borrow
         return any(_borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
                                     lock_function=lock_function,
-                                    busy=calls.busy_unsafe_files)
+                                    busy=calls.busy_stops)
                    for lock_function in (None, calls.lock_wait))
 
     def borrow(function: int, args: tuple[int, ...], *, pending: bool = False) -> None:
@@ -403,8 +404,8 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
         while not borrow_once(function, args, pending=pending, main_until=main_until):
             tries += 1
             progress.waiting_for(pid, "a thread of the job that waits in the kernel, or a "
-                                 "busy main thread outside Python and libc, to queue the "
-                                 "probe", tries=tries)
+                                 "busy main thread in the eval loop or outside Python and "
+                                 "libc, to queue the probe", tries=tries)
             if not same_process(pid, start_time):
                 raise exited_during_injection(pid)
             if time.monotonic() >= deadline:

@@ -93,7 +93,7 @@ def no_safe_point(pid: int, seconds: float) -> InjectionNotNow:
     return InjectionNotNow(
         f"process {pid} reached no safe point to queue the probe within {seconds:g} s "
         "(none of its threads waited in the kernel, and its main thread was never met "
-        "outside Python and libc: it runs Python code without a pause, holding the GIL); "
+        "in the eval loop's own code nor outside Python and libc); "
         "nothing was done to it",
         "the agent tries again on its next passes; or start the job with "
         "`dlprof-agent run -- python ...`", pid=pid)

@@ -1,0 +1,150 @@
+"""A pure-Python loop pinned to one CPU, that never enters the kernel, gets the probe:
+the injector stops its main thread in the eval loop's own code (``reach/safe_point.py``).
+It computes the same results with and without the attach, and killing the agent at
+any instant of the injection leaves it computing them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dlprof_agent.reach.inject import inject
+from tests.conftest import agent_env
+from tests.helpers import wait_until
+
+pytestmark = [
+    pytest.mark.slow,  # real jobs, computing for seconds each
+    pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
+                       reason="the agent's own ptrace injector: x86-64, before Python 3.14"),
+    pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset"),
+]
+
+# Sums 0..999999 in a while loop sys.argv[1] times, each round checked against the
+# closed form; no system call from "ready" to the end. Prints the rounds done.
+LOOP = """
+import sys
+def rounds(count):
+    done = 0
+    while done < count:
+        i, total = 0, 0
+        while i < 1000000:
+            total += i
+            i += 1
+        if total != 499999500000:
+            return f"round {done} summed to {total}"
+        done += 1
+    return f"rounds {done}"
+count = int(sys.argv[1])
+print("ready", flush=True)
+print(rounds(count), flush=True)
+"""
+ROUNDS = 30
+# An agent that says when its injection begins (after its imports), and ends with it
+AGENT = ("import sys\n"
+         "from dlprof_agent.reach.inject import inject\n"
+         "print('injecting', flush=True)\n"
+         "inject(int(sys.argv[1]), 'pass')\n")
+
+
+def start_loop(rounds: int = ROUNDS) -> subprocess.Popen[str]:
+    job = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", LOOP, str(rounds)],
+                           stdout=subprocess.PIPE, text=True, cwd="/", start_new_session=True)
+    assert job.stdout is not None and job.stdout.readline() == "ready\n"
+    return job
+
+
+def finish(job: subprocess.Popen[str]) -> str:
+    """What the loop printed once it ended: "rounds N" when every round was right."""
+    output = job.communicate(timeout=600)[0]
+    assert job.returncode == 0, output
+    return output.strip()
+
+
+def stop(job: subprocess.Popen[str]) -> None:
+    if job.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, 9)
+        job.wait(10)
+
+
+def left_stopped_or_traced(pid: int) -> str | None:
+    state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    tracer = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
+                  .splitlines() if line.startswith("TracerPid:"))
+    if state in ("t", "T"):
+        return "left stopped"
+    return None if tracer == "0" else f"left traced by {tracer}"
+
+
+def test_a_pinned_pure_python_loop_runs_the_queued_code_and_computes_the_same(
+        tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    job = start_loop()
+    try:
+        queued = inject(job.pid, f"open({str(marker)!r}, 'w').write('ran')")
+        assert queued is not None
+        wait_until(marker.exists, 30)
+        assert job.poll() is None, "the code ran only once the loop had ended"
+        assert queued.state() == "ran"
+        assert left_stopped_or_traced(job.pid) is None
+        assert finish(job) == f"rounds {ROUNDS}"
+    finally:
+        stop(job)
+
+
+def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_same() -> None:
+    """20 agents, each killed (SIGKILL) at a random instant from the start of its
+    injection to a little past its usual end: the loop is never left stopped or traced,
+    and finishes every round right."""
+    env = agent_env()
+
+    def agent(job: subprocess.Popen[str]) -> subprocess.Popen[str]:
+        started = subprocess.Popen([sys.executable, "-c", AGENT, str(job.pid)], env=env,
+                                   cwd="/", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True, start_new_session=True)
+        assert started.stdout is not None and started.stdout.readline() == "injecting\n"
+        return started
+
+    job = start_loop()
+    began = time.monotonic()
+    whole = agent(job)
+    injecting = time.monotonic()
+    assert whole.wait(60) == 0
+    duration = time.monotonic() - injecting
+    finish(job)
+    loop_seconds = time.monotonic() - began
+    # Each job outlasts the agent's start, its injection and the kill by a second
+    rounds = max(10, int(ROUNDS * (injecting - began + duration * 1.2 + 1.0)
+                         / loop_seconds) + 1)
+    rng = random.Random(24)
+    tries, harmed = 20, []
+    for number in range(tries):
+        job = start_loop(rounds)
+        try:
+            delay = rng.uniform(0.0, duration * 1.2)
+            side = agent(job)
+            time.sleep(delay)
+            side.kill()
+            side.wait(10)
+            if side.stdout is not None:
+                side.stdout.close()
+            problem = left_stopped_or_traced(job.pid) if job.poll() is None else None
+            result = finish(job)
+        finally:
+            stop(job)
+        if problem is not None:
+            harmed.append(f"try {number} (killed at {delay:.2f} s): {problem}")
+        if result != f"rounds {rounds}":
+            harmed.append(f"try {number} (killed at {delay:.2f} s): {result}")
+    assert not harmed, (f"{len(harmed)} of {tries} kills harmed the loop (an injection "
+                        f"takes {duration:.2f} s here):\n"
+                        + "\n".join(harmed))
