@@ -1,6 +1,6 @@
-"""Waiting in tests: poll for a precondition up to a deadline instead of sleeping
-a fixed time, so a test is as fast as the machine allows and a slow machine only
-makes it slower, never wrong."""
+"""Helpers of the tests. Waiting: poll for a precondition up to a deadline instead of
+sleeping a fixed time, so a test is as fast as the machine allows and a slow machine
+only makes it slower, never wrong."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import inspect
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+import pytest
 
 T = TypeVar("T")
 
@@ -45,3 +47,20 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.0
             raise AssertionError(f"timed out after {timeout:g} s waiting for "
                                  f"{what or _describe(predicate)} (last: {last!r})")
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+def without_eval_loop_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The injector plans no busy-thread stop in the eval loop's own code (as where its
+    extent is unknown): a pure-Python spin then has no safe point."""
+    from dlprof_agent.reach import inject as inject_module
+    from dlprof_agent.reach.ptrace import CallAddresses, plan_calls
+    from dlprof_agent.reach.runtime import PythonRuntime
+
+    def planned(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
+        calls = plan_calls(pid, runtime)
+        if calls is None or calls.busy_stops is None:
+            return calls
+        return calls._replace(busy_stops=calls.busy_stops._replace(eval_loop=None))
+
+    monkeypatch.setattr(inject_module, "plan_calls", planned)
+

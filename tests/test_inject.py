@@ -30,7 +30,7 @@ from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.remote_exec import inject_with_remote_exec
 from dlprof_agent.reach.runtime import REQUIRED_SYMBOLS, PythonRuntime, find_python_runtime
-from tests.helpers import wait_until
+from tests.helpers import wait_until, without_eval_loop_stops
 
 HAS_GDB = shutil.which("gdb") is not None
 # Tests of what only the gdb path meets; 3.14+ uses sys.remote_exec.
@@ -277,8 +277,10 @@ def test_a_target_with_another_tmp(spawn: Spawn) -> None:
 @gdb_path
 def test_a_job_that_never_releases_the_gil_is_left_running(
         spawn: Spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No safe point within the wait: gdb detaches without calling in."""
+    """No safe point within the wait (a pure-Python spin, with the eval loop's own code
+    not a stop, as where its extent is unknown): nothing is called in."""
     monkeypatch.setattr("dlprof_agent.reach.inject.SAFE_POINT_WAIT_SECONDS", 2.0)
+    without_eval_loop_stops(monkeypatch)
     # Checking for a file would release the GIL around stat(): spin on the clock alone.
     spin = ("import time\nprint('ready', flush=True)\n"
             "end = time.monotonic() + 5\nwhile time.monotonic() < end: pass\n")

@@ -27,9 +27,9 @@ from dlprof_agent.reach import bootstrap_files, pending
 from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.procfs import start_ticks
-from dlprof_agent.reach.ptrace import CallAddresses, plan_calls
-from dlprof_agent.reach.runtime import PythonRuntime, find_python_runtime
+from dlprof_agent.reach.runtime import find_python_runtime
 from tests.conftest import agent_env
+from tests.helpers import without_eval_loop_stops
 
 pytestmark = pytest.mark.skipif(
     hasattr(sys, "remote_exec") or (platform.machine() != "x86_64" and not shutil.which("gdb")),
@@ -290,15 +290,7 @@ def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
     loop's own code is not one, as where its extent is unknown): nothing is done to the
     job (the error says a later try may work), and a later try once it waits again
     succeeds."""
-    planned = plan_calls
-
-    def without_the_eval_loop(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
-        calls = planned(pid, runtime)
-        if calls is None or calls.busy_stops is None:
-            return calls
-        return calls._replace(busy_stops=calls.busy_stops._replace(eval_loop=None))
-
-    monkeypatch.setattr(inject_module, "plan_calls", without_the_eval_loop)
+    without_eval_loop_stops(monkeypatch)
     out = tmp_path / "ran"
     spin = ("import time\nprint('ready', flush=True)\n"
             "end = time.monotonic() + 3\nwhile time.monotonic() < end: pass\n"
