@@ -63,6 +63,7 @@ print(f"{began!r} {ended!r} {result!r}", flush=True)
 RESULTS = {"join": "None", "lock.acquire": "True", "lock.acquire(timeout)": "False",
            "Event.wait": "False", "queue.get": "'item'", "time.sleep": "None"}
 LOCK_WAITS = sorted(set(RESULTS) - {"time.sleep"})
+KILLS = 20  # of the agent, at random instants of an injection, per kind of wait
 
 
 def start_waiting(kind: str, seconds: float) -> subprocess.Popen[str]:
@@ -116,8 +117,8 @@ def test_the_code_queued_in_a_waiting_main_thread_runs(tmp_path: Path, kind: str
 def test_killing_the_agent_during_the_injection_leaves_the_wait_as_it_was(
         tmp_path: Path, kind: str) -> None:
     """Kills (SIGKILL) of the agent at random instants of an injection into a job
-    whose main thread waits: each job ends its wait when it would have, with the same
-    result, never stopped or traced meanwhile."""
+    whose main thread waits, one job a kill, all waiting at once: each job ends its
+    wait when it would have, with the same result, never stopped or traced meanwhile."""
     seconds = 2.5
     attempt = ("import sys\n"
                "from dlprof_agent.reach.inject import inject\n"
@@ -138,9 +139,14 @@ def test_killing_the_agent_during_the_injection_leaves_the_wait_as_it_was(
         stop(job)
     rng = random.Random(24)
     harmed = []
-    for number in range(5):
-        job = start_waiting(kind, seconds)
-        try:
+    # All the jobs wait at once, long enough for every kill to fall inside its wait.
+    seconds = 5.0 + KILLS * whole * 1.5
+    jobs = []
+    try:
+        for _ in range(KILLS):
+            jobs.append(start_waiting(kind, seconds))
+        states = []
+        for job in jobs:
             side = agent(job)
             time.sleep(rng.uniform(0.0, whole * 1.1))
             side.kill()
@@ -149,12 +155,15 @@ def test_killing_the_agent_during_the_injection_leaves_the_wait_as_it_was(
             tracer = next(line.split()[1] for line in
                           Path(f"/proc/{job.pid}/status").read_text().splitlines()
                           if line.startswith("TracerPid:"))
+            states.append((state, tracer))
+        for number, (job, (state, tracer)) in enumerate(zip(jobs, states, strict=True)):
             began, ended, result = finished(job, seconds)
-        finally:
+            if state in ("t", "T") or tracer != "0":
+                harmed.append(f"try {number}: left in state {state}, traced by {tracer}")
+            if result != RESULTS[kind] or ended - began < seconds:
+                harmed.append(f"try {number}: the wait returned {result} after "
+                              f"{ended - began:.2f} s")
+    finally:
+        for job in jobs:
             stop(job)
-        if state in ("t", "T") or tracer != "0":
-            harmed.append(f"try {number}: left in state {state}, traced by {tracer}")
-        if result != RESULTS[kind] or ended - began < seconds:
-            harmed.append(f"try {number}: the wait returned {result} after "
-                          f"{ended - began:.2f} s")
     assert not harmed, "\n".join(harmed)
