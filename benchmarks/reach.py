@@ -366,12 +366,16 @@ NOTES = """
   the agent runs 3.14 too, else the agent writes the script's path, the pending flag
   and the eval-breaker bit itself through the job's `_Py_DebugOffsets`
   (`reach/remote_debug.py`). The main thread runs it at its next eval-breaker check:
-  a busy loop, pure Python included, at once; a sleep when it returns. A main thread
-  in a lock wait (`join()`, `lock.acquire()`, `Event.wait()`, `queue.get()`) runs it
-  only when the wait returns: on 3.14 those wait in PyMutex's parking lot, which the
-  ptrace injector's EINTR does not recognise, and an interrupted wait would run
-  `Py_MakePendingCalls`, not the remote debugger's script. The probe stays queued
-  (its file kept, withdrawn if the agent exits first) and starts when the wait ends.
+  a busy loop, pure Python included, at once; a sleep when it returns (the probe
+  stays queued, its file kept, withdrawn if the agent exits first).
+- A 3.14 main thread in a lock wait (`join()`, `lock.acquire()`, `Event.wait()`,
+  `queue.get()`) would take that script only when the wait returns: an interrupted
+  wait runs `Py_MakePendingCalls`, not the remote debugger's script. So where the
+  agent sees the main thread parked there, the ptrace injector queues the probe as a
+  pending call instead and ends the wait with EINTR, as on 3.13; the interpreter runs
+  it and waits again. Debian's 3.14 (LTO) waits in a copy of `_PyParkingLot_Park`
+  with no symbol: the one `PyEvent_WaitTimed` calls, checked on the stack by its
+  caller's return address right above its frame.
 - A 3.14 job started with `PYTHON_DISABLE_REMOTE_DEBUG` set or with
   `-X disable-remote-debug` is left untouched: the agent says so and what to do.
 - In a root each job runs in a mount namespace of its own, with /proc and a

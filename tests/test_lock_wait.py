@@ -1,6 +1,7 @@
 """Which waits the ptrace injector ends with EINTR (``reach/lock_wait.py``), on a
 stand-in memory: 3.9-3.12's lock wait, and 3.13's parking lot (Park's own wait, never
-the raw mutex's); and the frame that makes a borrowed thread's wait return it."""
+the raw mutex's), and 3.14's through the copy of Park its Debian build calls (addresses
+as there); and the frame that makes a borrowed thread's wait return it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dlprof_agent.reach.lock_wait import (
     ParkingLotWait,
     frame_bytes,
     in_lock_wait,
+    waits_in_parking_lot,
 )
 
 LOCK_FUNCTION = (0x401000, 0x401266)  # [start, end) of PyThread_acquire_lock_timed
@@ -103,6 +105,10 @@ def test_the_frame_restarts_a_wait_or_ends_it_with_eintr() -> None:
 # Prologues of _PySemaphore_Wait as Debian's 3.13 and 3.14 and a 3.11 build start them
 TRIXIE_PROLOGUE = bytes.fromhex("f30f1efa 4154 4989fc 55 4889f5 53 4883ec20 85d2")
 SID_PROLOGUE = bytes.fromhex("f30f1efa 53 4889f9 4883ec30 85d2")
+# sid's 3.14 copy of _PyParkingLot_Park, as PyEvent_WaitTimed and the lock waits call it
+SID_PARK_COPY_PROLOGUE = bytes.fromhex(
+    "f30f1efa 4157 4989f9 31c0 4156 4589c6 4155 4989d5 4889ca b90e000000 4154 55 53 "
+    "bb01010000 4883ec68")
 PUSHES_AND_IMMEDIATE = bytes.fromhex("4156 4155 4189d5 4154 55 4889fd 48c7c7ffffffff 53 "
                                      "4881ec00010000")
 
@@ -113,6 +119,7 @@ def test_the_frame_of_a_prologue() -> None:
     assert frame_bytes(PUSHES_AND_IMMEDIATE) == 5 * 8 + 0x100
     assert frame_bytes(bytes.fromhex("55 4889e5 e800000000")) is None  # a call: unknown
     assert frame_bytes(bytes.fromhex("53 4889f9")) is None  # ends before its frame
+    assert frame_bytes(SID_PARK_COPY_PROLOGUE) == 6 * 8 + 0x68  # with xor and mov $imm32
 
 
 SEMAPHORE_WAIT = (0x643F80, 0x64403C)
@@ -168,3 +175,64 @@ def test_other_waits_on_the_parking_lots_semaphore_are_not() -> None:
                                    **_call(IN_SEMAPHORE_WAIT, 0x420730),
                                    **_call(IN_PARK, SEMAPHORE_WAIT[0])}))
     assert not in_lock_wait(registers(), unknown, STACK_TOP, PARKING_LOT)
+
+
+SID_SEMAPHORE_WAIT = (0x74E1C0, 0x74E25E)
+SID_PARK = (0x74CC20, 0x74CE62)
+SID_PARK_COPY = 0x74CA40  # no symbol of its own
+SID_PARKING_LOT = ParkingLotWait(SID_SEMAPHORE_WAIT, SID_PARK,
+                                 ((SID_PARK_COPY, SID_PARK_COPY + 2 * 0x242),))
+SID_IN_SEMAPHORE_WAIT = 0x74E1E3  # after its call of sem_wait
+SID_IN_COPY = 0x74CB37  # after the copy's call of _PySemaphore_Wait
+SID_IN_EVENT_WAIT = 0x74C890  # after PyEvent_WaitTimed's call of the copy
+SID_IN_LOCK = 0x68DC9F  # after the thread lock's (inlined) call of the copy
+
+
+def sid(words: dict[int, int]) -> Callable[[int, int], bytes]:
+    code = {SID_SEMAPHORE_WAIT[0]: SID_PROLOGUE, SID_PARK_COPY: SID_PARK_COPY_PROLOGUE,
+            **_call(SID_IN_SEMAPHORE_WAIT, 0x4227A0),
+            **_call(SID_IN_COPY, SID_SEMAPHORE_WAIT[0]),
+            **_call(SID_IN_EVENT_WAIT, SID_PARK_COPY), **_call(SID_IN_LOCK, SID_PARK_COPY),
+            **_call(IN_RAW_MUTEX, SID_SEMAPHORE_WAIT[0])}
+    return reader(memory(words, code))
+
+
+def test_a_wait_in_3_14s_copy_of_park_is_a_lock_wait() -> None:
+    rsp = STACK_TOP - 4096
+    # As in a sid job's join() and lock.acquire(): _PySemaphore_Wait's return at word
+    # 20, the copy's at 28, the copy's caller's 1 + 152 / 8 words above it
+    for caller in (SID_IN_EVENT_WAIT, SID_IN_LOCK):
+        stack = {rsp + 160: SID_IN_SEMAPHORE_WAIT, rsp + 224: SID_IN_COPY,
+                 rsp + 384: caller}
+        assert in_lock_wait(registers(), sid(stack), STACK_TOP, SID_PARKING_LOT)
+
+
+def test_other_waits_through_3_14s_semaphore_are_not() -> None:
+    rsp = STACK_TOP - 4096
+    # The caller's return address a word off the copy's frame
+    off = {rsp + 160: SID_IN_SEMAPHORE_WAIT, rsp + 224: SID_IN_COPY,
+           rsp + 392: SID_IN_LOCK}
+    assert not in_lock_wait(registers(), sid(off), STACK_TOP, SID_PARKING_LOT)
+    # The raw mutex's wait, with a stale return of the copy's caller where it would be
+    raw = {rsp + 160: SID_IN_SEMAPHORE_WAIT, rsp + 224: IN_RAW_MUTEX,
+           rsp + 384: SID_IN_LOCK}
+    assert not in_lock_wait(registers(), sid(raw), STACK_TOP, SID_PARKING_LOT)
+    # Without the copy known, only Park's own call counts
+    good = {rsp + 160: SID_IN_SEMAPHORE_WAIT, rsp + 224: SID_IN_COPY,
+            rsp + 384: SID_IN_LOCK}
+    assert not in_lock_wait(registers(), sid(good), STACK_TOP,
+                            ParkingLotWait(SID_SEMAPHORE_WAIT, SID_PARK))
+
+
+def test_a_thread_seen_through_its_syscall_file_waits_in_the_parking_lot() -> None:
+    rsp = STACK_TOP - 4096
+    stack = {rsp + 160: SID_IN_SEMAPHORE_WAIT, rsp + 224: SID_IN_COPY,
+             rsp + 384: SID_IN_LOCK}
+    line = ["202", "0x1", hex(FUTEX_WAIT_BITSET_PRIVATE), "0x0", "0x0", "0x0",
+            "0xffffffff", hex(rsp), "0x7f0000000000"]
+    assert waits_in_parking_lot(line, sid(stack), STACK_TOP, SID_PARKING_LOT)
+    sleep = ["230", *line[1:]]
+    assert not waits_in_parking_lot(sleep, sid(stack), STACK_TOP, SID_PARKING_LOT)
+    wake = [line[0], line[1], "0x81", *line[3:]]
+    assert not waits_in_parking_lot(wake, sid(stack), STACK_TOP, SID_PARKING_LOT)
+    assert not waits_in_parking_lot(["running"], sid(stack), STACK_TOP, SID_PARKING_LOT)

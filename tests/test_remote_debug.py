@@ -1,18 +1,26 @@
 """PEP 768's remote exec from an agent whose Python is not the job's: the debug
-offsets read from bytes laid out as CPython 3.14's header says, and the reach table's
+offsets read from bytes laid out as CPython 3.14's header says, which injector a 3.14
+job gets (a main thread in a lock wait: the ptrace injector's), and the reach table's
 sections for jobs run in a Debian root. Real 3.14 jobs: test_remote_debug_roots.py."""
 
 from __future__ import annotations
 
+import os
+import platform
 import struct
+import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import reach
-from dlprof_agent.errors import UnknownDebugOffsets
+from dlprof_agent.errors import InjectionNotNow, UnknownDebugOffsets
 from dlprof_agent.reach import debug_offsets
+from dlprof_agent.reach import inject as injector
 from dlprof_agent.reach.debug_offsets import parse_debug_offsets
+from dlprof_agent.reach.lock_wait import ParkingLotWait
+from dlprof_agent.reach.ptrace import CallAddresses
+from dlprof_agent.reach.runtime import PythonRuntime
 
 VERSION_3_14 = 0x030E0AF0  # PY_VERSION_HEX of 3.14.10, a final release
 
@@ -73,3 +81,37 @@ def test_a_root_section_replaces_that_roots_old_one() -> None:
     assert "| main in join() | yes | 0.3 | 1 |  |" in text
     assert "| main in join() | no |" not in text
     assert "## In a Debian root: trixie" in text and "- a note" in text
+
+
+@pytest.mark.parametrize(("parked", "opted_out", "ptrace_says", "used"), [
+    (True, None, None, "ptrace"),  # a main thread in a lock wait: pending call + EINTR
+    (False, None, None, "remote_debug"),  # any other 3.14 job: PEP 768's script
+    (True, "opted out", None, "remote_debug"),  # which then refuses, saying why
+    (True, None, InjectionNotNow("no thread", "later"), "remote_debug"),  # wait returned
+])
+def test_which_injector_a_3_14_job_of_another_python_gets(
+        monkeypatch: pytest.MonkeyPatch, parked: bool, opted_out: str | None,
+        ptrace_says: InjectionNotNow | None, used: str) -> None:
+    if hasattr(sys, "remote_exec"):
+        pytest.skip("the agent runs 3.14 itself: sys.remote_exec is used")
+    calls = CallAddresses(1, 2, 3, 4, ParkingLotWait((5, 6), (7, 8)))
+
+    def ptrace(*_: object) -> str:
+        if ptrace_says is not None:
+            raise ptrace_says
+        return "ptrace"
+
+    for name, value in {
+            "find_python_runtime": lambda pid: PythonRuntime("/usr/bin/python3.14", (3, 14)),
+            "remove_stale_files": lambda pid: None,
+            "pending_bootstrap": lambda pid: None,
+            "find_remote_debug": lambda pid, runtime: "target",
+            "plan_calls": lambda pid, runtime: calls,
+            "main_thread_parked": lambda pid, wait: parked,
+            "opted_out": lambda pid, target: opted_out,
+            "inject_with_ptrace": ptrace,
+            "inject_with_remote_debug": lambda *_: "remote_debug"}.items():
+        monkeypatch.setattr(injector, name, value)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    result: object = injector.inject(os.getpid() + 1, "pass")
+    assert result == used

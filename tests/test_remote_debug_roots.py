@@ -2,7 +2,10 @@
 build-python-roots), reached from the agent's own Python with PEP 768's protocol done
 by hand (reach/remote_debug.py): the debug offsets of the real binary, the probe
 coming up and counting steps, the opt-out leaving the job untouched, a sleeping main
-thread taking the probe when its sleep returns, and a script never taken withdrawn.
+thread taking the probe when its sleep returns, and a script never taken withdrawn. A
+main thread in a lock wait gets the probe while it waits instead (the ptrace
+injector's pending call, the wait ended with EINTR), each wait ending as it would
+have, kills of the agent meanwhile included.
 Each test skips, saying why, where the root is absent (CI builds none)."""
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from dlprof_agent.reach.remote_debug import (
 )
 from dlprof_agent.reach.runtime import find_python_runtime
 from tests.helpers import wait_until
+from tests.test_main_thread_waits import RESULTS, WAITS
+from tests.test_trixie_root import (
+    check_kills_leave_the_wait_as_it_was,
+    check_the_queued_code_runs_while_waiting,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
@@ -69,10 +77,10 @@ def sid_root() -> Path:
 def job(sid_root: Path) -> Iterator[Job]:
     started: list[subprocess.Popen[str]] = []
 
-    def start(script: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None
-              ) -> subprocess.Popen[str]:
+    def start(script: str, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+              argv: tuple[str, ...] = ()) -> subprocess.Popen[str]:
         process = subprocess.Popen(
-            [CHROOT, str(sid_root.resolve()), "python3", *args, "-c", script],
+            [CHROOT, str(sid_root.resolve()), "python3", *args, "-c", script, *argv],
             cwd=sid_root, env={"PATH": "/usr/bin:/bin", **(env or {})},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True)
@@ -251,3 +259,19 @@ def test_a_waiting_main_thread_runs_the_script_when_its_wait_returns(
     assert process.stdout.readline() == "woke\n"
     wait_until(marker.exists, 30, what="the script run once the wait returned")
     wait_until(lambda: queued.state() == "ran", 10, what="the flag cleared by the job")
+
+
+@pytest.mark.parametrize("kind", sorted(RESULTS))
+def test_a_waiting_3_14_main_thread_runs_the_queued_code_while_it_waits(
+        job: Job, sid_root: Path, kind: str) -> None:
+    """In a lock wait: at once, the wait ended with EINTR and waited again; in a
+    sleep: PEP 768's script, when the sleep returns."""
+    check_the_queued_code_runs_while_waiting(
+        lambda kind, seconds: job(WAITS, argv=(kind, str(seconds))), sid_root, kind)
+
+
+@pytest.mark.parametrize("kind", ["join", "lock.acquire", "queue.get"])
+def test_killing_the_agent_while_it_ends_a_3_14_wait_leaves_the_wait_as_it_was(
+        job: Job, kind: str) -> None:
+    check_kills_leave_the_wait_as_it_was(
+        lambda kind, seconds: job(WAITS, argv=(kind, str(seconds))), kind)

@@ -168,23 +168,33 @@ def test_gdb_refuses_to_call_an_address_other_than_the_jobs(
     _computes_on(process)
 
 
-@pytest.mark.parametrize("kind", sorted(RESULTS))
-def test_the_code_queued_in_a_waiting_3_13_main_thread_runs(
-        job: Job, trixie_root: Path, kind: str) -> None:
-    seconds = 8.0
-    marker = f"/tmp/dlprof-waits-{os.getpid()}-{kind}"  # as the job sees it
-    process = job(WAITS, kind, str(seconds))
+# Starts a job whose main thread waits in one way (``WAITS``) for so many seconds
+StartWaiting = Callable[[str, float], "subprocess.Popen[str]"]
+
+
+def in_its_wait(process: subprocess.Popen[str]) -> subprocess.Popen[str]:
     wait_until(lambda: Path(f"/proc/{process.pid}/syscall").read_text().split()[0]
                not in ("running", "-1"), 10, what="the main thread to wait")
+    return process
+
+
+def check_the_queued_code_runs_while_waiting(start: StartWaiting, root: Path,
+                                             kind: str) -> None:
+    """A job in ``root`` whose main thread waits in ``kind`` runs the code queued
+    meanwhile while it waits (after it, for a sleep); the wait ends when it would
+    have, with the same result."""
+    seconds = 8.0
+    marker = f"/tmp/dlprof-waits-{os.getpid()}-{kind}"  # as the job sees it
+    process = in_its_wait(start(kind, seconds))
     try:
         inject(process.pid, f"import time; open({marker!r}, 'w').write(repr(time.monotonic()))")
         output = process.communicate(timeout=seconds + 60)[0]
         assert process.returncode == 0, output
         began, ended, result = output.split(maxsplit=2)
-        ran = float(wait_until((trixie_root / marker.lstrip("/")).read_text, 10))
+        ran = float(wait_until((root / marker.lstrip("/")).read_text, 10))
     finally:
         with contextlib.suppress(FileNotFoundError):
-            (trixie_root / marker.lstrip("/")).unlink()
+            (root / marker.lstrip("/")).unlink()
     assert result.strip() == RESULTS[kind], "the wait returned something else"
     assert float(ended) - float(began) >= seconds, "the wait ended early"
     if kind == "time.sleep":
@@ -193,29 +203,21 @@ def test_the_code_queued_in_a_waiting_3_13_main_thread_runs(
         assert ran < float(began) + seconds, "a lock wait runs the queued code while it waits"
 
 
-@pytest.mark.parametrize("kind", ["join", "lock.acquire", "queue.get"])
-def test_killing_the_agent_while_it_ends_a_3_13_wait_leaves_the_wait_as_it_was(
-        job: Job, kind: str) -> None:
-    """Kills (SIGKILL) of the agent at random instants of an injection into a 3.13 job
-    whose main thread waits in the parking lot: each wait ends when it would have, with
-    the same result, the job never left stopped or traced."""
+def check_kills_leave_the_wait_as_it_was(start: StartWaiting, kind: str) -> None:
+    """Kills (SIGKILL) of the agent at random instants of an injection into a job
+    whose main thread waits in the parking lot: each wait ends when it would have,
+    with the same result, the job never left stopped or traced."""
     seconds = 2.5
     attempt = ("import sys\n"
                "from dlprof_agent.reach.inject import inject\n"
                "inject(int(sys.argv[1]), 'pass')\n")
-
-    def waiting() -> subprocess.Popen[str]:
-        process = job(WAITS, kind, str(seconds))
-        wait_until(lambda: Path(f"/proc/{process.pid}/syscall").read_text().split()[0]
-                   not in ("running", "-1"), 10, what="the main thread to wait")
-        return process
 
     def agent(process: subprocess.Popen[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-c", attempt, str(process.pid)],
                                 env=agent_env(), cwd="/", stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
 
-    process = waiting()
+    process = in_its_wait(start(kind, seconds))
     began_at = time.monotonic()
     assert agent(process).wait(60) == 0
     whole = time.monotonic() - began_at  # the agent's start and one injection
@@ -223,7 +225,7 @@ def test_killing_the_agent_while_it_ends_a_3_13_wait_leaves_the_wait_as_it_was(
     rng = random.Random(313)
     harmed = []
     for number in range(5):
-        process = waiting()
+        process = in_its_wait(start(kind, seconds))
         side = agent(process)
         time.sleep(rng.uniform(0.0, whole * 1.1))
         side.kill()
@@ -241,3 +243,17 @@ def test_killing_the_agent_while_it_ends_a_3_13_wait_leaves_the_wait_as_it_was(
             harmed.append(f"try {number}: the wait returned {result.strip()} after "
                           f"{float(ended) - float(began):.2f} s, exit {process.returncode}")
     assert not harmed, "\n".join(harmed)
+
+
+@pytest.mark.parametrize("kind", sorted(RESULTS))
+def test_the_code_queued_in_a_waiting_3_13_main_thread_runs(
+        job: Job, trixie_root: Path, kind: str) -> None:
+    check_the_queued_code_runs_while_waiting(
+        lambda kind, seconds: job(WAITS, kind, str(seconds)), trixie_root, kind)
+
+
+@pytest.mark.parametrize("kind", ["join", "lock.acquire", "queue.get"])
+def test_killing_the_agent_while_it_ends_a_3_13_wait_leaves_the_wait_as_it_was(
+        job: Job, kind: str) -> None:
+    check_kills_leave_the_wait_as_it_was(
+        lambda kind, seconds: job(WAITS, kind, str(seconds)), kind)

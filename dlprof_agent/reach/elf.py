@@ -15,12 +15,14 @@ _MAX_TABLE_BYTES = 64 << 20  # a real .dynsym/.dynstr is far smaller; refuse gar
 # The functions the injectors call: where each is in the file is kept, to check the
 # bytes at the address they would call; and the one whose waits it may interrupt
 # (its extent too: a return address inside it says who waits), 3.13's parking lot
-# for the same; the eval loop, whose extent is a busy thread's safe point
+# for the same (and PyEvent_WaitTimed, whose call names 3.14's copy of Park); the
+# eval loop, whose extent is a busy thread's safe point
 # (``safe_point``); and _PyRuntime, whose debug offsets the remote-debugging injector
 # reads (3.14+).
 _CALLED = frozenset({"Py_AddPendingCall", "PyRun_SimpleString", "mmap",
                      "PyThread_acquire_lock_timed", "_PySemaphore_Wait",
-                     "_PyParkingLot_Park", "_PyEval_EvalFrameDefault", "_PyRuntime"})
+                     "_PyParkingLot_Park", "PyEvent_WaitTimed", "_PyEval_EvalFrameDefault",
+                     "_PyRuntime"})
 _SHT_NOBITS = 8
 _ET_DYN = 3
 _SHT_DYNSYM = 11

@@ -1,9 +1,11 @@
 """Runs a short bootstrap string inside an already-running CPython process: the one
 entry point to the injectors, and the place that picks one. On Python 3.14+
 ``sys.remote_exec`` when the agent runs the job's minor version (``remote_exec``), else
-the same protocol through the job's debug offsets (``remote_debug``); before 3.14, or
-where those offsets are not known, the agent's own ptrace injector on x86-64
-(``ptrace``), or gdb elsewhere (``gdb``).
+the same protocol through the job's debug offsets (``remote_debug``), except where
+the job's main thread waits in a lock (``waiting_main``): it would take the script
+only when the wait returns, so the ptrace injector queues a pending call and ends
+that wait with EINTR. Before 3.14, or where those offsets are not known, the agent's
+own ptrace injector on x86-64 (``ptrace``), or gdb elsewhere (``gdb``).
 
 Two rules decide whether the job survives.
 
@@ -34,17 +36,29 @@ process only when one of them defines the functions called.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
 
-from dlprof_agent.errors import InjectionFailed, NotPython, TargetNotFound
+from dlprof_agent.errors import (
+    InjectionFailed,
+    InjectionNotNow,
+    InjectionRefused,
+    NotPython,
+    TargetNotFound,
+)
 from dlprof_agent.reach.bootstrap_files import remove_stale_files
 from dlprof_agent.reach.gdb import inject_with_gdb
+from dlprof_agent.reach.lock_wait import ParkingLotWait
 from dlprof_agent.reach.pending import QueuedBootstrap, pending_bootstrap
 from dlprof_agent.reach.procfs import comm
-from dlprof_agent.reach.ptrace import inject_with_ptrace, plan_calls
-from dlprof_agent.reach.remote_debug import find_remote_debug, inject_with_remote_debug
+from dlprof_agent.reach.ptrace import CallAddresses, inject_with_ptrace, plan_calls
+from dlprof_agent.reach.remote_debug import (
+    find_remote_debug,
+    inject_with_remote_debug,
+    opted_out,
+)
 from dlprof_agent.reach.remote_exec import inject_with_remote_exec
 from dlprof_agent.reach.runtime import (
     MIN_TARGET_VERSION,
@@ -52,10 +66,14 @@ from dlprof_agent.reach.runtime import (
     find_python_runtime,
 )
 from dlprof_agent.reach.threads import exited_during_injection
+from dlprof_agent.reach.waiting_main import main_thread_parked
 
 # For a thread of the job to be seen waiting in the kernel, where the code is queued from.
 SAFE_POINT_WAIT_SECONDS = 10.0
 REMOTE_DEBUG_VERSION = (3, 14)  # PEP 768: the interpreter runs a script it is handed
+# For the ptrace injector to borrow a 3.14 main thread seen in a lock wait: it ends
+# the wait at once; if the wait returned meanwhile, PEP 768 takes over
+_PARKED_WAIT_SECONDS = 2.0
 
 
 def inject(pid: int, code: str, *, wait_seconds: float | None = None
@@ -105,12 +123,27 @@ def _inject(pid: int, code: str, runtime: PythonRuntime, wait_seconds: float
     queued = pending_bootstrap(pid)
     if queued is not None:
         return queued
+    calls = None
     if runtime.version is not None and runtime.version >= REMOTE_DEBUG_VERSION:
         # Another Python than the agent's: PEP 768's protocol by hand, before ptrace.
         target = find_remote_debug(pid, runtime)
         if target is not None:
+            calls = plan_calls(pid, runtime) if platform.machine() == "x86_64" else None
+            if calls is not None and _parked(pid, calls) and opted_out(pid, target) is None:
+                # A main thread in a lock wait would take the script only when the
+                # wait returns: the ptrace injector ends that wait with EINTR and
+                # queues a pending call, which the interpreter runs before it waits
+                # again. Where it cannot, nothing is queued: PEP 768's turn.
+                with contextlib.suppress(InjectionNotNow, InjectionRefused):
+                    return inject_with_ptrace(pid, code, calls, _PARKED_WAIT_SECONDS)
             return inject_with_remote_debug(pid, code, target)
-    calls = plan_calls(pid, runtime) if platform.machine() == "x86_64" else None
+    if calls is None and platform.machine() == "x86_64":
+        calls = plan_calls(pid, runtime)
     if calls is not None:
         return inject_with_ptrace(pid, code, calls, wait_seconds)
     return inject_with_gdb(pid, code, wait_seconds, runtime)
+
+
+def _parked(pid: int, calls: CallAddresses) -> bool:
+    return isinstance(calls.lock_wait, ParkingLotWait) and main_thread_parked(
+        pid, calls.lock_wait)

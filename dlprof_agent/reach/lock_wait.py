@@ -27,6 +27,14 @@ ignores the result and would queue itself twice. So the wait is ended only where
 return address right above ``_PySemaphore_Wait``'s frame (its size read from its
 prologue) is Park's own call of it.
 
+3.14 has the same callers and the same EINTR handling, but Debian's build (LTO)
+calls a copy of Park made for one-byte words (PyMutex, PyEvent), with no symbol of
+its own: the copy is the function ``PyEvent_WaitTimed`` calls. A return address
+right above ``_PySemaphore_Wait``'s frame after a call of it counts as Park's where
+the word right above the copy's frame (its size read from its prologue) follows a
+call of that copy: the stack is laid out as that copy's call of
+``_PySemaphore_Wait``, whatever called the copy.
+
 The wait is recognised by the system call (a futex wait, or the restart_syscall
 that goes on with one after an earlier stop) and by a return address
 into ``PyThread_acquire_lock_timed`` (3.9-3.12), or into ``_PySemaphore_Wait`` then
@@ -73,6 +81,9 @@ class ParkingLotWait(NamedTuple):
 
     semaphore_wait: tuple[int, int]  # _PySemaphore_Wait
     park: tuple[int, int]  # _PyParkingLot_Park
+    # Copies of Park without a symbol (3.14's LTO build): [entry, entry + twice Park's
+    # size), a bound on where its code is
+    park_copies: tuple[tuple[int, int], ...] = ()
 
 
 LockWait = tuple[int, int] | ParkingLotWait  # PyThread_acquire_lock_timed, or 3.13's
@@ -97,7 +108,12 @@ def _stack_words(registers: dict[str, int], read: Callable[[int, int], bytes],
         return []
     if (registers["rsi"] & _FUTEX_COMMAND) not in _FUTEX_WAITS:
         return []
-    top = registers["rsp"] & ~7
+    return _words_from(registers["rsp"], read, stack_end)
+
+
+def _words_from(stack_pointer: int, read: Callable[[int, int], bytes], stack_end: int
+                ) -> list[int]:
+    top = stack_pointer & ~7
     size = min(STACK_SCAN_BYTES, stack_end - top)
     if size <= 0:
         return []
@@ -135,9 +151,44 @@ def _parked(words: list[int], read: Callable[[int, int], bytes], wait: ParkingLo
     above = 1 + frame // 8
     return any(semaphore < word < semaphore_end and _after_a_call(read, word)
                and index + above < len(words)
-               and park < words[index + above] < park_end
                and _calls(read, words[index + above], semaphore)
+               and (park < words[index + above] < park_end
+                    or _in_a_park_copy(words, index + above, read, wait.park_copies))
                for index, word in enumerate(words))
+
+
+def _in_a_park_copy(words: list[int], at: int, read: Callable[[int, int], bytes],
+                    copies: tuple[tuple[int, int], ...]) -> bool:
+    """``words[at]`` is a return address in one of ``copies``: it lies where that
+    copy's code may, and the word right above the copy's frame follows a call of it."""
+    for copy, bound in copies:
+        if not copy < words[at] < bound:
+            continue
+        try:
+            frame = frame_bytes(read(copy, _PROLOGUE_BYTES))
+        except OSError:
+            continue
+        caller = at + 1 + frame // 8 if frame is not None else len(words)
+        if caller < len(words) and _calls(read, words[caller], copy):
+            return True
+    return False
+
+
+def waits_in_parking_lot(syscall: list[str], read: Callable[[int, int], bytes],
+                         stack_end: int, wait: ParkingLotWait) -> bool:
+    """A thread, as its /proc/<pid>/task/<tid>/syscall line (split) shows it without
+    stopping it, waits on a futex in the parking lot for a caller that retries: the
+    agent's guess before it decides how to reach the job; the injector checks again
+    on the stopped thread."""
+    if len(syscall) < 9 or syscall[0] != str(FUTEX):
+        return False
+    try:
+        command, stack_pointer = int(syscall[2], 16), int(syscall[7], 16)
+    except ValueError:
+        return False
+    if (command & _FUTEX_COMMAND) not in _FUTEX_WAITS:
+        return False
+    return _parked(_words_from(stack_pointer, read, stack_end), read, wait)
 
 
 def frame_bytes(code: bytes) -> int | None:
@@ -159,6 +210,8 @@ def frame_bytes(code: bytes) -> int | None:
             return pushed + int.from_bytes(rest[3:7], "little")
         elif _register_move(rest):
             at += _register_move(rest)
+        elif _register_clear(rest):  # xor %eax,%eax, and mov $imm32 to a register
+            at += _register_clear(rest)
         else:
             return None
     return None
@@ -175,3 +228,23 @@ def _register_move(code: bytes) -> int:
     if code[rex] == 0xC7 and code[rex + 1] >> 3 & 7 == 0:
         return rex + 6 if len(code) >= rex + 6 else 0
     return 0
+
+
+def _register_clear(code: bytes) -> int:
+    """The length of ``xor`` of two registers, or of ``mov $imm32`` to a 32-bit
+    register, at the start of ``code``; 0 for anything else."""
+    rex = 1 if code and 0x40 <= code[0] <= 0x47 else 0  # not REX.W: imm32, not imm64
+    if len(code) < rex + 2:
+        return 0
+    if code[rex] in (0x31, 0x33) and code[rex + 1] >> 6 == 3:
+        return rex + 2
+    if 0xB8 <= code[rex] <= 0xBF and len(code) >= rex + 5:
+        return rex + 5
+    return 0
+
+
+def call_targets(start: int, code: bytes) -> list[int]:
+    """The targets of what may be a ``call rel32`` in ``code`` (at ``start``): each is
+    only a candidate, checked on the stack against its caller and its frame."""
+    return [start + at + 5 + int.from_bytes(code[at + 1:at + 5], "little", signed=True)
+            for at in range(len(code) - 4) if code[at] == 0xE8]

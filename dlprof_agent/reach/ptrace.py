@@ -59,7 +59,7 @@ from dlprof_agent.reach.frame import (
     signal_frame,
     signed,
 )
-from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, in_lock_wait
+from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, call_targets, in_lock_wait
 from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
@@ -344,19 +344,31 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
             if runtime.version is not None and runtime.version < (3, 13) else None)
     lock_wait: LockWait | None = (
         _parking_lot_wait(pid, maps, runtime.library, python_files)
-        if runtime.version == (3, 13) else
+        if runtime.version in PARKING_LOT_VERSIONS else
         _function_extent(pid, maps, runtime.library, python_files,
-                         "PyThread_acquire_lock_timed"))
+                         "PyThread_acquire_lock_timed")
+        if runtime.version is not None and runtime.version < (3, 13) else None)
     return CallAddresses(add, run, allocate, gadget, lock_wait, busy)
+
+
+PARKING_LOT_VERSIONS = ((3, 13), (3, 14))  # whose lock waits were read (``lock_wait``)
 
 
 def _parking_lot_wait(pid: int, maps: list[Mapping], path: str, files: list[str]
                       ) -> ParkingLotWait | None:
     semaphore_wait = _function_extent(pid, maps, path, files, "_PySemaphore_Wait")
     park = _function_extent(pid, maps, path, files, "_PyParkingLot_Park")
+    event_wait = _function_extent(pid, maps, path, files, "PyEvent_WaitTimed")
     if semaphore_wait is None or park is None:
         return None
-    return ParkingLotWait(semaphore_wait, park)
+    # The copy of Park that PyEvent_WaitTimed calls (3.14), where it is not Park itself
+    at, code = event_wait[0] if event_wait else 0, b""
+    with contextlib.suppress(OSError):
+        code = _read_memory(pid, at, event_wait[1] - at) if event_wait else b""
+    bound = 2 * (park[1] - park[0])
+    return ParkingLotWait(semaphore_wait, park, tuple(
+        (copy, copy + bound) for copy in sorted(set(call_targets(at, code)) - {park[0]})
+        if any(start <= copy < end and "x" in rights for start, end, rights, *_ in maps)))
 
 
 def _function_extent(pid: int, maps: list[Mapping], path: str, files: list[str],

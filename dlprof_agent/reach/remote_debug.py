@@ -19,9 +19,11 @@ with the GIL held, and clears the flag. A main thread that waits in the kernel (
 sleep, a lock, ``join()``) makes no such check until the wait returns: the probe then
 starts when it does, and until then the script stays queued (``QueuedRemoteExec``):
 its file is kept until the flag is cleared, and withdrawn (the flag cleared by the
-agent) when the agent exits first. The lock waits' EINTR of the ptrace injector (``lock_wait``) does
-not help here: on 3.14 an interrupted lock wait runs ``Py_MakePendingCalls``, which
-runs pending calls but not the remote debugger's script.
+agent) when the agent exits first. Ending a lock wait with EINTR would not help the
+script: an interrupted lock wait runs ``Py_MakePendingCalls``, which runs pending
+calls but not the remote debugger's script. So ``inject`` hands a main thread seen in
+a lock wait (``waiting_main``) to the ptrace injector instead, which queues a pending
+call and ends that wait; this module then writes nothing.
 
 No thread is stopped and nothing runs in the job but the interpreter's own code, so an
 agent killed at any instant leaves at most a flag the job acts on once; the script's
