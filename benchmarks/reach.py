@@ -66,7 +66,8 @@ class Slow(Dataset):
     def __getitem__(self, index):
         return torch.randn(256)
 model = torch.nn.Linear(256, 10)
-loader = DataLoader(Slow(), batch_size=64, num_workers=2)
+# Forked: 3.14's default start method, forkserver, cannot unpickle this script's Slow.
+loader = DataLoader(Slow(), batch_size=64, num_workers=2, multiprocessing_context="fork")
 print("ready", flush=True)
 for batch in loader:
     model(batch).sum().backward()
