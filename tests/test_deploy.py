@@ -11,6 +11,7 @@ import configparser
 import fnmatch
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -509,8 +510,12 @@ time.sleep(30)
 
 
 def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive ports nothing listens on."""
-    for base in range(21000, 60000, 97):
+    """The first of ``count`` consecutive ports nothing listens on, from a range
+    picked at random: tests running beside this one (xdist workers) each find their
+    own instead of all the first free one."""
+    bases = list(range(21000, 60000, 97))
+    random.shuffle(bases)
+    for base in bases:
         sockets = []
         try:
             for port in range(base, base + count):
@@ -733,7 +738,7 @@ def test_prolog_runs_the_real_daemon_on_the_jobs_processes_only(slurm: Slurm) ->
             slurm.started.append(pid)
             url = f"http://127.0.0.1:{slurm.expected_port}"
             health = wait_for(lambda: json.loads(http_get(f"{url}/healthz")).get("targets"),
-                              "the daemon to find the job", timeout=15)
+                              "the daemon to find the job", timeout=60)
             assert health == [job.pid]
             assert f'dlprof_target_up{{pid="{job.pid}"}} 1.0' in http_get(
                 f"{url}/metrics").decode()
