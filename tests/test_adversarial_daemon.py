@@ -16,6 +16,7 @@ The figures each test measures are printed (`pytest -s`) for docs/security.md.""
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import json
 import random
@@ -199,7 +200,7 @@ def test_sigterm_at_any_instant_of_attachs_start_leaves_nothing_behind(
                                    "--interval", "0.5"])
         # From the moment the agent handles SIGTERM (before, the default action ends
         # it, and it has touched nothing): start-up, injection and the first passes.
-        wait_for(lambda: catches_sigterm(attach.pid), "attach to handle SIGTERM", 30)
+        wait_for(functools.partial(catches_sigterm, attach.pid), "attach to handle SIGTERM", 30)
         time.sleep(pick.uniform(0.0, 1.5))
         exits.append(stop_within(attach, STOP_SECONDS))
         _, stderr = attach.communicate(timeout=10)

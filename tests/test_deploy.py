@@ -509,6 +509,12 @@ time.sleep(30)
 """
 
 
+# The SLURM tests are one node's job 1234: the real daemon a prolog starts watches
+# every process of that job, the stand-in agents of the other tests included, so
+# one worker runs them all (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("slurm-job-1234")
+
+
 def free_port_range(count: int) -> int:
     """The first of ``count`` consecutive ports nothing listens on, from a range
     picked at random: tests running beside this one (xdist workers) each find their
