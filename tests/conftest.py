@@ -100,6 +100,34 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
             shutil.rmtree(os.environ.pop(LOCKS_ENV, ""), ignore_errors=True)
 
 
+@functools.cache
+def _one_worker_file(path: str) -> bool:
+    """Whether the test file at ``path`` carries a whole-file ``xdist_group``."""
+    return "xdist_group" in file_markers(REPO / path)[0]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadgroup, with a file whose ``pytestmark`` holds an xdist_group run
+    whole on one worker. xdist's own loadgroup names the group in each test's node
+    id, which pytest 9 no longer lets a plugin change: every test was a group of
+    its own there."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
+        LoadScopeScheduling,
+    )
+
+    class FileGroups(LoadScopeScheduling):  # type: ignore[misc,unused-ignore]
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:  # xdist named the group, where pytest still allows it
+                return nodeid.rsplit("@", 1)[-1]
+            path = nodeid.split("::", 1)[0]
+            return path if _one_worker_file(path) else nodeid
+
+    return FileGroups(config, log)
+
+
 def _selects_slow_tests(expression: str) -> bool:
     """Whether ``-m`` can select a slow test (one marked slow, or e2e and slow). The
     fast tier runs in one process: it is mostly CPU, and each worker would first
