@@ -206,6 +206,7 @@ def footprint(daemon: psutil.Process, port: int, seconds: int) -> Footprint:
     return Footprint(cpu / elapsed, cpu / max(passes, 1.0), peak_rss, exposition)
 
 
+@pytest.mark.serial  # the daemon's CPU per pass and peak RSS: other tests' load adds to both
 def test_wide_three_tenants_stay_within_the_daemons_budget_and_footprint(
         processes: list[subprocess.Popen[str]], runtime_dir: Path) -> None:
     tenants = start_tenants(processes, runtime_dir, 1, kernels=4_000)
