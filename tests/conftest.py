@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import fcntl
 import functools
 import itertools
 import json
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,14 @@ from tests.helpers import wait_until
 REPO = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
+
+# Every process a test starts inherits this run's mark (one per pytest process, so
+# one per xdist worker), and a daemon started by a test watches only processes that
+# carry it (OWN_JOBS): a daemon finds jobs node-wide, by their probe sockets, and
+# would otherwise take another worker's jobs for its own.
+TEST_RUN_ENV = "DLPROF_TEST_RUN"
+os.environ[TEST_RUN_ENV] = uuid.uuid4().hex
+OWN_JOBS = ("--env", f"{TEST_RUN_ENV}={os.environ[TEST_RUN_ENV]}")
 
 
 @functools.cache
@@ -59,6 +69,103 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         markers = {mark.name for mark in item.iter_markers()}
         if fixtures & SLOW_FIXTURES or markers & SLOW_MARKERS:
             item.add_marker(pytest.mark.slow)
+
+
+# Parallel runs. Plain `pytest` (the suite from its testpaths) runs on WORKERS xdist
+# workers, more than the cores: the slow tests mostly wait (for Prometheus to scrape,
+# a grace to pass, a job to warm up). Naming files, `-n N` or `-p no:xdist` runs as
+# asked. A test marked `serial` runs alone: it takes the run's lock exclusively while
+# every other test holds it shared.
+WORKERS = 2 * (os.cpu_count() or 1)
+LOCKS_ENV = "DLPROF_TEST_LOCKS"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config) -> Any:
+    option = config.option
+    if (getattr(option, "numprocesses", 0) is None and not hasattr(config, "workerinput")
+            and config.args_source is pytest.Config.ArgsSource.TESTPATHS
+            and _selects_slow_tests(option.markexpr)
+            and not option.usepdb and not option.collectonly):
+        option.numprocesses = WORKERS
+        if option.dist == "no":
+            option.dist = "loadgroup"
+    if getattr(option, "numprocesses", None) and LOCKS_ENV not in os.environ:
+        # The workers inherit the controller's environment.
+        os.environ[LOCKS_ENV] = tempfile.mkdtemp(prefix="dlprof-test-locks-")
+    try:
+        return (yield)
+    finally:
+        if getattr(option, "numprocesses", None) and not hasattr(config, "workerinput"):
+            shutil.rmtree(os.environ.pop(LOCKS_ENV, ""), ignore_errors=True)
+
+
+@functools.cache
+def _one_worker_file(path: str) -> bool:
+    """Whether the test file at ``path`` carries a whole-file ``xdist_group``."""
+    return "xdist_group" in file_markers(REPO / path)[0]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadgroup, with a file whose ``pytestmark`` holds an xdist_group run
+    whole on one worker. xdist's own loadgroup names the group in each test's node
+    id, which pytest 9 no longer lets a plugin change: every test was a group of
+    its own there."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
+        LoadScopeScheduling,
+    )
+
+    class FileGroups(LoadScopeScheduling):  # type: ignore[misc,unused-ignore]
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:  # xdist named the group, where pytest still allows it
+                return nodeid.rsplit("@", 1)[-1]
+            path = nodeid.split("::", 1)[0]
+            return path if _one_worker_file(path) else nodeid
+
+    return FileGroups(config, log)
+
+
+def _selects_slow_tests(expression: str) -> bool:
+    """Whether ``-m`` can select a slow test (one marked slow, or e2e and slow). The
+    fast tier runs in one process: it is mostly CPU, and each worker would first
+    collect the whole suite again."""
+    if not expression:
+        return True
+    try:
+        from _pytest.mark.expression import Expression  # no public API evaluates -m
+        compiled = Expression.compile(expression)
+        return any(compiled.evaluate(_has_marker(markers))
+                   for markers in ({"slow"}, {"slow", "e2e"}))
+    except Exception:  # another pytest's private API: run in parallel as asked
+        return True
+
+
+@contextlib.contextmanager
+def _run_lock(exclusive: bool) -> Iterator[None]:
+    """Shared for every test of a parallel run, exclusive for a serial one. A test
+    that wants it exclusive first takes the gate, which the others pass through on
+    their way in, so that tests starting meanwhile wait behind it and it does not
+    wait for ever."""
+    directory = os.environ.get(LOCKS_ENV)
+    if directory is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with open(os.path.join(directory, "gate"), "a") as gate, \
+            open(os.path.join(directory, "run"), "a") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(run, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Any:
+    with _run_lock(exclusive=item.get_closest_marker("serial") is not None):
+        return (yield)
 
 
 def _mark_names(node: ast.AST) -> set[str]:

@@ -16,6 +16,7 @@ The figures each test measures are printed (`pytest -s`) for docs/security.md.""
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import json
 import random
@@ -179,6 +180,14 @@ def ours_in(pid: int) -> list[str]:
     return threads + [f"socket {path}" for path in held_sockets(pid, {socket_name(pid)})]
 
 
+def catches_sigterm(pid: int) -> bool:
+    """Whether ``pid`` has its SIGTERM handler in place (SigCgt in its status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
+
+
 def test_sigterm_at_any_instant_of_attachs_start_leaves_nothing_behind(
         processes: list[subprocess.Popen[str]]) -> None:
     job = start(processes, [sys.executable, "-c", JOB, "plain", MARKER])
@@ -189,7 +198,10 @@ def test_sigterm_at_any_instant_of_attachs_start_leaves_nothing_behind(
         attach = start(processes, [sys.executable, "-m", "dlprof_agent", "attach",
                                    str(job.pid), "--port", "0", "--no-gpu",
                                    "--interval", "0.5"])
-        time.sleep(pick.uniform(0.0, 1.5))  # start-up, injection and the first passes
+        # From the moment the agent handles SIGTERM (before, the default action ends
+        # it, and it has touched nothing): start-up, injection and the first passes.
+        wait_for(functools.partial(catches_sigterm, attach.pid), "attach to handle SIGTERM", 30)
+        time.sleep(pick.uniform(0.0, 1.5))
         exits.append(stop_within(attach, STOP_SECONDS))
         _, stderr = attach.communicate(timeout=10)
         codes.add(attach.returncode)

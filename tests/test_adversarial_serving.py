@@ -186,6 +186,7 @@ def watch_fds(agent: Agent, peak: list[int], until: threading.Event) -> None:
         until.wait(0.1)
 
 
+@pytest.mark.serial  # each scrape's latency, which other tests' load would add to
 @pytest.mark.parametrize("leave", [True, False], ids=["clients-leave", "clients-stay"])
 def test_a_flood_of_wrong_passwords_leaves_the_endpoint_answering(
         agent: Agent, open_files: Callable[[int], None], leave: bool) -> None:
@@ -230,6 +231,7 @@ def test_a_flood_of_wrong_passwords_leaves_the_endpoint_answering(
     assert after.seconds  # the flood ended before the scrapes did
 
 
+@pytest.mark.serial  # each scrape's latency, which other tests' load would add to
 def test_half_open_connections_leave_the_endpoint_answering(
         agent: Agent, open_files: Callable[[int], None]) -> None:
     open_files(HALF_OPEN + 256)

@@ -30,7 +30,16 @@ import psutil
 import pytest
 
 from dlprof_agent.probe.protocol import runtime_dir_candidates
-from tests.conftest import PROMETHEUS, REPO, Prometheus, agent_env, free_port, http_get, wait_for
+from tests.conftest import (
+    OWN_JOBS,
+    PROMETHEUS,
+    REPO,
+    Prometheus,
+    agent_env,
+    free_port,
+    http_get,
+    wait_for,
+)
 from tests.test_probe_impostor import FAKE_PROBE
 
 pytestmark = pytest.mark.slow
@@ -142,7 +151,7 @@ def start_daemon(processes: list[subprocess.Popen[str]], runtime_dir: Path, *arg
     port = free_port()
     daemon = start(processes, [
         sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--interval", "1",
-        "--scan-interval", "0.5", "--no-gpu", "--layers", "--quiet", *args],
+        "--scan-interval", "0.5", "--no-gpu", "--layers", "--quiet", *OWN_JOBS, *args],
         {**agent_env(), "DLPROF_AGENT_RUNTIME_DIR": str(runtime_dir)})
     return daemon, port
 
@@ -197,6 +206,7 @@ def footprint(daemon: psutil.Process, port: int, seconds: int) -> Footprint:
     return Footprint(cpu / elapsed, cpu / max(passes, 1.0), peak_rss, exposition)
 
 
+@pytest.mark.serial  # the daemon's CPU per pass and peak RSS: other tests' load adds to both
 def test_wide_three_tenants_stay_within_the_daemons_budget_and_footprint(
         processes: list[subprocess.Popen[str]], runtime_dir: Path) -> None:
     tenants = start_tenants(processes, runtime_dir, 1, kernels=4_000)

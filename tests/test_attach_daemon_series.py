@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
+from tests.conftest import OWN_JOBS, REPO, agent_env, free_port, http_get, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def test_attach_and_daemon_export_the_same_series_for_one_process(
     attach = scrape_while_running(["attach", str(pid), "--quiet", "--grace", "0"], env,
                                   free_port(), pid)
     daemon = scrape_while_running(["daemon", "--scan-interval", INTERVAL, "--match",
-                                   log_pattern], env, free_port(), pid)
+                                   log_pattern, *OWN_JOBS], env, free_port(), pid)
     assert process.poll() is None, "the job ended under an agent"
     assert daemon.families == attach.families
     assert daemon.label_names == attach.label_names

@@ -235,6 +235,7 @@ def test_attach_serves_metrics_until_the_duration(target: int) -> None:
 
 
 @pytest.mark.slow  # a real agent for a timing window of seconds
+@pytest.mark.serial  # the target lives 2 s: the agent must have attached by then
 def test_attach_ends_soon_after_the_target_exits(
         spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> None:
     short = spawn(["sleep", "2"])

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dlprof_agent.agent.daemon import DaemonOptions, Discovery
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.snapshot import NodeSnapshot
-from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
+from tests.conftest import OWN_JOBS, REPO, agent_env, free_port, http_get, wait_for
 from tests.full_snapshot import full_snapshot
 
 JOB = str(REPO / "tests" / "jobs" / "torch_cnn.py")
@@ -54,7 +54,7 @@ def daemon(runtime_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen
     process = subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--interval",
          str(INTERVAL), "--scan-interval", str(INTERVAL), "--match", r"job-b\.log",
-         "--no-gpu", "--warmup-steps", "2", "--grace", str(GRACE)],
+         "--no-gpu", "--warmup-steps", "2", "--grace", str(GRACE), *OWN_JOBS],
         cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: http_get(f"http://127.0.0.1:{port}/healthz"), "the daemon's /healthz")
     yield process, port

@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Prometheus, agent_env, free_port, running_prometheus, wait_for
+from tests.conftest import (
+    OWN_JOBS,
+    REPO,
+    Prometheus,
+    agent_env,
+    free_port,
+    running_prometheus,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +79,12 @@ def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--quiet",
          "--no-gpu", "--no-inject", "--layers", "--interval", "0.5", "--scan-interval", "0.5",
-         "--env", f"GROUP_RANK={node}", "--node-name", f"node-{node}"],
+         "--env", f"GROUP_RANK={node}", *OWN_JOBS, "--node-name", f"node-{node}"],
         cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     return port
 
 
+@pytest.mark.serial  # the cause: other tests' load would starve the ranks of CPU
 def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
     ports = [start_daemon(processes, node) for node in (0, 1)]

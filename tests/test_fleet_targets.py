@@ -24,7 +24,7 @@ from dlprof_agent.cli.options import resolved_node_name
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.identity import ROLE_LAUNCHER, ROLE_RANK
-from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
+from tests.conftest import OWN_JOBS, REPO, agent_env, free_port, http_get, wait_for
 
 SLEEP = "import time; time.sleep(600)"
 # A launcher as torchrun is one: no rank of its own; a rank child (which starts a
@@ -136,7 +136,8 @@ def test_a_real_ranks_steps_carry_its_job_id_and_rank_on_the_daemons_endpoint(
     daemon = subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--interval",
          "0.25", "--scan-interval", "0.25", "--no-gpu", "--warmup-steps", "2",
-         "--node-name", "node-b"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+         "--node-name", "node-b", *OWN_JOBS], cwd=REPO, env=env, stderr=subprocess.PIPE,
+        text=True)
     try:
         def rank_samples(name: str) -> list[Sample]:
             text = http_get(f"http://127.0.0.1:{port}/metrics").decode()

@@ -145,6 +145,7 @@ def layer_shares(name: str, sampling: LayerSampling | None, *, steps: int = 0,
             timed, cost)
 
 
+@pytest.mark.serial  # two runs' shares of the step: other tests' load would differ between them
 @pytest.mark.parametrize(("name", "steps", "timed_steps"), [
     ("small-cnn", 80, 80), ("resnet-56", 15, 25), ("lstm", 80, 80)])
 def test_the_split_from_timed_steps_matches_timing_every_step(

@@ -98,6 +98,7 @@ def straggler_job(tmp_path_factory: pytest.TempPathFactory) -> dict[int, RankSpl
     return {rank: read_split(folder / f"rank{rank}.json") for rank in (0, 1)}
 
 
+@pytest.mark.serial  # phase times of two ranks on the cores: the module's run is timed
 def test_the_waiting_rank_spends_the_stragglers_input_in_exchange(
         straggler_job: dict[int, RankSplit]) -> None:
     healthy, slow = straggler_job[0], straggler_job[1]
@@ -119,6 +120,7 @@ def test_the_waiting_rank_spends_the_stragglers_input_in_exchange(
     assert slow.per_step(EXCHANGE_PHASE) < healthy.per_step(EXCHANGE_PHASE)
 
 
+@pytest.mark.serial  # phase times of two ranks on the cores: the module's run is timed
 def test_only_the_rank_that_waits_for_input_is_input_bound(
         straggler_job: dict[int, RankSplit]) -> None:
     healthy = rules.input_bound(straggler_job[0].window())

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
+from tests.conftest import OWN_JOBS, REPO, agent_env, free_port, http_get, wait_for
 
 pytestmark = pytest.mark.e2e
 SETPRIV = shutil.which("setpriv")
@@ -201,7 +201,7 @@ def test_the_daemon_refuses_a_planted_socket_too(
     port = free_port()
     daemon = start(processes, [
         sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--interval",
-        "0.25", "--scan-interval", "0.25", "--no-gpu"],
+        "0.25", "--scan-interval", "0.25", "--no-gpu", *OWN_JOBS],
         {**agent_env(), "DLPROF_AGENT_RUNTIME_DIR": str(runtime_dir)})
     wait_for(lambda: f'dlprof_probe_up{{pid="{job.pid}"}}' in scrape(port),
              "the daemon to watch the job")

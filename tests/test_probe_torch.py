@@ -206,6 +206,7 @@ def kill_agent_mid_run(processes: list[subprocess.Popen[bytes]], tmp_path: Path
             statistics.median(durations[-20:]))
 
 
+@pytest.mark.serial  # step times before and after: other tests' load would differ between
 def test_killing_the_agent_leaves_the_job_as_it_was_and_at_its_previous_speed(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
     timings = []
@@ -349,6 +350,7 @@ def test_a_loop_without_torch_optim_still_has_steps(
     assert values["dlprof_samples_total{phase=steady}"] % BATCH == 0
 
 
+@pytest.mark.serial  # a fixed 8 s demo must reach steady steps: the job needs its cores
 def test_demo_trains_injects_and_shows_what_prometheus_gets() -> None:
     """The README's main command, as a user runs it."""
     result = subprocess.run(

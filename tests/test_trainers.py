@@ -35,7 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
 
-pytestmark = pytest.mark.slow
+# One worker runs them all: its module fixture writes the whole table, once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainers")]
 
 TABLE = REPO / "docs" / "trainers.md"
 TOLERANCE = 0.02  # step time and samples/s against the job's own timer; the split's sum

@@ -116,14 +116,16 @@ class ProbeStart:
         except DlprofError as error:
             failure = error
         with self._lock:
-            late, stopping = self._abandoned, self._stopping
+            late = self._abandoned
             if not late:
                 self._source, self._failure = source, failure
+            # Under the lock: a stop that says "stopped by ..." first calls quiet(),
+            # so that line stays the last.
+            if source is not None and not late and not self._stopping:
+                self._announce(source)
         if source is not None and late:
             source.stop()  # the agent is stopping: the probe removes its hooks
         elif source is not None:
-            if not stopping:  # after "stopped by ...", the last line stays that one
-                self._announce(source)
             self._on_open(source)
         self._done.set()
 
@@ -152,6 +154,11 @@ class ProbeStart:
                  "them once it answers (Ctrl-C stops; `dlprof-agent run -- python ...` "
                  "starts a job with the probe in it)", self.pid,
                  f": waiting for {step[0]}" if step is not None else "")
+
+    def quiet(self) -> None:
+        """The attach is stopping: a probe that comes up from now on is not announced."""
+        with self._lock:
+            self._stopping = True
 
     def abandon(self) -> None:
         """The attach is ending: wait a little for an injection under way, so that

@@ -225,6 +225,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                             describe_exit() if describe_exit else f"process {pid} exited")
         except (KeyboardInterrupt, StopRequested) as stopped:
             stop.set()
+            if probe_start is not None:
+                probe_start.quiet()  # its announcement, if any, before this line
             print(f"dlprof-agent: stopped by "
                   f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
                   file=sys.stderr)
