@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
-import shutil
 import signal
 import struct
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,29 +35,17 @@ from dlprof_agent.reach.runtime import find_python_runtime
 from tests.helpers import wait_until
 from tests.test_main_thread_waits import RESULTS, WAITS
 from tests.test_trixie_root import (
+    CHROOT,
+    ROOTS,
     check_kills_leave_the_wait_as_it_was,
     check_the_queued_code_runs_while_waiting,
+    root_problem,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
-SID_ROOT = Path(os.environ.get("DLPROF_PYTHON_ROOTS", REPO / "build" / "roots")) / "sid"
+SID_ROOT = ROOTS / "sid"
 
 
-def _root_problem() -> str | None:
-    if platform.machine() != "x86_64":
-        return "the roots are built for x86-64"
-    if os.geteuid() != 0:
-        return "running a job in a Debian root needs chroot, as root"
-    if sys.version_info[:2] == (3, 14):
-        return "the agent itself runs 3.14: sys.remote_exec is used instead"
-    if reach.root_python_version(SID_ROOT) is None:
-        return (f"no Debian sid root with python3 at {SID_ROOT}: build it with "
-                "scripts/build-python-roots --suite sid (as root)")
-    return None
-
-
-_PROBLEM = _root_problem()
+_PROBLEM = root_problem("sid", (3, 14))
 pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
               pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
 

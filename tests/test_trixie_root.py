@@ -39,23 +39,26 @@ from tests.test_main_thread_waits import RESULTS, WAITS
 
 REPO = Path(__file__).resolve().parents[1]
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
-TRIXIE_ROOT = Path(os.environ.get("DLPROF_PYTHON_ROOTS", REPO / "build" / "roots")) / "trixie"
+ROOTS = Path(os.environ.get("DLPROF_PYTHON_ROOTS", REPO / "build" / "roots"))
+TRIXIE_ROOT = ROOTS / "trixie"
 
 
-def _root_problem() -> str | None:
+def root_problem(suite: str, python: tuple[int, int]) -> str | None:
+    """Why jobs cannot run on Debian ``suite``'s Python ``python`` here; None if they can."""
     if platform.machine() != "x86_64":
         return "the roots are built for x86-64"
     if os.geteuid() != 0:
         return "running a job in a Debian root needs chroot, as root"
-    if sys.version_info[:2] == (3, 13):
-        return "the agent itself runs 3.13: the job would not be in another root's Python"
-    if reach.root_python_version(TRIXIE_ROOT) is None:
-        return (f"no Debian trixie root with python3 at {TRIXIE_ROOT}: build it with "
-                "scripts/build-python-roots --suite trixie (as root)")
+    if sys.version_info[:2] == python:
+        return (f"the agent itself runs {python[0]}.{python[1]}: the job would not be in "
+                "another root's Python")
+    if reach.root_python_version(ROOTS / suite) is None:
+        return (f"no Debian {suite} root with python3 at {ROOTS / suite}: build it with "
+                f"scripts/build-python-roots --suite {suite} (as root)")
     return None
 
 
-_PROBLEM = _root_problem()
+_PROBLEM = root_problem("trixie", (3, 13))
 pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
               pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
 

@@ -25,7 +25,7 @@ from dlprof_agent.collectors.procfs import (
     open_memory,
     read_root,
 )
-from dlprof_agent.reach.elf import scan_elf_file
+from dlprof_agent.reach.elf import ElfScan, scan_elf_file
 
 _DELETED = " (deleted)"
 _CHECKED_BYTES = 16  # of a function's code, compared between its file and the job
@@ -62,20 +62,28 @@ def libc_path(maps: list[Mapping]) -> str | None:
     return None
 
 
-def function_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
-                     *, procfs: str = PROC_ROOT) -> int | None:
-    """Where ``name``, defined in the file mapped as ``path`` and opened through the first
-    of ``files`` that can be read, is in process ``pid``; None unless the bytes there are
-    the file's own (a wrong address is never called)."""
+def first_readable_elf(files: list[str]) -> tuple[str, ElfScan] | None:
+    """The first of ``files`` (one file's paths, best first) that the agent may read
+    and is ELF, scanned."""
     for file in files:
         try:
             scan = scan_elf_file(file)
         except PermissionError:
             continue
         if scan is not None:
-            break
-    else:
+            return file, scan
+    return None
+
+
+def function_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
+                     *, procfs: str = PROC_ROOT) -> int | None:
+    """Where ``name``, defined in the file mapped as ``path`` and opened through the first
+    of ``files`` that can be read, is in process ``pid``; None unless the bytes there are
+    the file's own (a wrong address is never called)."""
+    readable = first_readable_elf(files)
+    if readable is None:
         return None
+    file, scan = readable
     location = scan.location(name)
     if location is None:
         return None

@@ -63,8 +63,7 @@ from dlprof_agent.reach.debug_offsets import (
     DebugOffsets,
     parse_debug_offsets,
 )
-from dlprof_agent.reach.elf import scan_elf_file
-from dlprof_agent.reach.mapped_files import mapped_file_paths
+from dlprof_agent.reach.mapped_files import first_readable_elf, mapped_file_paths
 from dlprof_agent.reach.pending import QueuedBootstrap, remember
 from dlprof_agent.reach.procfs import memory_map, running, start_ticks
 from dlprof_agent.reach.refusal import refused
@@ -100,14 +99,8 @@ def _runtime_address(pid: int, runtime: PythonRuntime, procfs: str) -> int | Non
     # map_files (``mapped_files``).
     files = ([executable_path(pid, root=procfs)] if runtime.library == exe
              else mapped_file_paths(pid, runtime.library, maps, procfs=procfs))
-    scan = None
-    for file in files:
-        try:
-            scan = scan_elf_file(file)
-        except PermissionError:
-            continue
-        if scan is not None:
-            break
+    found = first_readable_elf(files)
+    scan = found[1] if found is not None else None
     location = scan.location("_PyRuntime") if scan is not None else None
     if scan is None or location is None:
         return None
