@@ -47,6 +47,8 @@ SID_ROOT = ROOTS / "sid"
 
 _PROBLEM = root_problem("sid", (3, 14))
 pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
+              # one worker: its fixture copies the agent's package into the root
+              pytest.mark.xdist_group("python-roots"),
               pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
 
 Job = Callable[..., "subprocess.Popen[str]"]

@@ -60,6 +60,8 @@ def root_problem(suite: str, python: tuple[int, int]) -> str | None:
 
 _PROBLEM = root_problem("trixie", (3, 13))
 pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
+              # one worker: its fixture copies the agent's package into the root
+              pytest.mark.xdist_group("python-roots"),
               pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
 
 Job = Callable[..., "subprocess.Popen[str]"]
