@@ -40,6 +40,7 @@ DEFAULT_INTERVAL_SECONDS = 1.0
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
 DEFAULT_WARMUP_STEPS = 10
 MIN_INTERVAL_SECONDS = 0.05
+STOP_PASS_SECONDS = 2.0  # how long a stop waits for the pass under way to end
 
 log = logging.getLogger("dlprof_agent")
 
@@ -227,6 +228,10 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             stop.set()
             if probe_start is not None:
                 probe_start.quiet()  # its announcement, if any, before this line
+            # A pass under way ends first: what it says (the probe's first answer,
+            # say) comes before this line, which is the last.
+            if loop.is_alive():
+                loop.join(STOP_PASS_SECONDS)
             print(f"dlprof-agent: stopped by "
                   f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
                   file=sys.stderr)
