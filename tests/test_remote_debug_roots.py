@@ -10,7 +10,6 @@ Each test skips, saying why, where the root is absent (CI builds none)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import struct
@@ -39,6 +38,8 @@ from tests.test_trixie_root import (
     ROOTS,
     check_kills_leave_the_wait_as_it_was,
     check_the_queued_code_runs_while_waiting,
+    kill_all,
+    ready,
     root_problem,
 )
 
@@ -72,18 +73,10 @@ def job(sid_root: Path) -> Iterator[Job]:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True)
         started.append(process)
-        assert process.stdout is not None
-        # torch's UCX says on stdout that it cannot read /proc (not mounted in the root)
-        for line in process.stdout:
-            if line == "ready\n":
-                return process
-        raise AssertionError(f"the job ended before it was ready: {process.wait()}")
+        return ready(process)
 
     yield start
-    for process in started:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate(timeout=30)
+    kill_all(started)
 
 
 

@@ -64,6 +64,24 @@ pytestmark = [pytest.mark.slow,  # real jobs in a Debian root
               pytest.mark.xdist_group("python-roots"),
               pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
 
+
+def ready(process: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """``process`` once it has printed "ready" (lines before it are noise: torch's UCX
+    says on stdout that it cannot read /proc, which the root does not mount)."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line == "ready\n":
+            return process
+    raise AssertionError(f"the job ended before it was ready: {process.wait()}")
+
+
+def kill_all(started: list[subprocess.Popen[str]]) -> None:
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=30)
+
+
 Job = Callable[..., "subprocess.Popen[str]"]
 
 # Counts on, printing each thousandth round: a job that computes prints more lines.
@@ -89,17 +107,10 @@ def job(trixie_root: Path) -> Iterator[Job]:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True)
         started.append(process)
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line == "ready\n":
-                return process
-        raise AssertionError(f"the job ended before it was ready: {process.wait()}")
+        return ready(process)
 
     yield start
-    for process in started:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate(timeout=30)
+    kill_all(started)
 
 
 def _computes_on(process: subprocess.Popen[str]) -> None:
