@@ -19,6 +19,7 @@ import base64
 import functools
 import itertools
 import json
+import os
 import random
 import secrets
 import signal
@@ -49,7 +50,8 @@ from tests.test_adversarial_tenancy import (
 )
 
 pytestmark = pytest.mark.slow
-MARKER = "dlprof-adversarial-daemon"
+# Of this worker: another worker's jobs of this file must not become this daemon's targets.
+MARKER = f"dlprof-adversarial-daemon-{os.getpid()}"
 STOP_SECONDS = 5.0  # the bound on an exit after SIGTERM
 
 # A tenant's process serving the probe protocol at its own pid's socket, whose

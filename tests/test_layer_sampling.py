@@ -18,6 +18,7 @@ from dlprof_agent.probe.torch_hooks import TorchHooks  # noqa: E402
 from dlprof_agent.workloads import torch_models  # noqa: E402
 
 SHARE_TOLERANCE = 0.05  # each layer's share of the step, sampled against every step
+ROUNDS = 3  # of that comparison, before a difference is the sampling's
 
 
 def training_step(name: str) -> tuple[Any, Callable[[], None]]:
@@ -150,17 +151,30 @@ def layer_shares(name: str, sampling: LayerSampling | None, *, steps: int = 0,
     ("small-cnn", 80, 80), ("resnet-56", 15, 25), ("lstm", 80, 80)])
 def test_the_split_from_timed_steps_matches_timing_every_step(
         name: str, steps: int, timed_steps: int) -> None:
-    """Full-rate hooks, then the default budget, then full-rate hooks again,
-    on the same model, so that the machine's drift hits both alike."""
-    before, _, _ = layer_shares(name, None, steps=steps)
-    sampled, timed, cost = layer_shares(name, LayerSampling(), timed_steps=timed_steps)
-    after, _, _ = layer_shares(name, None, steps=steps)
-    every_step = {layer: (before[layer] + after[layer]) / 2 for layer in before}
-    assert set(sampled) == set(every_step)
-    worst = max(abs(sampled[layer] - every_step[layer]) for layer in every_step)
-    print(f"{name}: {len(every_step)} layers, {timed} timed steps, a timed step cost "
-          f"{100 * (cost or 0):.1f}% of a step; largest difference in a layer's share "
-          f"{100 * worst:.2f} percentage points")
-    assert worst <= SHARE_TOLERANCE, {layer: (round(every_step[layer], 3),
-                                              round(sampled[layer], 3))
-                                      for layer in every_step}
+    """Full-rate hooks, then the default budget, then full-rate hooks again, on
+    the same model. A sampled share is compared with the band its two full-rate
+    runs span, so that drift of the machine between them widens the reference
+    instead of failing the test. A burst of load inside one run can still move a
+    share by points (the first conv's went from 0.13 to 0.17 once in a parallel
+    run), so a round is repeated, up to ROUNDS times; a sampling that is wrong
+    is wrong in every round."""
+    misses: list[dict[str, tuple[float, float, float]]] = []
+    for _ in range(ROUNDS):
+        before, _, _ = layer_shares(name, None, steps=steps)
+        sampled, timed, cost = layer_shares(name, LayerSampling(), timed_steps=timed_steps)
+        after, _, _ = layer_shares(name, None, steps=steps)
+        assert set(sampled) == set(before) == set(after)
+        band = {layer: (min(before[layer], after[layer]), max(before[layer], after[layer]))
+                for layer in before}
+        outside = {layer: max(low - sampled[layer], sampled[layer] - high, 0.0)
+                   for layer, (low, high) in band.items()}
+        worst = max(outside.values())
+        print(f"{name}: {len(band)} layers, {timed} timed steps, a timed step cost "
+              f"{100 * (cost or 0):.1f}% of a step; largest distance of a layer's share "
+              f"from its full-rate band {100 * worst:.2f} percentage points")
+        if worst <= SHARE_TOLERANCE:
+            return
+        misses.append({layer: (round(low, 3), round(high, 3), round(sampled[layer], 3))
+                       for layer, (low, high) in band.items()})
+    pytest.fail(f"{name}: a sampled share was over {100 * SHARE_TOLERANCE:g} points from "
+                f"its full-rate band in {ROUNDS} rounds (low, high, sampled): {misses}")

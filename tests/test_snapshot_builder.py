@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -34,7 +35,9 @@ from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import AgentSelfSample
 from tests.fake_nvml import FakeDevice, FakeNvml, ProcessInfo
 
-MARKER = "dlprof-snapshot-builder-test"
+# The sleepers carry a marker of this worker: tests of this file run on
+# several workers at once, and a scan by a shared marker found another worker's.
+MARKER = f"dlprof-snapshot-builder-test-{os.getpid()}"
 
 
 class SteppingClock:
