@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,19 @@ count = int(sys.argv[1])
 print("ready", flush=True)
 print(rounds(count), flush=True)
 """
+# The same loop, beside a thread hashing in C without the GIL, each digest checked: a
+# busy 3.13 main thread is borrowed with such threads stopped until its call is queued.
+LOOP_BESIDE_A_NATIVE_THREAD = """
+import hashlib, os, threading
+DATA = bytes(range(256)) * 4096
+EXPECTED = hashlib.sha256(DATA).hexdigest()
+def hashing():
+    while True:
+        if hashlib.sha256(DATA).hexdigest() != EXPECTED:
+            print("a digest differed", flush=True)
+            os._exit(3)
+threading.Thread(target=hashing, daemon=True).start()
+""" + LOOP
 ROUNDS = 30
 # An agent that says when its injection begins (after its imports), and ends with it
 AGENT = ("import sys\n"
@@ -54,10 +68,17 @@ AGENT = ("import sys\n"
          "print('injecting', flush=True)\n"
          "inject(int(sys.argv[1]), 'pass')\n")
 
+# Starts the loop for so many rounds, and returns it once it is ready
+StartLoop = Callable[[int], "subprocess.Popen[str]"]
 
-def start_loop(rounds: int = ROUNDS) -> subprocess.Popen[str]:
-    job = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", LOOP, str(rounds)],
-                           stdout=subprocess.PIPE, text=True, cwd="/", start_new_session=True)
+
+def start_loop(rounds: int = ROUNDS, *, python: Sequence[str] = (sys.executable,),
+               script: str = LOOP, env: dict[str, str] | None = None,
+               cwd: str = "/") -> subprocess.Popen[str]:
+    """``script`` run by ``python`` (a chroot's, say), pinned to CPU 0."""
+    job = subprocess.Popen(["taskset", "-c", "0", *python, "-c", script, str(rounds)],
+                           stdout=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                           start_new_session=True)
     assert job.stdout is not None and job.stdout.readline() == "ready\n"
     return job
 
@@ -72,27 +93,34 @@ def finish(job: subprocess.Popen[str]) -> str:
 def stop(job: subprocess.Popen[str]) -> None:
     if job.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(job.pid, 9)
+            os.killpg(job.pid, 9)
         job.wait(10)
 
 
 def left_stopped_or_traced(pid: int) -> str | None:
-    state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    tracer = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
-                  .splitlines() if line.startswith("TracerPid:"))
-    if state in ("t", "T"):
-        return "left stopped"
-    return None if tracer == "0" else f"left traced by {tracer}"
+    """A thread of ``pid`` left stopped or traced, said; None when all run free."""
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        with contextlib.suppress(FileNotFoundError):
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+            tracer = next(line.split()[1] for line in (task / "status").read_text()
+                          .splitlines() if line.startswith("TracerPid:"))
+            if state in ("t", "T"):
+                return f"thread {task.name} left stopped"
+            if tracer != "0":
+                return f"thread {task.name} left traced by {tracer}"
+    return None
 
 
-def test_a_pinned_pure_python_loop_runs_the_queued_code_and_computes_the_same(
-        tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
-    job = start_loop()
+def check_the_queued_code_runs_in_the_loop(start: StartLoop, marker: str,
+                                           written: Path) -> None:
+    """Code queued in a loop that ``start`` runs writes ``marker`` (the path as the job
+    sees it, ``written`` as this process does) while the loop runs, and the loop's
+    threads are left free and compute every round right."""
+    job = start(ROUNDS)
     try:
-        queued = inject(job.pid, f"open({str(marker)!r}, 'w').write('ran')")
+        queued = inject(job.pid, f"open({marker!r}, 'w').write('ran')")
         assert queued is not None
-        wait_until(marker.exists, 30)
+        wait_until(written.exists, 30)
         assert job.poll() is None, "the code ran only once the loop had ended"
         assert queued.state() == "ran"
         assert left_stopped_or_traced(job.pid) is None
@@ -101,7 +129,7 @@ def test_a_pinned_pure_python_loop_runs_the_queued_code_and_computes_the_same(
         stop(job)
 
 
-def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_same() -> None:
+def check_kills_leave_the_loop_computing(start: StartLoop) -> None:
     """20 agents, each killed (SIGKILL) at a random instant from the start of its
     injection to a little past its usual end: the loop is never left stopped or traced,
     and finishes every round right."""
@@ -114,7 +142,7 @@ def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_sa
         assert started.stdout is not None and started.stdout.readline() == "injecting\n"
         return started
 
-    job = start_loop()
+    job = start(ROUNDS)
     began = time.monotonic()
     whole = agent(job)
     injecting = time.monotonic()
@@ -128,7 +156,7 @@ def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_sa
     rng = random.Random(24)
     tries, harmed = 20, []
     for number in range(tries):
-        job = start_loop(rounds)
+        job = start(rounds)
         try:
             delay = rng.uniform(0.0, duration * 1.2)
             side = agent(job)
@@ -148,3 +176,13 @@ def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_sa
     assert not harmed, (f"{len(harmed)} of {tries} kills harmed the loop (an injection "
                         f"takes {duration:.2f} s here):\n"
                         + "\n".join(harmed))
+
+
+def test_a_pinned_pure_python_loop_runs_the_queued_code_and_computes_the_same(
+        tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    check_the_queued_code_runs_in_the_loop(start_loop, str(marker), marker)
+
+
+def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_same() -> None:
+    check_kills_leave_the_loop_computing(start_loop)

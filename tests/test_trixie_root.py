@@ -10,6 +10,7 @@ builds none)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import random
@@ -25,7 +26,7 @@ import pytest
 
 from benchmarks import reach
 from dlprof_agent.collectors.probe import ProbeClient
-from dlprof_agent.errors import InjectionFailed
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow
 from dlprof_agent.reach import gdb
 from dlprof_agent.reach import inject as injector
 from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
@@ -36,6 +37,17 @@ from dlprof_agent.reach.runtime import find_python_runtime
 from tests.conftest import agent_env
 from tests.helpers import wait_until
 from tests.test_main_thread_waits import RESULTS, WAITS
+from tests.test_pure_python_loop import (
+    LOOP,
+    LOOP_BESIDE_A_NATIVE_THREAD,
+    StartLoop,
+    check_kills_leave_the_loop_computing,
+    check_the_queued_code_runs_in_the_loop,
+    finish,
+    left_stopped_or_traced,
+    start_loop,
+    stop,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
@@ -273,3 +285,67 @@ def test_killing_the_agent_while_it_ends_a_3_13_wait_leaves_the_wait_as_it_was(
         job: Job, kind: str) -> None:
     check_kills_leave_the_wait_as_it_was(
         lambda kind, seconds: job(WAITS, kind, str(seconds)), kind)
+
+
+# A busy main thread on 3.13: borrowed with the job's other threads held and the
+# pending-call mutex free (``reach/pending_mutex.py``)
+BUSY_LOOPS = {"alone": LOOP, "beside a native thread": LOOP_BESIDE_A_NATIVE_THREAD}
+
+
+def _loop_in(root: Path, script: str) -> StartLoop:
+    return functools.partial(start_loop, python=(CHROOT, str(root.resolve()), "python3"),
+                             script=script, env={"PATH": "/usr/bin:/bin"}, cwd=str(root))
+
+
+@pytest.mark.parametrize("kind", sorted(BUSY_LOOPS))
+def test_a_busy_3_13_main_thread_runs_the_queued_code_and_computes_the_same(
+        trixie_root: Path, kind: str) -> None:
+    marker = f"/tmp/dlprof-busy-{os.getpid()}-{kind.replace(' ', '-')}"  # as the job sees it
+    written = trixie_root / marker.lstrip("/")
+    try:
+        check_the_queued_code_runs_in_the_loop(_loop_in(trixie_root, BUSY_LOOPS[kind]),
+                                               marker, written)
+    finally:
+        written.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("kind", sorted(BUSY_LOOPS))
+def test_killing_the_agent_while_it_borrows_a_busy_3_13_main_thread_leaves_it_computing(
+        trixie_root: Path, kind: str) -> None:
+    check_kills_leave_the_loop_computing(_loop_in(trixie_root, BUSY_LOOPS[kind]))
+
+
+def test_a_busy_3_13_main_thread_is_not_borrowed_while_the_pending_call_mutex_is_held(
+        trixie_root: Path) -> None:
+    """The mutex's byte set in the job, as another thread holding it would: no call is
+    made, and the injector says so; freed again, the probe's code is queued and runs."""
+    rounds = 200
+    job = _loop_in(trixie_root, LOOP)(rounds)
+    marker = f"/tmp/dlprof-mutex-{os.getpid()}"  # as the job sees it
+    written = trixie_root / marker.lstrip("/")
+    try:
+        runtime = find_python_runtime(job.pid)
+        calls = plan_calls(job.pid, runtime) if runtime is not None else None
+        assert calls is not None and calls.busy_stops is not None
+        mutex = calls.busy_stops.pending_mutex
+        assert mutex is not None, "the mutex of trixie's 3.13 was not found"
+        with open(f"/proc/{job.pid}/mem", "r+b", buffering=0) as memory:
+            memory.seek(mutex)
+            assert memory.read(1) == b"\0"
+            memory.seek(mutex)
+            memory.write(b"\1")
+            try:
+                with pytest.raises(InjectionNotNow, match="reached no safe point"):
+                    inject(job.pid, f"open({marker!r}, 'w').write('early')", wait_seconds=2.0)
+            finally:
+                memory.seek(mutex)
+                memory.write(b"\0")
+        assert left_stopped_or_traced(job.pid) is None
+        assert not written.exists()
+        inject(job.pid, f"open({marker!r}, 'w').write('ran')")
+        assert wait_until(written.read_text, 30) == "ran"
+        assert job.poll() is None, "the code ran only once the loop had ended"
+        assert finish(job) == f"rounds {rounds}"
+    finally:
+        stop(job)
+        written.unlink(missing_ok=True)

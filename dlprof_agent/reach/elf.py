@@ -18,11 +18,12 @@ _MAX_TABLE_BYTES = 64 << 20  # a real .dynsym/.dynstr is far smaller; refuse gar
 # for the same (and PyEvent_WaitTimed, whose call names 3.14's copy of Park); the
 # eval loop, whose extent is a busy thread's safe point
 # (``safe_point``); and _PyRuntime, whose debug offsets the remote-debugging injector
-# reads (3.14+).
+# reads (3.14+), and which holds 3.13's pending-call mutex, named in the code of
+# _PyEval_AddPendingCall (``pending_mutex``).
 _CALLED = frozenset({"Py_AddPendingCall", "PyRun_SimpleString", "mmap",
                      "PyThread_acquire_lock_timed", "_PySemaphore_Wait",
                      "_PyParkingLot_Park", "PyEvent_WaitTimed", "_PyEval_EvalFrameDefault",
-                     "_PyRuntime"})
+                     "_PyRuntime", "_PyEval_AddPendingCall"})
 _SHT_NOBITS = 8
 _ET_DYN = 3
 _SHT_DYNSYM = 11

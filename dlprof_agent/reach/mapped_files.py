@@ -80,6 +80,18 @@ def function_address(pid: int, maps: list[Mapping], path: str, files: list[str],
     """Where ``name``, defined in the file mapped as ``path`` and opened through the first
     of ``files`` that can be read, is in process ``pid``; None unless the bytes there are
     the file's own (a wrong address is never called)."""
+    return _symbol_address(pid, maps, path, files, name, procfs=procfs, checked=True)
+
+
+def data_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
+                 *, procfs: str = PROC_ROOT) -> int | None:
+    """Where the data symbol ``name`` of the file mapped as ``path`` is in ``pid``:
+    as ``function_address``, less the check of its bytes, which the job changes."""
+    return _symbol_address(pid, maps, path, files, name, procfs=procfs, checked=False)
+
+
+def _symbol_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
+                    *, procfs: str, checked: bool) -> int | None:
     readable = first_readable_elf(files)
     if readable is None:
         return None
@@ -95,6 +107,8 @@ def function_address(pid: int, maps: list[Mapping], path: str, files: list[str],
         if not starts:
             return None
         base = min(starts)
+    if not checked:
+        return base + value
     try:
         with open(file, "rb") as source:
             source.seek(offset)

@@ -31,12 +31,16 @@ _RAN = b"ran"
 # return -1, which the eval loop turns into a SystemError in the job (and a SystemExit
 # would end it). Both levels run in their own namespaces: nothing lands in __main__.
 _PENDING_BODY = """\
+flag = {address}
 try:
     with open('/proc/self/mem', 'r+b', buffering=0) as mem:
-        mem.seek({address})
+        mem.seek(flag)
         mem.write({ran!r})
 except Exception:
-    pass
+    try:  # no /proc mounted (a bare chroot)
+        __import__('ctypes').memmove(flag, {ran!r}, {size})
+    except Exception:
+        pass
 try:
     exec({code!r}, {{'__name__': 'dlprof_agent_injected'}})
 except BaseException as error:
@@ -106,7 +110,8 @@ def remember(queued: QueuedBootstrap) -> QueuedBootstrap:
 
 
 def pending_payload(code: str) -> bytes:
-    body = _PENDING_BODY.format(address=ADDRESS_PLACEHOLDER, ran=_RAN, code=code)
+    body = _PENDING_BODY.format(address=ADDRESS_PLACEHOLDER, ran=_RAN, size=len(_RAN),
+                                code=code)
     source = _PENDING_SOURCE.format(body=body).encode("utf-8")
     return bytes(FLAG_BYTES) + source + b"\0"
 

@@ -23,6 +23,11 @@ into EINTR. The one exception is the main thread in CPython's lock wait (``lock_
 that wait is ended with EINTR on purpose, whatever its timeout, since its caller waits
 again and, on the way, runs the pending call just queued.
 
+A busy 3.13 main thread is borrowed only with the job's other threads stopped, from
+before its registers are set until it reaches its ``rt_sigreturn`` (at most 0.5 s),
+and only with the pending-call mutex free (``pending_mutex``): its Py_AddPendingCall
+then never waits, and never lets go of the GIL in the middle of a bytecode.
+
 What may differ for the borrowed thread: a wait for the 3.13 pending-call mutex itself
 (another thread adding a pending call at that very moment) could be lengthened; and
 where the kernel gives no usable XSAVE image, the upper halves of its AVX registers
@@ -33,18 +38,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import mmap
 import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
     executable_path,
+    list_tasks,
     open_memory,
     read_executable,
 )
@@ -60,7 +68,12 @@ from dlprof_agent.reach.frame import (
     signed,
 )
 from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, call_targets, in_lock_wait
-from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
+from dlprof_agent.reach.mapped_files import (
+    data_address,
+    function_address,
+    libc_path,
+    mapped_file_paths,
+)
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -68,6 +81,7 @@ from dlprof_agent.reach.pending import (
     pending_payload,
     remember,
 )
+from dlprof_agent.reach.pending_mutex import pending_mutex_address
 from dlprof_agent.reach.procfs import memory_map, start_ticks
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
@@ -85,6 +99,10 @@ from dlprof_agent.reach.threads import (
 _PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
 _PTRACE_GETREGSET, _PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4204, 0x4206, 0x4207
 _PTRACE_EVENT_STOP = 128
+_PTRACE_SYSCALL, _PTRACE_SETOPTIONS, _PTRACE_O_TRACESYSGOOD = 24, 0x4200, 1
+_RT_SIGRETURN = 15
+# How long other threads stay stopped while a busy 3.13 main thread queues its call
+_HOLD_SECONDS = 0.5
 _WALL = 0x40000000
 _MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
 # mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
@@ -192,7 +210,8 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
 
 def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
             maps: list[Mapping], *, lock_function: LockWait | None = None,
-            busy: BusyStops | None = None) -> bool:
+            busy: BusyStops | None = None,
+            hold_others: Callable[[], bool] | None = None) -> bool:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
     when it is not waiting in a system call we may borrow it from. ``call`` is the
@@ -201,7 +220,8 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
     extent, or 3.13's parking lot) comes back from its wait with EINTR, so that it runs
     a pending call now.
     With ``busy``, a thread stopped outside any system call is taken too, at a safe PC
-    (``safe_point``)."""
+    (``safe_point``), once ``hold_others`` (where given) has stopped the job's other
+    threads and said yes."""
     function, args, gadget = call
     regs = ptrace.registers(tid)
     r = dict(zip(REGISTERS, regs, strict=True))
@@ -214,7 +234,8 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
     if orig < 0:
         if busy is None or stack is None or not busy.accepts(r["rip"], maps) or (
                 in_signal_handler(lambda address, size: _read_memory(pid, address, size),
-                                  r["rsp"], stack[1], gadget)):
+                                  r["rsp"], stack[1], gadget)) or (
+                hold_others is not None and not hold_others()):
             return False
     elif not interrupt and (not borrowable(orig, arguments)
                             or signed(r["rax"]) == _ERESTART_RESTARTBLOCK):
@@ -264,6 +285,8 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
                 raise refused(pid, PROC_ROOT, "ptrace was denied") from None
             continue
         stopped, signal_to_pass = False, 0
+        held: dict[int, int] = {}  # other threads stopped meanwhile -> a signal to pass on
+        mutex = busy.pending_mutex if busy is not None and tid == pid else None
         try:
             ptrace(_PTRACE_INTERRUPT, tid)
             _, status = os.waitpid(tid, _WALL)
@@ -275,14 +298,87 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
                 continue
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
+            hold = None if mutex is None else functools.partial(
+                _hold_other_threads, ptrace, pid, held, mutex)
             if _detour(ptrace, pid, tid, (function, args, gadget), maps,
-                       lock_function=lock_function, busy=busy):
+                       lock_function=lock_function, busy=busy, hold_others=hold):
+                if held:  # its call is set: whatever happens now, it is done
+                    with contextlib.suppress(OSError, ChildProcessError):
+                        signal_to_pass = _until_it_returns(ptrace, tid)
                 return True
         except OSError:
             continue
         finally:
             _release(ptrace, tid, stopped, signal_to_pass)
+            for other, its_signal in held.items():
+                _release(ptrace, other, True, its_signal)
     return False
+
+
+def _hold_other_threads(ptrace: _Ptrace, pid: int, held: dict[int, int], mutex: int
+                        ) -> bool:
+    """Stop every thread of ``pid`` but the main one, recording each in ``held`` (with
+    a signal that arrived meanwhile, to pass on). True when all are stopped, no thread
+    appeared meanwhile, and 3.13's pending-call mutex at ``mutex`` is free."""
+    try:
+        others = [tid for tid in list_tasks(pid) if tid != pid]
+    except TargetGone:
+        return False
+    for tid in others:
+        try:
+            ptrace(_PTRACE_SEIZE, tid)
+        except OSError:
+            return False
+        held[tid] = 0
+        try:
+            ptrace(_PTRACE_INTERRUPT, tid)
+            _, status = os.waitpid(tid, _WALL)
+        except (OSError, ChildProcessError):
+            return False
+        if not os.WIFSTOPPED(status):
+            del held[tid]
+            return False
+        if status >> 16 != _PTRACE_EVENT_STOP:
+            held[tid] = os.WSTOPSIG(status)
+    try:
+        # The PyMutex's byte: 0 when unlocked with no waiter parked
+        return (sorted(tid for tid in list_tasks(pid) if tid != pid) == sorted(others)
+                and _read_memory(pid, mutex, 1) == b"\0")
+    except (TargetGone, OSError):
+        return False
+
+
+def _until_it_returns(ptrace: _Ptrace, tid: int) -> int:
+    """Let the borrowed thread run its call, with the others held, up to its
+    rt_sigreturn (the detour's end) or for at most _HOLD_SECONDS; it is left stopped at
+    a system call or a signal. The signal to pass on when it is let go, if any."""
+    ptrace(_PTRACE_SETOPTIONS, tid, _PTRACE_O_TRACESYSGOOD)
+    deadline = time.monotonic() + _HOLD_SECONDS
+    deliver = 0
+    while True:
+        ptrace(_PTRACE_SYSCALL, tid, deliver)
+        deliver = 0
+        while True:
+            waited, status = os.waitpid(tid, _WALL | os.WNOHANG)
+            if waited:
+                break
+            if time.monotonic() >= deadline:
+                ptrace(_PTRACE_INTERRUPT, tid)
+                _, status = os.waitpid(tid, _WALL)
+                break
+            time.sleep(0.0005)
+        if not os.WIFSTOPPED(status):
+            raise ChildProcessError(f"thread {tid} ended")
+        stop = os.WSTOPSIG(status)
+        if status >> 16:  # stopped by our interrupt or a group stop: let it go as it is
+            return 0
+        if stop != signal.SIGTRAP | 0x80:  # a signal for it
+            if time.monotonic() >= deadline:
+                return stop
+            deliver = stop  # delivered as it goes on
+        elif dict(zip(REGISTERS, ptrace.registers(tid), strict=True))["orig_rax"] == \
+                _RT_SIGRETURN or time.monotonic() >= deadline:
+            return 0
 
 
 def _release(ptrace: _Ptrace, tid: int, stopped: bool, signal_to_pass: int) -> None:
@@ -338,10 +434,14 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
-    busy = (BusyStops(frozenset({runtime.library, exe}),
-                      _function_extent(pid, maps, runtime.library, python_files,
-                                       "_PyEval_EvalFrameDefault"))
+    eval_loop = _function_extent(pid, maps, runtime.library, python_files,
+                                 "_PyEval_EvalFrameDefault")
+    busy = (BusyStops(frozenset({runtime.library, exe}), eval_loop)
             if runtime.version is not None and runtime.version < (3, 13) else None)
+    if runtime.version == (3, 13):
+        mutex = _pending_mutex(pid, maps, runtime.library, python_files)
+        busy = (BusyStops(frozenset({runtime.library, exe}), eval_loop, mutex)
+                if mutex is not None else None)
     lock_wait: LockWait | None = (
         _parking_lot_wait(pid, maps, runtime.library, python_files)
         if runtime.version in PARKING_LOT_VERSIONS else
@@ -352,6 +452,19 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
 
 
 PARKING_LOT_VERSIONS = ((3, 13), (3, 14))  # whose lock waits were read (``lock_wait``)
+
+
+def _pending_mutex(pid: int, maps: list[Mapping], path: str, files: list[str]) -> int | None:
+    """3.13's main-thread pending-call mutex in ``pid`` (``pending_mutex``), or None."""
+    runtime_state = data_address(pid, maps, path, files, "_PyRuntime")
+    adder = _function_extent(pid, maps, path, files, "_PyEval_AddPendingCall")
+    if runtime_state is None or adder is None:
+        return None
+    try:
+        code = _read_memory(pid, adder[0], adder[1] - adder[0])
+    except OSError:
+        return None
+    return pending_mutex_address(runtime_state, code, adder[0])
 
 
 def _parking_lot_wait(pid: int, maps: list[Mapping], path: str, files: list[str]

@@ -24,10 +24,11 @@ from source, and Debian's optimised build), 3.12 and Debian trixie's 3.13: the l
 those functions, none is inlined into it; ``tests/test_safe_point.py`` checks the
 interpreter it runs on. No other function qualifies: the allocator, dict lookups and
 integer arithmetic that fill the rest of such a loop are many small static functions,
-none exported with a size, each one more thing to reason about. Up to 3.12 only: 3.13's
-pending-call PyMutex parks a contended caller and releases its GIL, which mid-bytecode
-would let another thread run into a half-done instruction, so 3.13 borrows no busy
-thread at all. A random stop of a pinned loop summing integers in a function lands in
+none exported with a size, each one more thing to reason about. 3.13's pending-call
+PyMutex parks a contended caller and releases its GIL, which mid-bytecode would let
+another thread run into a half-done instruction: there the main thread is borrowed busy
+only with every other thread of the job stopped and that mutex free, until its call is
+queued (``pending_mutex``). A random stop of a pinned loop summing integers in a function lands in
 the eval loop's own code 31-57% of the time (3.10-3.12; 19% at module level on 3.11,
 where the globals' dict lookups are callees), and such a loop runs queued code within
 0.3 s.
@@ -89,6 +90,9 @@ class BusyStops(NamedTuple):
 
     unsafe_files: frozenset[str]  # the interpreter's executable and libpython
     eval_loop: tuple[int, int] | None  # [start, end) of _PyEval_EvalFrameDefault, if known
+    # 3.13: the pending-call mutex (``pending_mutex``); a busy main thread is then borrowed
+    # only with the job's other threads stopped and this mutex free
+    pending_mutex: int | None = None
 
     def accepts(self, pc: int, maps: list[Mapping]) -> bool:
         return safe_pc(pc, maps, self.unsafe_files, self.eval_loop)
