@@ -393,8 +393,10 @@ NOTES = """
   (libtorch, oneDNN, MKL) or, on 3.9-3.12, in the eval loop's own code
   (`_PyEval_EvalFrameDefault`, not the functions it calls). A pure-Python loop
   summing integers in a function is met there on 31-57% of stops (3.10-3.12), 19% at
-  module level. 3.13 borrows no busy thread (its pending-call mutex may release the GIL
-  mid-bytecode): there a pure-Python loop is reached only once it waits.
+  module level. On 3.13 a contended pending-call mutex would release the GIL in the
+  middle of a bytecode, so a busy main thread is borrowed there only with the job's
+  other threads stopped and that mutex free, until it has queued its call
+  (`reach/pending_mutex.py`).
 - On 3.9-3.13 the main thread's lock waits (`join()`, `lock.acquire()`,
   `Event.wait()`, `queue.get()`) end with EINTR and CPython waits again after running
   the probe's pending call (on 3.13, Park's own wait in the parking lot only); a

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import SCRAPE_TIMEOUT_SECONDS, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
@@ -234,7 +234,7 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> 
 
 
 def http_get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as response:
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECONDS) as response:
         return bytes(response.read())
 
 

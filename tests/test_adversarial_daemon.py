@@ -40,6 +40,7 @@ from dlprof_agent.collectors.procfs import read_task_stats
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.probe.protocol import socket_name
 from tests.conftest import PROMETHEUS, agent_env, free_port, wait_for
+from tests.helpers import SCRAPE_TIMEOUT_SECONDS
 from tests.test_adversarial_tenancy import (
     runtime_dir,  # noqa: F401  (a fixture)
     sample,
@@ -100,7 +101,7 @@ JOB = textwrap.dedent("""
 
 def status_of(url: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECONDS) as response:
             return response.status, bytes(response.read())
     except urllib.error.HTTPError as error:
         return error.code, error.read()
@@ -244,7 +245,7 @@ def test_sigterm_just_after_an_auth_flood_exits_with_its_line_never_an_abort(
         request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={
             "Authorization": "Basic " + base64.b64encode(
                 f"prometheus:{password}".encode()).decode()})
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=SCRAPE_TIMEOUT_SECONDS) as response:
             return bool(response.status == 200)
 
     wait_for(scrape_with_password, "a first scrape with the password")

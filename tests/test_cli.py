@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from tests.conftest import agent_env
-from tests.helpers import wait_until
+from tests.helpers import SCRAPE_TIMEOUT_SECONDS, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NO_SUCH_PID = 4_194_000  # above every default pid_max; checked before use
@@ -216,11 +216,11 @@ def test_attach_serves_metrics_until_the_duration(target: int) -> None:
                 url = found.group(1)
                 break
         assert url is not None, "the agent never said where it serves"
-        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=SCRAPE_TIMEOUT_SECONDS) as response:
             text = response.read().decode()
         assert f'dlprof_target_up{{pid="{target}"}} 1.0' in text
         assert f'dlprof_process_threads{{pid="{target}"}} 1.0' in text
-        with urllib.request.urlopen(f"{url}/healthz", timeout=5) as response:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=SCRAPE_TIMEOUT_SECONDS) as response:
             assert response.status == 200
 
         stdout, stderr = process.communicate(timeout=15)

@@ -24,6 +24,7 @@ from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.model.snapshot import Snapshot
+from tests.helpers import SCRAPE_TIMEOUT_SECONDS
 
 PID = 4242
 
@@ -389,7 +390,7 @@ def get(server: MetricsServer, path: str, accept: str | None = None
     if accept is not None:
         request.add_header("Accept", accept)
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=SCRAPE_TIMEOUT_SECONDS) as response:
             return response.status, response.headers["Content-Type"], response.read()
     except urllib.error.HTTPError as error:
         with error:

@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import agent_env, free_port, wait_for
+from tests.helpers import SCRAPE_TIMEOUT_SECONDS
 
 
 def agent(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -51,8 +52,9 @@ def test_run_that_was_scraped_says_why_it_holds_the_terminal() -> None:
          "--", sys.executable, "-c", "import time; time.sleep(4)"],
         env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                                timeout=5).status == 200, "a scrape")
+        wait_for(lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_SECONDS).status == 200,
+            "a scrape")
         _, stderr = run.communicate(timeout=60)
     finally:
         if run.poll() is None:

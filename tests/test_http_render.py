@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dlprof_agent.exporters.http import MetricsServer
+from tests.helpers import SCRAPE_TIMEOUT_SECONDS
 
 # What Prometheus 2.x sends.
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
@@ -52,7 +53,7 @@ def scrape(port: int, accept: str = PROMETHEUS_ACCEPT, encoding: str = ""
     request.add_header("Accept", accept)
     if encoding:
         request.add_header("Accept-Encoding", encoding)
-    with urllib.request.urlopen(request, timeout=5) as response:
+    with urllib.request.urlopen(request, timeout=SCRAPE_TIMEOUT_SECONDS) as response:
         return (response.headers["Content-Type"], response.headers.get("Content-Encoding", ""),
                 response.read())
 
