@@ -283,12 +283,31 @@ def root_section(rows: list[Row], limit: float, root: Path, version: str) -> str
 
 
 def with_root_section(text: str, section: str) -> str:
-    """``text`` with ``section`` in place of the section of the same root, or added."""
-    title = section.splitlines()[0]
+    """``text`` with ``section`` in place of the section of the same root, where it
+    was, or added at the end. Rows of the old section whose kinds ``section`` lacks
+    are kept (a run of a few kinds updates those), in the order of ``JOBS``."""
+    root = section.splitlines()[0].split(",")[0] + ","  # its title, up to the version
     parts = re.split(r"(?m)^(?=## )", text)
-    kept = [part for part in parts if part.splitlines()[:1] != [title]]
-    before = "".join(kept).rstrip("\n")
-    return before + "\n\n" + section if before else section
+    old = next((part for part in parts if part.startswith(root)), None)
+    if old is None:
+        before = "".join(parts).rstrip("\n")
+        return before + "\n\n" + section if before else section
+    rows = {**_table_rows(old), **_table_rows(section)}
+    order = [*JOBS, *(kind for kind in rows if kind not in JOBS)]
+    table_lines = [rows[kind] for kind in order if kind in rows]
+    lines = section.rstrip("\n").splitlines()
+    head = [line for line in lines if not line.startswith("| ") or line.startswith(
+        "| kind of job |")]
+    merged = "\n".join(head + table_lines) + "\n"
+    last = len(parts) - 1
+    return "".join((merged if index == last else merged + "\n") if part is old else part
+                   for index, part in enumerate(parts))
+
+
+def _table_rows(section: str) -> dict[str, str]:
+    """The table's lines of a section, by the kind of job they are about."""
+    return {line.split("|")[1].strip(): line for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| kind of job |")}
 
 
 def table(rows: list[Row], limit: float) -> str:

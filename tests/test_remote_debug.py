@@ -83,6 +83,26 @@ def test_a_root_section_replaces_that_roots_old_one() -> None:
     assert "## In a Debian root: trixie" in text and "- a note" in text
 
 
+def test_a_run_of_a_few_kinds_updates_their_rows_in_place_and_keeps_the_others() -> None:
+    loop, join = "pure-Python loop, one thread", "main in join()"
+    trixie = reach.root_section([reach.Row(loop, False, 36.3, 3, "no safe point"),
+                                 reach.Row(join, True, 0.3, 1)], 30.0, Path("roots/trixie"),
+                                "3.13.5")
+    sid = reach.root_section([reach.Row(join, True, 0.1, 1)], 30.0, Path("roots/sid"),
+                             "3.14.1")
+    text = reach.with_root_section(reach.with_root_section("# Table\n", trixie), sid)
+    update = reach.root_section([reach.Row(loop, True, 1.8, 1)], 30.0, Path("roots/trixie"),
+                                "3.13.6")
+    text = reach.with_root_section(text, update)
+    assert text.count("## In a Debian root: trixie") == 1 and "trixie, Python 3.13.6" in text
+    assert text.index("## In a Debian root: trixie") < text.index("## In a Debian root: sid")
+    trixie_part = text[:text.index("## In a Debian root: sid")]
+    assert trixie_part.endswith("|  |\n\n")  # a blank line before the next section
+    assert trixie_part.index(f"| {loop} | yes | 1.8 | 1 |  |") < trixie_part.index(
+        f"| {join} | yes | 0.3 | 1 |  |")  # the order of the kinds, the row kept
+    assert "no safe point" not in text and f"| {join} | yes | 0.1 | 1 |  |" in text
+
+
 @pytest.mark.parametrize(("parked", "opted_out", "ptrace_says", "used"), [
     (True, None, None, "ptrace"),  # a main thread in a lock wait: pending call + EINTR
     (False, None, None, "remote_debug"),  # any other 3.14 job: PEP 768's script
