@@ -52,7 +52,6 @@ from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
     executable_path,
-    list_tasks,
     open_memory,
     read_executable,
 )
@@ -60,8 +59,6 @@ from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
 from dlprof_agent.reach import progress
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.frame import (
-    MAX_XSTATE_BYTES,
-    NT_X86_XSTATE,
     REGISTERS,
     frame_state_bytes,
     signal_frame,
@@ -95,15 +92,17 @@ from dlprof_agent.reach.threads import (
     same_process,
     waiting_threads,
 )
+from dlprof_agent.reach.tracer import (
+    PTRACE_EVENT_STOP,
+    PTRACE_INTERRUPT,
+    PTRACE_SEIZE,
+    WALL,
+    Tracer,
+    hold_other_threads,
+    release,
+    until_it_returns,
+)
 
-_PTRACE_GETREGS, _PTRACE_SETREGS, _PTRACE_GETFPREGS, _PTRACE_DETACH = 12, 13, 14, 17
-_PTRACE_GETREGSET, _PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4204, 0x4206, 0x4207
-_PTRACE_EVENT_STOP = 128
-_PTRACE_SYSCALL, _PTRACE_SETOPTIONS, _PTRACE_O_TRACESYSGOOD = 24, 0x4200, 1
-_RT_SIGRETURN = 15
-# How long other threads stay stopped while a busy 3.13 main thread queues its call
-_HOLD_SECONDS = 0.5
-_WALL = 0x40000000
 _MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
 # mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
 _SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
@@ -122,49 +121,6 @@ _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its det
 # which a main thread in a lock wait may not do for hours.
 _PREFER_MAIN_SECONDS = 0.5
 _MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
-
-
-class _Ptrace:
-    def __init__(self) -> None:
-        import ctypes
-
-        self._ctypes = ctypes
-        call = ctypes.CDLL(None, use_errno=True).ptrace
-        call.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-        call.restype = ctypes.c_long
-        self._call = call
-
-    def __call__(self, request: int, tid: int, data: object = None, address: int = 0
-                 ) -> None:
-        self._ctypes.set_errno(0)
-        if self._call(request, tid, address or None, data) == -1:
-            error = self._ctypes.get_errno()
-            raise OSError(error, os.strerror(error))
-
-    def registers(self, tid: int) -> list[int]:
-        regs = (self._ctypes.c_ulonglong * len(REGISTERS))()
-        self(_PTRACE_GETREGS, tid, self._ctypes.addressof(regs))
-        return list(regs)
-
-    def set_registers(self, tid: int, values: list[int]) -> None:
-        regs = (self._ctypes.c_ulonglong * len(REGISTERS))(*values)
-        self(_PTRACE_SETREGS, tid, self._ctypes.addressof(regs))  # all of them, at once
-
-    def xstate(self, tid: int) -> bytes | None:
-        """The thread's XSAVE image (PTRACE_GETREGSET), or None where the kernel has
-        none to give."""
-        area = (self._ctypes.c_ubyte * MAX_XSTATE_BYTES)()
-        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), MAX_XSTATE_BYTES)
-        try:
-            self(_PTRACE_GETREGSET, tid, self._ctypes.addressof(vector), NT_X86_XSTATE)
-        except OSError:
-            return None
-        return bytes(area)[:vector[1] or 0]
-
-    def fxsave(self, tid: int) -> bytes:
-        area = (self._ctypes.c_ubyte * 512)()
-        self(_PTRACE_GETFPREGS, tid, self._ctypes.addressof(area))
-        return bytes(area)
 
 
 def _read_memory(pid: int, address: int, size: int) -> bytes:
@@ -208,7 +164,7 @@ def _free_address(maps: list[Mapping], size: int) -> int | None:
     return (best[0] + (best[1] - best[0]) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
-def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
+def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
             maps: list[Mapping], *, lock_function: LockWait | None = None,
             busy: BusyStops | None = None,
             hold_others: Callable[[], bool] | None = None) -> bool:
@@ -261,7 +217,7 @@ def _detour(ptrace: _Ptrace, pid: int, tid: int, call: tuple[int, tuple[int, ...
     return True
 
 
-def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, ...],
+def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, ...],
                      gadget: int, *, lock_function: LockWait | None = None,
                      busy: BusyStops | None = None, main_only: bool = False) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
@@ -279,7 +235,7 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
         busy = None if waiting else busy
     for tid in candidates:
         try:
-            ptrace(_PTRACE_SEIZE, tid)
+            ptrace(PTRACE_SEIZE, tid)
         except OSError as error:
             if error.errno == errno.EPERM:
                 raise refused(pid, PROC_ROOT, "ptrace was denied") from None
@@ -288,110 +244,31 @@ def _borrow_a_thread(ptrace: _Ptrace, pid: int, function: int, args: tuple[int, 
         held: dict[int, int] = {}  # other threads stopped meanwhile -> a signal to pass on
         mutex = busy.pending_mutex if busy is not None and tid == pid else None
         try:
-            ptrace(_PTRACE_INTERRUPT, tid)
-            _, status = os.waitpid(tid, _WALL)
+            ptrace(PTRACE_INTERRUPT, tid)
+            _, status = os.waitpid(tid, WALL)
             if not os.WIFSTOPPED(status):
                 continue
             stopped = True
-            if status >> 16 != _PTRACE_EVENT_STOP:
+            if status >> 16 != PTRACE_EVENT_STOP:
                 signal_to_pass = os.WSTOPSIG(status)  # a signal arrived meanwhile: pass it on
                 continue
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
             hold = None if mutex is None else functools.partial(
-                _hold_other_threads, ptrace, pid, held, mutex)
+                hold_other_threads, ptrace, pid, held, mutex)
             if _detour(ptrace, pid, tid, (function, args, gadget), maps,
                        lock_function=lock_function, busy=busy, hold_others=hold):
                 if held:  # its call is set: whatever happens now, it is done
                     with contextlib.suppress(OSError, ChildProcessError):
-                        signal_to_pass = _until_it_returns(ptrace, tid)
+                        signal_to_pass = until_it_returns(ptrace, tid)
                 return True
         except OSError:
             continue
         finally:
-            _release(ptrace, tid, stopped, signal_to_pass)
+            release(ptrace, tid, stopped, signal_to_pass)
             for other, its_signal in held.items():
-                _release(ptrace, other, True, its_signal)
+                release(ptrace, other, True, its_signal)
     return False
-
-
-def _hold_other_threads(ptrace: _Ptrace, pid: int, held: dict[int, int], mutex: int
-                        ) -> bool:
-    """Stop every thread of ``pid`` but the main one, recording each in ``held`` (with
-    a signal that arrived meanwhile, to pass on). True when all are stopped, no thread
-    appeared meanwhile, and 3.13's pending-call mutex at ``mutex`` is free."""
-    try:
-        others = [tid for tid in list_tasks(pid) if tid != pid]
-    except TargetGone:
-        return False
-    for tid in others:
-        try:
-            ptrace(_PTRACE_SEIZE, tid)
-        except OSError:
-            return False
-        held[tid] = 0
-        try:
-            ptrace(_PTRACE_INTERRUPT, tid)
-            _, status = os.waitpid(tid, _WALL)
-        except (OSError, ChildProcessError):
-            return False
-        if not os.WIFSTOPPED(status):
-            del held[tid]
-            return False
-        if status >> 16 != _PTRACE_EVENT_STOP:
-            held[tid] = os.WSTOPSIG(status)
-    try:
-        # The PyMutex's byte: 0 when unlocked with no waiter parked
-        return (sorted(tid for tid in list_tasks(pid) if tid != pid) == sorted(others)
-                and _read_memory(pid, mutex, 1) == b"\0")
-    except (TargetGone, OSError):
-        return False
-
-
-def _until_it_returns(ptrace: _Ptrace, tid: int) -> int:
-    """Let the borrowed thread run its call, with the others held, up to its
-    rt_sigreturn (the detour's end) or for at most _HOLD_SECONDS; it is left stopped at
-    a system call or a signal. The signal to pass on when it is let go, if any."""
-    ptrace(_PTRACE_SETOPTIONS, tid, _PTRACE_O_TRACESYSGOOD)
-    deadline = time.monotonic() + _HOLD_SECONDS
-    deliver = 0
-    while True:
-        ptrace(_PTRACE_SYSCALL, tid, deliver)
-        deliver = 0
-        while True:
-            waited, status = os.waitpid(tid, _WALL | os.WNOHANG)
-            if waited:
-                break
-            if time.monotonic() >= deadline:
-                ptrace(_PTRACE_INTERRUPT, tid)
-                _, status = os.waitpid(tid, _WALL)
-                break
-            time.sleep(0.0005)
-        if not os.WIFSTOPPED(status):
-            raise ChildProcessError(f"thread {tid} ended")
-        stop = os.WSTOPSIG(status)
-        if status >> 16:  # stopped by our interrupt or a group stop: let it go as it is
-            return 0
-        if stop != signal.SIGTRAP | 0x80:  # a signal for it
-            if time.monotonic() >= deadline:
-                return stop
-            deliver = stop  # delivered as it goes on
-        elif dict(zip(REGISTERS, ptrace.registers(tid), strict=True))["orig_rax"] == \
-                _RT_SIGRETURN or time.monotonic() >= deadline:
-            return 0
-
-
-def _release(ptrace: _Ptrace, tid: int, stopped: bool, signal_to_pass: int) -> None:
-    # Detaching needs a stopped tracee; one left seized would stop at its next signal.
-    with contextlib.suppress(OSError, ChildProcessError):
-        if not stopped:
-            ptrace(_PTRACE_INTERRUPT, tid)
-            _, status = os.waitpid(tid, _WALL)
-            if not os.WIFSTOPPED(status):
-                return
-            if status >> 16 != _PTRACE_EVENT_STOP:
-                signal_to_pass = os.WSTOPSIG(status)
-        ptrace(_PTRACE_DETACH, tid, signal_to_pass)
 
 
 class CallAddresses(NamedTuple):
@@ -506,7 +383,7 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
     start_time = start_ticks(pid)
     payload = pending_payload(code)
     size = -(-len(payload) // mmap.PAGESIZE) * mmap.PAGESIZE
-    ptrace = _Ptrace()
+    ptrace = Tracer()
     deadline = time.monotonic() + wait_seconds
 
     def borrow_once(function: int, args: tuple[int, ...], *, pending: bool,
