@@ -76,7 +76,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # a grace to pass, a job to warm up). The fast tier, mostly CPU, runs on one worker a
 # core (36 s against 63 s in one process, on 2 cores). Naming files, `-n N` or
 # `-p no:xdist` runs as asked. A test marked `serial` runs alone: it takes the run's
-# lock exclusively while every other test holds it shared.
+# lock exclusively while every other test holds it shared. The serial tests are one
+# unit of the scheduler, run first and back to back on one worker (SERIAL_SCOPE).
 WORKERS = 2 * (os.cpu_count() or 1)
 LOCKS_ENV = "DLPROF_TEST_LOCKS"
 
@@ -107,6 +108,25 @@ def _one_worker_file(path: str) -> bool:
     return "xdist_group" in file_markers(REPO / path)[0]
 
 
+# The scheduler's unit that holds every test marked serial: one worker runs them back to
+# back, first (the largest units go first), while the others wait once behind the lock.
+SERIAL_SCOPE = "serial"
+
+
+@functools.cache
+def _serial_tests(path: str) -> frozenset[str]:
+    """Names of the test functions of the file at ``path`` decorated with the serial
+    mark, read from its source as ``file_markers`` reads it."""
+    try:
+        tree = ast.parse((REPO / path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    return frozenset(
+        statement.name for statement in tree.body
+        if isinstance(statement, ast.FunctionDef)
+        and any("serial" in _mark_names(decorator) for decorator in statement.decorator_list))
+
+
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """--dist loadgroup, with a file whose ``pytestmark`` holds an xdist_group run
@@ -123,8 +143,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             if "@" in nodeid:  # xdist named the group, where pytest still allows it
                 return nodeid.rsplit("@", 1)[-1]
-            path = nodeid.split("::", 1)[0]
-            return path if _one_worker_file(path) else nodeid
+            path, _, test = nodeid.partition("::")
+            if _one_worker_file(path):
+                return path
+            return SERIAL_SCOPE if test.split("[", 1)[0] in _serial_tests(path) else nodeid
 
     return FileGroups(config, log)
 
@@ -161,10 +183,26 @@ def _run_lock(exclusive: bool) -> Iterator[None]:
         yield
 
 
+# The exclusive lock, while this worker holds it: a stack to close, or none
+_serial_run: list[contextlib.ExitStack] = []
+
+
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Any:
-    with _run_lock(exclusive=item.get_closest_marker("serial") is not None):
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """A serial test takes the lock exclusively, and keeps it while the next test of
+    this worker is serial too: the serial tests run as one unit (``SERIAL_SCOPE``),
+    so the others drain once for all of them, not once each."""
+    if item.get_closest_marker("serial") is None:
+        with _run_lock(exclusive=False):
+            return (yield)
+    if not _serial_run:
+        _serial_run.append(contextlib.ExitStack())
+        _serial_run[0].enter_context(_run_lock(exclusive=True))
+    try:
         return (yield)
+    finally:
+        if nextitem is None or nextitem.get_closest_marker("serial") is None:
+            _serial_run.pop().close()
 
 
 def _mark_names(node: ast.AST) -> set[str]:
