@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from dlprof_agent.reach.inject import inject
-from tests.conftest import agent_env
 from tests.helpers import wait_until
+from tests.test_pure_python_loop import injecting_agent, left_stopped_or_traced
 
 pytestmark = [
     pytest.mark.slow,  # starts PyTorch jobs
@@ -92,11 +92,6 @@ def test_a_pinned_torch_loop_runs_the_queued_code_and_computes_the_same(
     assert digest == untouched_digest, "the attach changed the job's results"
 
 
-# An agent that says when its injection begins (after its imports), and ends with it
-AGENT = ("import sys\n"
-         "from dlprof_agent.reach.inject import inject\n"
-         "print('injecting', flush=True)\n"
-         "inject(int(sys.argv[1]), 'pass')\n")
 KILLS = 20
 LONG_STEPS = 3 * STEPS  # long enough for most of the kills, on any machine
 
@@ -106,16 +101,8 @@ def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_sa
     injection to a little past its usual end, one after the other into a long loop
     (and into another while kills remain once it has ended): it is never left stopped
     or traced, and its weights are bit-identical to an untouched run's."""
-    env = agent_env()
     untouched = finish(start_loop(LONG_STEPS))[1]
-
-    def agent(job: subprocess.Popen[str]) -> subprocess.Popen[str]:
-        started = subprocess.Popen([sys.executable, "-c", AGENT, str(job.pid)], env=env,
-                                   cwd="/", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                   text=True, start_new_session=True)
-        assert started.stdout is not None and started.stdout.readline() == "injecting\n"
-        return started
-
+    agent = injecting_agent
     rng = random.Random(31)
     harmed: list[str] = []
     duration, kills, jobs = 0.0, 0, 0
@@ -137,11 +124,9 @@ def test_killing_the_agent_during_the_injection_leaves_the_loop_computing_the_sa
                 if side.stdout is not None:
                     side.stdout.close()
                 kills += 1
-                state = Path(f"/proc/{job.pid}/stat").read_text().rpartition(")")[2].split()[0]
-                tracer = [line for line in Path(f"/proc/{job.pid}/status").read_text()
-                          .splitlines() if line.startswith("TracerPid:")]
-                if state in ("t", "T") or tracer != ["TracerPid:\t0"]:
-                    harmed.append(f"kill {kills} (at {delay:.2f} s): left {state} {tracer}")
+                problem = left_stopped_or_traced(job.pid)
+                if problem is not None:
+                    harmed.append(f"kill {kills} (at {delay:.2f} s): {problem}")
             _, digest = finish(job)
         finally:
             stop(job)

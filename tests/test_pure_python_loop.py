@@ -100,7 +100,7 @@ def stop(job: subprocess.Popen[str]) -> None:
 def left_stopped_or_traced(pid: int) -> str | None:
     """A thread of ``pid`` left stopped or traced, said; None when all run free."""
     for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended
             state = (task / "stat").read_text().rpartition(")")[2].split()[0]
             tracer = next(line.split()[1] for line in (task / "status").read_text()
                           .splitlines() if line.startswith("TracerPid:"))
@@ -129,19 +129,20 @@ def check_the_queued_code_runs_in_the_loop(start: StartLoop, marker: str,
         stop(job)
 
 
+def injecting_agent(job: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """An agent injecting into ``job``, returned once its injection begins."""
+    started = subprocess.Popen([sys.executable, "-c", AGENT, str(job.pid)], env=agent_env(),
+                               cwd="/", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, start_new_session=True)
+    assert started.stdout is not None and started.stdout.readline() == "injecting\n"
+    return started
+
+
 def check_kills_leave_the_loop_computing(start: StartLoop) -> None:
     """20 agents, each killed (SIGKILL) at a random instant from the start of its
     injection to a little past its usual end: the loop is never left stopped or traced,
     and finishes every round right."""
-    env = agent_env()
-
-    def agent(job: subprocess.Popen[str]) -> subprocess.Popen[str]:
-        started = subprocess.Popen([sys.executable, "-c", AGENT, str(job.pid)], env=env,
-                                   cwd="/", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                   text=True, start_new_session=True)
-        assert started.stdout is not None and started.stdout.readline() == "injecting\n"
-        return started
-
+    agent = injecting_agent
     job = start(ROUNDS)
     began = time.monotonic()
     whole = agent(job)
