@@ -255,7 +255,7 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
             hold = None if mutex is None else functools.partial(
-                hold_other_threads, ptrace, pid, held, mutex)
+                _hold_with_the_mutex_free, ptrace, pid, held, mutex)
             if _detour(ptrace, pid, tid, (function, args, gadget), maps,
                        lock_function=lock_function, busy=busy, hold_others=hold):
                 if held:  # its call is set: whatever happens now, it is done
@@ -269,6 +269,16 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
             for other, its_signal in held.items():
                 release(ptrace, other, True, its_signal)
     return False
+
+
+def _hold_with_the_mutex_free(ptrace: Tracer, pid: int, held: dict[int, int], mutex: int
+                              ) -> bool:
+    """Every other thread of ``pid`` held, and 3.13's pending-call PyMutex at ``mutex``
+    free: its byte 0, unlocked with no waiter parked."""
+    try:
+        return hold_other_threads(ptrace, pid, held) and _read_memory(pid, mutex, 1) == b"\0"
+    except OSError:
+        return False
 
 
 class CallAddresses(NamedTuple):
@@ -311,14 +321,14 @@ def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
     gadget = _find_sigreturn(pid, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
-    eval_loop = _function_extent(pid, maps, runtime.library, python_files,
-                                 "_PyEval_EvalFrameDefault")
-    busy = (BusyStops(frozenset({runtime.library, exe}), eval_loop)
-            if runtime.version is not None and runtime.version < (3, 13) else None)
-    if runtime.version == (3, 13):
-        mutex = _pending_mutex(pid, maps, runtime.library, python_files)
-        busy = (BusyStops(frozenset({runtime.library, exe}), eval_loop, mutex)
-                if mutex is not None else None)
+    # Up to 3.12; 3.13 only where its pending-call mutex is found (``pending_mutex``)
+    mutex = (_pending_mutex(pid, maps, runtime.library, python_files)
+             if runtime.version == (3, 13) else None)
+    busy = (BusyStops(frozenset({runtime.library, exe}),
+                      _function_extent(pid, maps, runtime.library, python_files,
+                                       "_PyEval_EvalFrameDefault"), mutex)
+            if runtime.version is not None and (runtime.version < (3, 13) or mutex is not None)
+            else None)
     lock_wait: LockWait | None = (
         _parking_lot_wait(pid, maps, runtime.library, python_files)
         if runtime.version in PARKING_LOT_VERSIONS else

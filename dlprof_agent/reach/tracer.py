@@ -11,7 +11,7 @@ import os
 import signal
 import time
 
-from dlprof_agent.collectors.procfs import list_tasks, open_memory
+from dlprof_agent.collectors.procfs import list_tasks
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.reach.frame import MAX_XSTATE_BYTES, NT_X86_XSTATE, REGISTERS
 
@@ -70,11 +70,10 @@ class Tracer:
         return bytes(area)
 
 
-def hold_other_threads(ptrace: Tracer, pid: int, held: dict[int, int], mutex: int
-                        ) -> bool:
+def hold_other_threads(ptrace: Tracer, pid: int, held: dict[int, int]) -> bool:
     """Stop every thread of ``pid`` but the main one, recording each in ``held`` (with
-    a signal that arrived meanwhile, to pass on). True when all are stopped, no thread
-    appeared meanwhile, and 3.13's pending-call mutex at ``mutex`` is free."""
+    a signal that arrived meanwhile, to pass on). True when all are stopped and no
+    thread appeared meanwhile."""
     try:
         others = [tid for tid in list_tasks(pid) if tid != pid]
     except TargetGone:
@@ -96,10 +95,8 @@ def hold_other_threads(ptrace: Tracer, pid: int, held: dict[int, int], mutex: in
         if status >> 16 != PTRACE_EVENT_STOP:
             held[tid] = os.WSTOPSIG(status)
     try:
-        # The PyMutex's byte: 0 when unlocked with no waiter parked
-        return (sorted(tid for tid in list_tasks(pid) if tid != pid) == sorted(others)
-                and _read_byte(pid, mutex) == b"\0")
-    except (TargetGone, OSError):
+        return sorted(tid for tid in list_tasks(pid) if tid != pid) == sorted(others)
+    except TargetGone:
         return False
 
 
@@ -148,8 +145,3 @@ def release(ptrace: Tracer, tid: int, stopped: bool, signal_to_pass: int) -> Non
                 signal_to_pass = os.WSTOPSIG(status)
         ptrace(PTRACE_DETACH, tid, signal_to_pass)
 
-
-def _read_byte(pid: int, address: int) -> bytes:
-    with open_memory(pid) as memory:
-        memory.seek(address)
-        return memory.read(1)
