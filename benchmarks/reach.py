@@ -349,9 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     text = table(rows, args.limit) + NOTES
     if args.out.exists():  # the roots' sections stay: each is rewritten by its --root run
+        others = []  # and, after them, those another benchmark writes (no_harm.py's)
         for part in re.split(r"(?m)^(?=## )", args.out.read_text()):
             if part.startswith(ROOT_SECTION):
                 text = with_root_section(text, part.rstrip("\n") + "\n")
+            elif part.startswith("## ") and not part.startswith("## Notes"):  # not its own
+                others.append(part.rstrip("\n") + "\n")
+        text = "\n".join([text, *others])
     args.out.write_text(text)
     return 0
 

@@ -150,6 +150,12 @@ class UnknownDebugOffsets(InjectionError):
     message says why): another injector is tried."""
 
 
+class InjectionUnsafe(InjectionFailed):
+    """The injector cannot give a borrowed thread back whole on this CPU or kernel (a
+    register state it cannot keep); it never injects there, and the agent goes on
+    with what it reads from outside."""
+
+
 class InjectionNotNow(InjectionFailed):
     """The target cannot take the probe at this moment; a later try may work."""
 

@@ -11,6 +11,7 @@ import functools
 import itertools
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -69,6 +70,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         markers = {mark.name for mark in item.iter_markers()}
         if fixtures & SLOW_FIXTURES or markers & SLOW_MARKERS:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_report_header() -> list[str]:
+    """The CPU, kernel and gdb the injector's tests ran on (a register state test that
+    skips or fails depends on them): its features, XCR0 and its XSAVE sizes."""
+    cpu, flags = "unknown CPU", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                cpu = value
+            elif key == "flags":
+                flags = " ".join(flag for flag in value.split() if flag.startswith(
+                    ("avx", "amx", "xsave", "pku", "ospke")))
+                break
+    try:
+        from dlprof_agent.reach.xsave_layout import LayoutUnknown, host_layout
+    except ImportError as error:
+        xsave = f"XSAVE layout unknown ({error})"
+    else:
+        try:
+            layout = host_layout()
+        except LayoutUnknown as error:
+            xsave = f"XSAVE layout unknown ({error})"
+        else:
+            xsave = (f"XCR0 {layout.xcr0:#x}, XSAVE {layout.size(layout.xcr0)} bytes "
+                     f"({layout.size(layout.xcr0 & ~layout.dynamic)} without XFD-guarded "
+                     "state)")
+    gdb = shutil.which("gdb")
+    try:
+        version = subprocess.run([gdb, "--version"], capture_output=True, text=True,
+                                 timeout=10, check=False).stdout if gdb else ""
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    return [f"cpu: {cpu}: {flags}",
+            f"{xsave}; kernel {platform.release()}; "
+            f"{(version.splitlines() or ['no gdb'])[0]}"]
 
 
 # Parallel runs. Plain `pytest` (the suite from its testpaths) runs on WORKERS xdist

@@ -2,7 +2,8 @@
 
 - kernel totals of ResNet-50 steps, probe injected, against torch.profiler's
   for the same number of steps of the same job: within 5%, before and after
-  torch.profiler has run in the job (Kineto leaves its clock registered);
+  torch.profiler has run in the job (Kineto leaves its clock registered); the
+  injected job's weights bit for bit those of an untouched run;
 - memcpy bytes of a known transfer, exactly;
 - `dlprof-agent trace` writes valid Chrome trace JSON, and its kernels agree;
 - continuous aggregation costs at most 3% of the step time;
@@ -23,6 +24,7 @@ import importlib.util
 import itertools
 import json
 import os
+import platform
 import shutil
 import signal
 import statistics
@@ -36,6 +38,8 @@ from typing import Any
 import pytest
 
 from dlprof_agent.grafana import build as dashboards
+from dlprof_agent.reach.ptrace import plan_calls
+from dlprof_agent.reach.runtime import find_python_runtime
 from tests import test_dashboards as dashboards_test
 from tests.conftest import REPO, Prometheus, agent_env, free_port, wait_for
 from tests.test_dashboards import models, shipped_prometheus
@@ -95,6 +99,19 @@ class GpuJob:
     def paused_at(self, step: int) -> bool:
         return any(record.get("paused") == step for record in self.records())
 
+    def weights_after(self, step: int, timeout: float = 300) -> str:
+        """The SHA-256 of a --deterministic job's weights after ``step`` (a pause or its end)."""
+        def digest() -> str:
+            return next((str(record["weights"]) for record in self.records()
+                         if "weights" in record and record.get("step") == step), "")
+
+        wait_for(lambda: digest() or self.process.poll() is not None,
+                 f"the weights after step {step}", timeout)
+        found = digest()
+        assert found, self.process.stderr.read().decode()[-2000:] \
+            if self.process.stderr else "the job died"
+        return found
+
     def resume(self, step: int) -> None:
         (self.control / f"resume-{step}").touch()
 
@@ -132,8 +149,29 @@ def active(port: int) -> bool:
     return metrics(port).get("dlprof_kernel_tracing_state{reason=,state=active}") == 1
 
 
-def can_inject() -> bool:
-    return sys.version_info >= (3, 14) or shutil.which("gdb") is not None
+def missing_injector() -> str | None:
+    """Why the agent has no injector for a job on this Python, or None. The job runs
+    this very interpreter, so this asks what ``reach.inject._inject`` would pick:
+    sys.remote_exec (3.14+), else the agent's ptrace injector (x86-64, where it finds
+    its calls in the interpreter), else gdb."""
+    version = "{}.{}".format(*sys.version_info[:2])
+    if hasattr(sys, "remote_exec"):
+        if getattr(sys, "is_remote_debug_enabled", lambda: True)():
+            return None
+        return (f"Python {version}'s remote debugging is off (PYTHON_DISABLE_REMOTE_DEBUG, "
+                "-X disable_remote_debug, or built without it): sys.remote_exec cannot inject")
+    if platform.machine() != "x86_64":
+        ptrace = f"the agent's ptrace injector is for x86-64, not {platform.machine()}"
+    else:
+        runtime = find_python_runtime(os.getpid())
+        if runtime is not None and plan_calls(os.getpid(), runtime) is not None:
+            return None
+        ptrace = ("the agent's ptrace injector finds no Py_AddPendingCall, PyRun_SimpleString, "
+                  "mmap or rt_sigreturn gadget to call in this Python")
+    if shutil.which("gdb") is not None:
+        return None
+    return (f"no injector for Python {version} here: sys.remote_exec is 3.14's, {ptrace}, "
+            "and gdb is not installed")
 
 
 def between_pauses(job: GpuJob, port: int, first: int, last: int) -> tuple[float, int]:
@@ -152,10 +190,12 @@ def between_pauses(job: GpuJob, port: int, first: int, last: int) -> tuple[float
 @pytest.mark.parametrize("how", ["inject", "enabled"])
 def test_resnet50_kernel_totals_match_torch_profiler_within_5_percent(
         how: str, processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
-    if how == "inject" and not can_inject():
-        pytest.skip("injection needs gdb (or Python 3.14's sys.remote_exec)")
+    missing = missing_injector() if how == "inject" else None
+    if missing is not None:
+        pytest.skip(missing)
+    # Injected: deterministic, so that its weights can be compared with an untouched run's
     job = GpuJob(tmp_path, processes, "--pause-at", "60,100",
-                 *(["--enable-probe"] if how == "enabled" else []))
+                 *(["--enable-probe"] if how == "enabled" else ["--deterministic"]))
     job.wait_steps(10)
     profiled = job.profile(0)  # steps 11..20, before any agent
     port = start_agent(processes, "attach", str(job.pid),
@@ -172,6 +212,26 @@ def test_resnet50_kernel_totals_match_torch_profiler_within_5_percent(
     assert values["dlprof_cupti_dropped_records_total{}"] == 0
     top = max((v, k) for k, v in values.items() if k.startswith("dlprof_kernel_seconds_total{"))
     assert "other" not in top[1]  # a named kernel leads, not the cap's bucket
+    if how == "inject":
+        assert_computed_as_if_untouched(job, 100, processes, tmp_path)
+
+
+def assert_computed_as_if_untouched(job: GpuJob, step: int,
+                                    processes: list[subprocess.Popen[bytes]],
+                                    tmp_path: Path) -> None:
+    """The --deterministic ``job``, probe injected and traced, holds the same weights
+    after ``step`` as a run of the same job that nothing touched."""
+    reached = job.weights_after(step)
+    assert job.process.poll() is None, "the job died after the injection"
+    job.process.kill()  # the GPU to the untouched run alone
+    job.process.wait(30)
+    untouched = GpuJob(tmp_path, processes, "--deterministic", "--steps", str(step))
+    expected = untouched.weights_after(step)
+    untouched.process.wait(60)
+    stderr = untouched.process.stderr.read().decode() if untouched.process.stderr else ""
+    unsure = [line for line in stderr.splitlines() if "deterministic" in line]
+    assert reached == expected, (f"the injected job's weights after step {step} are not an "
+                                 f"untouched run's; ops without a deterministic kernel: {unsure}")
 
 
 def test_memcpy_bytes_match_a_known_transfer(

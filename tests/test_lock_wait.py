@@ -16,6 +16,7 @@ from dlprof_agent.reach.lock_wait import (
     in_lock_wait,
     waits_in_parking_lot,
 )
+from dlprof_agent.reach.xsave_layout import X87_SSE, XsaveLayout
 
 LOCK_FUNCTION = (0x401000, 0x401266)  # [start, end) of PyThread_acquire_lock_timed
 STACK_TOP = 0x7FFE0000
@@ -96,9 +97,12 @@ def test_the_frame_restarts_a_wait_or_ends_it_with_eintr() -> None:
     values.update(rax=(1 << 64) - 512, orig_rax=202, rip=0x7F0000002000, rsp=STACK_TOP - 4096)
     regs = [values[name] for name in REGISTERS]
     at = STACK_TOP - 8192 - 8
-    restart = signal_frame(at, regs, bytes(512), 0, 0x7F0000003000)
+    # The FPU state is another test's (test_avx_frame): the FXSAVE frame of an x87/SSE CPU
+    sse_only = XsaveLayout(X87_SSE, {})
+    restart = signal_frame(at, regs, bytes(512), 0, 0x7F0000003000, layout=sse_only)
     assert restored(restart) == (202, 0x7F0000002000 - 2)  # the syscall again
-    interrupted = signal_frame(at, regs, bytes(512), 0, 0x7F0000003000, interrupt=True)
+    interrupted = signal_frame(at, regs, bytes(512), 0, 0x7F0000003000, interrupt=True,
+                               layout=sse_only)
     assert restored(interrupted) == ((1 << 64) - 4, 0x7F0000002000)  # returns -EINTR
 
 

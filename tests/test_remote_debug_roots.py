@@ -6,7 +6,7 @@ thread taking the probe when its sleep returns, and a script never taken withdra
 main thread in a lock wait gets the probe while it waits instead (the ptrace
 injector's pending call, the wait ended with EINTR), each wait ending as it would
 have, kills of the agent meanwhile included.
-Each test skips, saying why, where the root is absent (CI builds none)."""
+Each test skips, saying why, where the root is absent (.ci/run builds it before the tests)."""
 
 from __future__ import annotations
 
@@ -181,7 +181,8 @@ def test_a_job_that_opted_out_is_left_untouched(job: Job, sid_root: Path, env: d
         inject(process.pid, "open('/tmp/should-not-run', 'w')")
     assert says in str(refusal.value)
     assert "start it without PYTHON_DISABLE_REMOTE_DEBUG" in (refusal.value.hint or "")
-    assert _bootstrap_folders(sid_root) == before, "no script was written for it"
+    # A subset: inject first clears what killed agents left (``remove_stale_files``)
+    assert set(_bootstrap_folders(sid_root)) <= set(before), "no script was written for it"
     assert process.stdin is not None and process.stdout is not None
     process.stdin.write("go\n")
     process.stdin.flush()

@@ -4,8 +4,8 @@ the job's own libc and libpython through its root, the probe comes up and the jo
 computes on; gdb, where it is the injector, reads the job's files too, and refuses
 to call into the job where it would read others. A main thread in a lock wait (3.13's
 parking lot) runs the queued code while it waits, and every wait ends when it would
-have, with the same result. Each test skips, saying why, where the root is absent (CI
-builds none)."""
+have, with the same result. Each test skips, saying why, where the root is absent
+(.ci/run builds it before the tests)."""
 
 from __future__ import annotations
 

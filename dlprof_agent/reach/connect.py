@@ -17,6 +17,7 @@ from dlprof_agent.collectors.probe import ProbeClient, probe_socket_paths
 from dlprof_agent.errors import (
     InjectionError,
     InjectionRefused,
+    InjectionUnsafe,
     NotPython,
     ProbeAlreadyAttached,
     ProbeBusy,
@@ -152,7 +153,7 @@ def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
         queued = inject.inject(pid, injection_code())
     except InjectionError as error:
         raise NoProbe(error.one_line(), final=isinstance(
-            error, (NotPython, InjectionRefused))) from None
+            error, (NotPython, InjectionRefused, InjectionUnsafe))) from None
     progress.waiting_for(pid, "the queued probe to start (the job's main thread runs it "
                          "when it next runs Python code)")
     path = _wait_for_socket(pid, options.wait_seconds, refused)

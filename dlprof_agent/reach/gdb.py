@@ -3,11 +3,32 @@ run (not x86-64, or an address it could not check). gdb stops the job, calls ``m
 then ``Py_AddPendingCall`` on a thread that waits in the kernel, and detaches. Its own
 return breakpoint stays in the job for the milliseconds of each call: a kill of gdb
 inside one of those two windows still kills the job (the ptrace injector has no such
-window)."""
+window).
+
+The thread gdb borrows was stopped inside a system call, which the kernel restarts when
+gdb lets it go, from the registers gdb puts back after each call: on x86-64 rax holds
+the restart code (-512 to -516) and orig_rax the call's number, and where orig_rax is
+not put back the code reaches the job as an error (an ``OSError: [Errno 514]`` out of
+``time.sleep``). gdb before 14.1 keeps the XSAVE area in a fixed buffer of 2696 bytes
+(AVX-512 and PKRU) while the kernel takes the area back only whole
+(``xstateregs_set``): on a CPU with a larger one (AMX's is 11008 bytes) each write of a
+vector register fails, and gdb's putting back stops before orig_rax. So such a gdb is
+refused there (``xstate_refusal``); the script checks that gdb can write the area
+before any call, records the thread's general registers, and after the calls puts back
+any gdb did not, orig_rax last: the kernel then restarts the call itself on detach, as
+after any stop (``set $pc`` would not clear orig_rax: only gdb's own PC writes do, so
+restarting it by hand would restart it twice). On aarch64 the kernel rewinds an
+interrupted call (x0 from orig_x0, pc back to the svc) before the stop, so no restart
+code is ever in the registers gdb sees; the general registers are checked the same way
+(a relative sleep rewound there runs again whole: the kernel resumes it through
+restart_syscall only when the PC it rewound to is not changed in between)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import mmap
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +40,8 @@ from dlprof_agent.collectors.procfs import (
     inside_root,
     read_executable,
 )
-from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow, InjectionUnsafe, TargetGone
+from dlprof_agent.reach.frame import component_names
 from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
@@ -40,20 +62,79 @@ from dlprof_agent.reach.threads import (
     same_process,
     thread_syscalls,
 )
+from dlprof_agent.reach.xsave_layout import LayoutUnknown, XsaveLayout, host_layout
+
+log = logging.getLogger("dlprof_agent")
 
 GDB_SESSION_SECONDS = 30.0  # a session takes milliseconds; this only bounds a stuck gdb
 GDB_MARK = "dlprof-agent:"
+# gdb from 14.1 sizes the XSAVE area from CPUID; before, a fixed buffer of this many
+# bytes (2696 since 8.0, with PKRU; before 8.0 at most AVX's 832, taken here as such)
+XSAVE_SIZED_GDB = (14, 1)
+_FIXED_XSAVE_BYTES = ((8, 0), 2696), ((0, 0), 832)
+_RUN_INSTEAD = "or start the job with `dlprof-agent run -- python ...`"
+# The registers recorded before gdb's calls and compared after, per gdb's name of the
+# architecture; orig_rax last, so that the kernel restarts the call only once the rest
+# is back
+_GENERAL_REGISTERS = {
+    "i386:x86-64": ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9",
+                    "r10", "r11", "r12", "r13", "r14", "r15", "rip", "eflags", "orig_rax"),
+    "aarch64": (*(f"x{n}" for n in range(31)), "sp", "pc", "cpsr"),
+}
 
 # Runs in gdb's own Python, never in the job. gdb has stopped every thread. It calls into
 # the job twice, on a thread stopped inside a system call (the main one when it is):
 # mmap for a page, then Py_AddPendingCall; it writes the page through the debugger (no
-# allocation in the job), prints one verdict line and detaches.
+# allocation in the job), prints one verdict line (and an "unrestored" line where it had
+# to put registers back itself) and detaches.
 _GDB_PYTHON = """\
 import gdb
 
 def _say(*words):
     gdb.write(" ".join([{mark!r}] + [str(word) for word in words]) + "\\n")
     gdb.flush()
+
+def _registers(names):
+    gdb.newest_frame().select()  # the thread's own registers, not a caller's saved ones
+    return dict((name, int(gdb.parse_and_eval("$" + name))) for name in names)
+
+def _flush():
+    # Read what the thread holds, not gdb's copy
+    for command in ("maintenance flush register-cache", "flushregs"):
+        try:
+            gdb.execute(command, to_string=True)
+            return
+        except gdb.error:
+            pass
+
+def _xstate_unwritable():
+    # One vector register written and written back: where gdb cannot write the CPU's
+    # whole XSAVE area it fails here, before any call, not halfway through putting
+    # the thread back after one.
+    try:
+        word = int(gdb.parse_and_eval("$xmm15.v2_int64[0]"))
+        gdb.execute("set $xmm15.v2_int64[0] = %d" % (word ^ 1), to_string=True)
+        _flush()
+        written = int(gdb.parse_and_eval("$xmm15.v2_int64[0]")) == word ^ 1
+        gdb.execute("set $xmm15.v2_int64[0] = %d" % word, to_string=True)
+    except gdb.error as error:
+        return (str(error).splitlines() or ["error"])[0]
+    return None if written else "the write did not reach the thread"
+
+def _put_back(saved):
+    # What gdb did not put back after its calls goes back now, in order (orig_rax
+    # last); the names put back, and those still wrong after.
+    try:
+        _flush()
+        wrong = [name for name, value in _registers(saved).items() if value != saved[name]]
+        for name in wrong:
+            gdb.newest_frame().select()
+            gdb.execute("set $%s = %d" % (name, saved[name]), to_string=True)
+        _flush()
+        return wrong, [name for name, value in _registers(wrong).items()
+                       if value != saved[name]]
+    except gdb.error:
+        return list(saved), list(saved)
 
 def _in_kernel(pid, lwp):
     try:
@@ -87,6 +168,21 @@ def _queue(payload):
     if mismatch is not None:
         _say("other-file", mismatch)
         return
+    architecture = gdb.selected_frame().architecture().name()
+    if architecture == "i386:x86-64":
+        why = _xstate_unwritable()
+        if why is not None:
+            _say("xstate-unwritable", why)
+            return
+    saved = _registers({general!r}.get(architecture, ()))
+    try:
+        _call(payload)
+    finally:
+        wrong, lost = _put_back(saved) if saved else ([], [])
+        if wrong:
+            _say("unrestored", ",".join(wrong), ",".join(lost) or "-")
+
+def _call(payload):
     size = -(-len(payload) // {page}) * {page}
     address = int(gdb.parse_and_eval(
         "((long (*)(long, long, long, long, long, long))mmap)(0, %d, {prot}, {flags}, -1, 0)"
@@ -95,7 +191,7 @@ def _queue(payload):
         _say("mmap-failed", address)
         return
     payload = payload.replace({placeholder!r}, ("%#018x" % address).encode(), 1)
-    inferior.write_memory(address, payload)
+    gdb.selected_inferior().write_memory(address, payload)
     result = int(gdb.parse_and_eval(
         "((int (*)(void *, void *))Py_AddPendingCall)((void *)PyRun_SimpleString, (void *)%d)"
         % (address + {flag_bytes})))
@@ -153,7 +249,7 @@ def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | N
         mark=GDB_MARK, page=mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, flag_bytes=FLAG_BYTES,
         placeholder=ADDRESS_PLACEHOLDER.encode(), payload_hex=payload.hex(),
-        checked=checked or {})
+        checked=checked or {}, general=_GENERAL_REGISTERS)
     return [gdb, "--batch", "--nx", "-iex", "set auto-load off",
             "-iex", "set auto-solib-add off", "-iex", "set debuginfod enabled off",
             # A signal during a call (our SIGINT on a stuck session) unwinds the call.
@@ -166,6 +262,59 @@ def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | N
 
 
 
+@functools.cache
+def gdb_version(gdb: str) -> tuple[int, int] | None:
+    """The major and minor version of the gdb at ``gdb``, from ``gdb --version``; None
+    where it does not say."""
+    try:
+        first = subprocess.run([gdb, "--version"], capture_output=True, text=True,
+                               timeout=GDB_SESSION_SECONDS, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_gdb_version(first)
+
+
+def parse_gdb_version(text: str) -> tuple[int, int] | None:
+    """``GNU gdb (Debian 13.1-3) 13.1`` -> (13, 1): the first number after the
+    vendor's parentheses on the first line."""
+    line = text.splitlines()[0] if text else ""
+    found = re.search(r"(\d+)\.(\d+)", line.rpartition(")")[2]) or re.search(
+        r"(\d+)\.(\d+)", line)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def xstate_refusal(version: tuple[int, int] | None, layout: XsaveLayout | None) -> str | None:
+    """Why gdb ``version`` cannot put back the whole register state of a thread on a CPU
+    with XSAVE ``layout``, in words; None where it can or where either is unknown (the
+    script checks again before its calls)."""
+    if version is None or layout is None or version >= XSAVE_SIZED_GDB:
+        return None
+    limit = next(size for since, size in _FIXED_XSAVE_BYTES if version >= since)
+    needed = layout.size(layout.xcr0)
+    if needed <= limit:
+        return None
+    beyond = sum(1 << index for index, part in layout.components.items()
+                 if layout.xcr0 >> index & 1 and part.offset + part.size > limit)
+    return (f"gdb {version[0]}.{version[1]} cannot restore the {component_names(beyond)} "
+            f"registers of this CPU (XSAVE area {needed} bytes, gdb writes {limit})")
+
+
+def _refuse_unsafe_gdb(pid: int, gdb: str) -> None:
+    try:
+        layout: XsaveLayout | None = host_layout()
+    except LayoutUnknown:
+        layout = None  # not x86-64, or no XSAVE: nothing gdb could cut short
+    why = xstate_refusal(gdb_version(gdb), layout)
+    if why is not None:
+        raise _unsafe(pid, why)
+
+
+def _unsafe(pid: int, why: str) -> InjectionUnsafe:
+    return InjectionUnsafe(
+        f"not injecting into process {pid} with gdb: {why}",
+        "install gdb {}.{} or newer, {}".format(*XSAVE_SIZED_GDB, _RUN_INSTEAD), pid=pid)
+
+
 def inject_with_gdb(pid: int, code: str, wait_seconds: float,
                     runtime: PythonRuntime | None = None) -> QueuedBootstrap:
     gdb = shutil.which("gdb")
@@ -174,6 +323,7 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
             f"cannot inject into process {pid}: gdb is not installed",
             "install it (e.g. apt install gdb) to inject into a running Python before 3.14, "
             "or start the job with `dlprof-agent run -- python ...`", pid=pid)
+    _refuse_unsafe_gdb(pid, gdb)
     queued = pending_bootstrap(pid)
     if queued is not None:
         return queued
@@ -184,11 +334,15 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
         if not _wait_for_a_thread_in_kernel(pid, deadline):
             raise no_safe_point(pid, wait_seconds)
         output = _run_gdb(pid, command)
-        verdict = next((line.split()[1:] for line in output.splitlines()
-                        if line.startswith(GDB_MARK + " ")), None)
+        said = [line.split()[1:] for line in output.splitlines()
+                if line.startswith(GDB_MARK + " ")]
+        verdict = next((words for words in said if words and words[0] != "unrestored"),
+                       None)
         if verdict and verdict[0] == "no-thread-in-kernel" and time.monotonic() < deadline:
             continue  # it left the kernel between our look and gdb's stop: look again
         break
+    _check_restored(pid, next((words for words in said if words[:1] == ["unrestored"]),
+                              None))
     if verdict and verdict[0] == "queued" and len(verdict) == 3:
         if verdict[2] != "0":
             raise InjectionNotNow(f"process {pid} has a full queue of pending calls",
@@ -201,6 +355,9 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
         raise refused(pid, PROC_ROOT, "ptrace was denied")
     if verdict and verdict[0] == "no-thread-in-kernel":
         raise no_safe_point(pid, wait_seconds)
+    if verdict and verdict[0] == "xstate-unwritable":
+        raise _unsafe(pid, "it cannot write the extended registers (XSAVE) of this CPU: "
+                      + " ".join(verdict[1:]).rstrip("."))
     if verdict and verdict[0] == "other-file":
         raise InjectionFailed(
             f"not injecting into process {pid}: gdb reads another file for "
@@ -212,6 +369,18 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
     raise InjectionFailed(f"injecting into process {pid} failed: {detail}",
                           "start the job with `dlprof-agent run -- python ...` instead",
                           pid=pid)
+
+
+def _check_restored(pid: int, unrestored: list[str] | None) -> None:
+    """gdb's script says which registers of the thread it called into gdb had not put
+    back, and which of those it could not put back itself."""
+    if unrestored is None or len(unrestored) < 3:
+        return
+    if unrestored[2] != "-":
+        raise _unsafe(pid, f"it left registers {unrestored[2]} of the thread it called "
+                      "into changed; the job may fail")
+    log.warning("pid %d: gdb did not put back registers %s of the thread it called into; "
+                "the agent did", pid, unrestored[1])
 
 
 def _run_gdb(pid: int, command: list[str]) -> str:

@@ -1,6 +1,6 @@
 """Where the agent opens a file that a job has mapped (its libc, its libpython), so
-that what it reads is the job's own file and not a namesake of the agent's, and where
-a function of such a file is in the job.
+that what it reads is the job's own file and not a namesake of the agent's, where
+a function of such a file is in the job, and where a free range of its address space is.
 
 /proc/<pid>/maps names each file from the reader's root where the file can be reached
 from it, and from the job's mount namespace otherwise. For a job in a container (its
@@ -15,6 +15,8 @@ Callers still check the bytes they rely on against the job's memory."""
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
 
 from dlprof_agent.collectors.procfs import (
@@ -28,6 +30,7 @@ from dlprof_agent.collectors.procfs import (
 from dlprof_agent.reach.elf import ElfScan, scan_elf_file
 
 _DELETED = " (deleted)"
+_USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
 _CHECKED_BYTES = 16  # of a function's code, compared between its file and the job
 
 
@@ -123,3 +126,16 @@ def _read_memory(pid: int, address: int, size: int, procfs: str) -> bytes:
     with open_memory(pid, root=procfs) as memory:
         memory.seek(address)
         return memory.read(size)
+
+
+def free_address(maps: list[Mapping], size: int) -> int | None:
+    """The middle of the widest gap between the job's mappings, away from any of them."""
+    best: tuple[int, int] | None = None
+    user = [mapping for mapping in maps if mapping[1] <= _USER_SPACE_END]  # not [vsyscall]
+    for (_, end, *_), (start, *_) in itertools.pairwise(user):
+        if end >= 1 << 32 and start - end >= 64 * size and (best is None or
+                                                           start - end > best[1] - best[0]):
+            best = (end, start)
+    if best is None:
+        return None
+    return (best[0] + (best[1] - best[0]) // 2) // mmap.PAGESIZE * mmap.PAGESIZE

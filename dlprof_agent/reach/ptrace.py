@@ -6,16 +6,22 @@ system call that leaves the signal mask alone (``threads``), or, where none does
 busy main thread at a safe PC, another library's or the eval loop's (``safe_point``). With
 PTRACE_SEIZE and PTRACE_INTERRUPT no signal is sent, so a tracer that dies leaves the
 thread running as before. The agent writes, below the thread's red zone, a signal frame
-(``frame``) holding the thread's registers and its whole XSAVE state, AVX included (its
-interrupted call set to be restarted, as the kernel does after a ptrace stop), and sets
-all registers at once so that the thread calls the function and returns into an
-``rt_sigreturn`` of libc: the kernel puts the thread back exactly where it was. From
+(``frame``) holding the thread's registers and its whole XSAVE state, cut to the
+thread's own layout as CPUID gives it (AVX, AVX-512, PKRU, AMX where the thread uses
+it; its interrupted call set to be restarted, as the kernel does after a ptrace stop),
+and sets all registers at once so that the thread calls the function and returns into
+an ``rt_sigreturn`` of libc: the kernel puts the thread back exactly where it was. From
 then on the thread needs nothing from the agent: the agent may die at any instant and no
-trap, no breakpoint, no stopped thread is ever left. It is done twice: ``mmap`` (a page
-for the code, at a free address with MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent
-writes the code there through /proc/<pid>/mem, then
-``Py_AddPendingCall(PyRun_SimpleString, page)``. Each address called is checked first to
-hold the bytes of that function in its file.
+trap, no breakpoint, no stopped thread is ever left. While the agent lives, it follows
+the thread (PTRACE_SYSCALL) to the end of that rt_sigreturn, compares the register
+state there with the one it saved, and puts any difference back with PTRACE_SETREGSET:
+the frame is what survives the agent's death, ptrace what checks it. Where the frame
+cannot hold the whole state, nothing is borrowed (``InjectionUnsafe``).
+
+It is done twice: ``mmap`` (a page for the code, at a free address with
+MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent writes the code there through
+/proc/<pid>/mem, then ``Py_AddPendingCall(PyRun_SimpleString, page)``. Each address
+called is checked first to hold the bytes of that function in its file.
 
 A thread stopped in a call the kernel would resume through ``restart_syscall`` (relative
 sleeps, waits with a timeout) is not borrowed: rt_sigreturn would turn that resumption
@@ -29,9 +35,7 @@ and only with the pending-call mutex free (``pending_mutex``): its Py_AddPending
 then never waits, and never lets go of the GIL in the middle of a bytecode.
 
 What may differ for the borrowed thread: a wait for the 3.13 pending-call mutex itself
-(another thread adding a pending call at that very moment) could be lengthened; and
-where the kernel gives no usable XSAVE image, the upper halves of its AVX registers
-are reset (dead across the libc call it waits in).
+(another thread adding a pending call at that very moment) could be lengthened.
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import itertools
 import mmap
 import os
 import random
@@ -60,6 +63,7 @@ from dlprof_agent.reach import progress
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.frame import (
     REGISTERS,
+    StateNotKept,
     frame_state_bytes,
     signal_frame,
     signed,
@@ -67,6 +71,7 @@ from dlprof_agent.reach.frame import (
 from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, call_targets, in_lock_wait
 from dlprof_agent.reach.mapped_files import (
     data_address,
+    free_address,
     function_address,
     libc_path,
     mapped_file_paths,
@@ -81,6 +86,7 @@ from dlprof_agent.reach.pending import (
 from dlprof_agent.reach.pending_mutex import pending_mutex_address
 from dlprof_agent.reach.procfs import memory_map, start_ticks
 from dlprof_agent.reach.refusal import refused
+from dlprof_agent.reach.register_state import Detour, cpu_layout, put_back, unsafe
 from dlprof_agent.reach.runtime import PythonRuntime
 from dlprof_agent.reach.safe_point import BusyStops, in_signal_handler
 from dlprof_agent.reach.threads import (
@@ -114,7 +120,6 @@ _CALL_ARGUMENTS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 _RED_ZONE = 128
 _FRAME_GAP = 2048  # below the red zone: where the borrowed thread's detour frame goes
 _STACK_NEEDED = 64 << 10  # free stack the called function may use below the frame
-_USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
 _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
 # How long the pending call waits for the main thread itself: CPython runs pending calls
 # only there, and from another thread 3.10-3.12 tell it only when it next takes the GIL,
@@ -151,26 +156,14 @@ def _find_sigreturn(pid: int, maps: list[Mapping], libc: str) -> int | None:
     return None
 
 
-def _free_address(maps: list[Mapping], size: int) -> int | None:
-    """The middle of the widest gap between the job's mappings, away from any of them."""
-    best: tuple[int, int] | None = None
-    user = [mapping for mapping in maps if mapping[1] <= _USER_SPACE_END]  # not [vsyscall]
-    for (_, end, *_), (start, *_) in itertools.pairwise(user):
-        if end >= 1 << 32 and start - end >= 64 * size and (best is None or
-                                                           start - end > best[1] - best[0]):
-            best = (end, start)
-    if best is None:
-        return None
-    return (best[0] + (best[1] - best[0]) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
-
-
 def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
             maps: list[Mapping], *, lock_function: LockWait | None = None,
             busy: BusyStops | None = None,
-            hold_others: Callable[[], bool] | None = None) -> bool:
+            hold_others: Callable[[], bool] | None = None) -> Detour | None:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
-    rt_sigreturn with a frame that restores it. Leaves it untouched and returns False
-    when it is not waiting in a system call we may borrow it from. ``call`` is the
+    rt_sigreturn with a frame that restores it. Leaves it untouched and returns None
+    when it is not waiting in a system call we may borrow it from; raises
+    InjectionUnsafe where the frame cannot hold its whole register state. ``call`` is the
     function's address, its arguments, and the address of an rt_sigreturn. The main
     thread waiting for a lock in ``lock_function`` (PyThread_acquire_lock_timed's
     extent, or 3.13's parking lot) comes back from its wait with EINTR, so that it runs
@@ -192,20 +185,24 @@ def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...]
                 in_signal_handler(lambda address, size: _read_memory(pid, address, size),
                                   r["rsp"], stack[1], gadget)) or (
                 hold_others is not None and not hold_others()):
-            return False
+            return None
     elif not interrupt and (not borrowable(orig, arguments)
                             or signed(r["rax"]) == _ERESTART_RESTARTBLOCK):
-        return False
+        return None
+    layout = cpu_layout(pid)
     blocked = blocked_signals(pid, tid)
     xstate = ptrace.xstate(tid)
     gap = max(_FRAME_GAP, 8 + 304 + 64 + frame_state_bytes(xstate) + 64)
     at = ((r["rsp"] - _RED_ZONE - gap) & ~15) - 8  # a call's entry: rsp % 16 == 8
     if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
-        return False
-    frame = signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget, interrupt=interrupt,
-                          xstate=xstate)
+        return None
+    try:
+        frame = signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget,
+                             interrupt=interrupt, xstate=xstate, layout=layout)
+    except StateNotKept as error:
+        raise unsafe(pid, f"thread {tid}: {error}") from None
     if at + len(frame) > r["rsp"] - _RED_ZONE:
-        return False
+        return None
     _write_memory(pid, at, frame)
     # The direction flag cleared, as a call requires and the kernel does for a handler:
     # a busy thread may be stopped inside a backward string copy.
@@ -214,15 +211,15 @@ def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...]
     for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
         new[register] = value % (1 << 64)
     ptrace.set_registers(tid, [new[name] for name in REGISTERS])
-    return True
+    return Detour(at + 8, xstate, layout)  # rt_sigreturn runs with the gadget popped
 
 
 def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, ...],
                      gadget: int, *, lock_function: LockWait | None = None,
                      busy: BusyStops | None = None, main_only: bool = False) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
-    Only that thread stops, for microseconds; it needs nothing more from us once it is
-    set on its way, so the agent may die at any moment. False when none could be had.
+    Only that thread stops, for microseconds at a time; it needs nothing more from us
+    once it is set on its way, so the agent may die at any moment. False when none could be had.
     Where none waits (or with ``main_only``, where the main thread does not), the main
     thread is taken busy, at a safe PC, given ``busy``: it runs the pending call itself."""
     maps = memory_map(pid)
@@ -256,11 +253,17 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
                 continue  # a group stop (someone stopped the job): leave it as it is
             hold = None if mutex is None else functools.partial(
                 _hold_with_the_mutex_free, ptrace, pid, held, mutex)
-            if _detour(ptrace, pid, tid, (function, args, gadget), maps,
-                       lock_function=lock_function, busy=busy, hold_others=hold):
-                if held:  # its call is set: whatever happens now, it is done
-                    with contextlib.suppress(OSError, ChildProcessError):
-                        signal_to_pass = until_it_returns(ptrace, tid)
+            detour = _detour(ptrace, pid, tid, (function, args, gadget), maps,
+                             lock_function=lock_function, busy=busy, hold_others=hold)
+            if detour is not None:
+                # Its call is set: whatever happens now, it is done, and its frame
+                # restores it. While the agent lives, it follows the thread to its
+                # frame's rt_sigreturn and checks what came back.
+                with contextlib.suppress(OSError, ChildProcessError):
+                    signal_to_pass, returned = until_it_returns(ptrace, tid,
+                                                                detour.sigreturn_rsp)
+                    if returned:
+                        put_back(ptrace, pid, tid, detour)
                 return True
         except OSError:
             continue
@@ -426,7 +429,7 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
             # the same unsafe PC every time.
             time.sleep(POLL_SECONDS * random.uniform(1.0, 4.0))
 
-    page = _free_address(memory_map(pid), size)
+    page = free_address(memory_map(pid), size)
     if page is None:
         raise InjectionFailed(f"found no free address range in process {pid}",
                               "start the job with `dlprof-agent run -- python ...` instead",

@@ -1,7 +1,8 @@
 """The ptrace(2) requests the agent's injector makes, through libc, and the stops
-around a borrowed thread's call: taking the job's other threads while a busy 3.13 main
-thread queues its pending call (``hold_other_threads``, ``until_it_returns``), and
-letting each go (``release``). A tracer that dies lets every thread it holds go on:
+around a borrowed thread's call: following it to the end of its ``rt_sigreturn``
+(``until_it_returns``), where its restored state is checked; taking the job's other
+threads while a busy 3.13 main thread queues its pending call (``hold_other_threads``);
+and letting each go (``release``). A tracer that dies lets every thread it holds go on:
 the kernel detaches them."""
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from dlprof_agent.errors import TargetGone
 from dlprof_agent.reach.frame import MAX_XSTATE_BYTES, NT_X86_XSTATE, REGISTERS
 
 PTRACE_GETREGS, PTRACE_SETREGS, PTRACE_GETFPREGS, PTRACE_DETACH = 12, 13, 14, 17
-PTRACE_GETREGSET, PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4204, 0x4206, 0x4207
+PTRACE_GETREGSET, PTRACE_SETREGSET = 0x4204, 0x4205
+PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
 PTRACE_EVENT_STOP = 128
 PTRACE_SYSCALL, PTRACE_SETOPTIONS, PTRACE_O_TRACESYSGOOD = 24, 0x4200, 1
 WALL = 0x40000000
 RT_SIGRETURN = 15
-# How long other threads stay stopped while a busy 3.13 main thread queues its call
+# How long a borrowed thread is followed to its rt_sigreturn, and other threads stay
+# stopped while a busy 3.13 main thread queues its call
 HOLD_SECONDS = 0.5
 
 
@@ -64,6 +67,12 @@ class Tracer:
             return None
         return bytes(area)[:vector[1] or 0]
 
+    def set_xstate(self, tid: int, image: bytes) -> None:
+        """Put back an image ``xstate`` gave (the kernel takes only its whole size)."""
+        area = (self._ctypes.c_ubyte * len(image)).from_buffer_copy(image)
+        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), len(image))
+        self(PTRACE_SETREGSET, tid, self._ctypes.addressof(vector), NT_X86_XSTATE)
+
     def fxsave(self, tid: int) -> bytes:
         area = (self._ctypes.c_ubyte * 512)()
         self(PTRACE_GETFPREGS, tid, self._ctypes.addressof(area))
@@ -100,13 +109,16 @@ def hold_other_threads(ptrace: Tracer, pid: int, held: dict[int, int]) -> bool:
         return False
 
 
-def until_it_returns(ptrace: Tracer, tid: int) -> int:
-    """Let the borrowed thread run its call, with the others held, up to its
-    rt_sigreturn (the detour's end) or for at most HOLD_SECONDS; it is left stopped at
-    a system call or a signal. The signal to pass on when it is let go, if any."""
+def until_it_returns(ptrace: Tracer, tid: int, sigreturn_rsp: int) -> tuple[int, bool]:
+    """Let the borrowed thread run its call up to the end of its rt_sigreturn (the
+    detour's end: the one made with ``sigreturn_rsp``, not a signal handler's), for at
+    most HOLD_SECONDS; it is left stopped there, or at a system call or a signal. The
+    signal to pass on when it is let go, if any, and whether it stopped at the end of
+    that rt_sigreturn, with the state of the frame restored."""
     ptrace(PTRACE_SETOPTIONS, tid, PTRACE_O_TRACESYSGOOD)
     deadline = time.monotonic() + HOLD_SECONDS
     deliver = 0
+    in_sigreturn = False  # its entry stop seen: the next system-call stop is its exit
     while True:
         ptrace(PTRACE_SYSCALL, tid, deliver)
         deliver = 0
@@ -123,14 +135,18 @@ def until_it_returns(ptrace: Tracer, tid: int) -> int:
             raise ChildProcessError(f"thread {tid} ended")
         stop = os.WSTOPSIG(status)
         if status >> 16:  # stopped by our interrupt or a group stop: let it go as it is
-            return 0
+            return 0, False
         if stop != signal.SIGTRAP | 0x80:  # a signal for it
             if time.monotonic() >= deadline:
-                return stop
+                return stop, False
             deliver = stop  # delivered as it goes on
-        elif dict(zip(REGISTERS, ptrace.registers(tid), strict=True))["orig_rax"] == \
-                RT_SIGRETURN or time.monotonic() >= deadline:
-            return 0
+            continue
+        if in_sigreturn:
+            return 0, True
+        regs = dict(zip(REGISTERS, ptrace.registers(tid), strict=True))
+        in_sigreturn = regs["orig_rax"] == RT_SIGRETURN and regs["rsp"] == sigreturn_rsp
+        if time.monotonic() >= deadline:
+            return 0, False
 
 
 def release(ptrace: Tracer, tid: int, stopped: bool, signal_to_pass: int) -> None:

@@ -13,11 +13,17 @@ it with files in --control:
 
 ``--copy-bytes B`` replaces the model with B bytes copied host to device (from
 pinned memory) and back each step: a transfer of known size.
+
+``--deterministic`` makes the steps repeat bit for bit and logs the SHA-256 of the
+model's weights at each pause and at the end, so that a run the agent reached can be
+compared with an untouched one.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import json
 import os
 import sys
@@ -57,6 +63,17 @@ def profile_totals(prof: Any, steps: int) -> dict[str, Any]:
             "memset_us": memset_us, "by_name_us": totals}
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters and buffers, byte for byte."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().cpu().contiguous()
+        digest.update(name.encode())
+        # The bytes as they are, without numpy (not every image has it)
+        digest.update(ctypes.string_at(data.data_ptr(), data.numel() * data.element_size()))
+    return digest.hexdigest()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--log", required=True)
@@ -70,6 +87,8 @@ def main() -> int:
     parser.add_argument("--copy-every", type=int, default=0,
                         help="also copy a pinned 1 MiB to the GPU and back every N steps")
     parser.add_argument("--enable-probe", action="store_true")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="repeatable steps; the weights' SHA-256 at pauses and the end")
     parser.add_argument("--device", default="cuda",
                         help="cpu: the same job without a GPU, to check a harness on")
     args = parser.parse_args()
@@ -82,6 +101,15 @@ def main() -> int:
         import dlprof_agent.probe
 
         dlprof_agent.probe.enable()
+    if args.deterministic:
+        # cuBLAS reads it at its first handle. warn_only: an op with no deterministic
+        # CUDA kernel warns on stderr instead of ending the job (ResNet-50 has none:
+        # its pooling to 1x1 is a mean), and the test shows those warnings.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # No NaN fill kernel after each allocation: the job's kernels stay as they were
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined,unused-ignore]
+        torch.backends.cudnn.deterministic = True
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = False  # the same kernels every step
     device = torch.device(args.device)
@@ -91,6 +119,7 @@ def main() -> int:
             torch.cuda.synchronize()
 
     step_once: Any
+    weighed: torch.nn.Module | None = None  # whose weights --deterministic logs
     if args.copy_bytes:
         host = torch.empty(args.copy_bytes, dtype=torch.uint8).pin_memory()
         back = torch.empty(args.copy_bytes, dtype=torch.uint8).pin_memory()
@@ -100,7 +129,7 @@ def main() -> int:
             on_device.copy_(host)
             back.copy_(on_device)
     else:
-        model = torch_models.build(args.model).to(device)
+        model = weighed = torch_models.build(args.model).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         loss_fn = torch_models.loss_fn(args.model)
         inputs, targets = torch_models.example_batch(args.model, args.batch)
@@ -118,6 +147,10 @@ def main() -> int:
         assert pinned is not None and on_gpu is not None
         on_gpu.copy_(pinned)
         pinned.copy_(on_gpu)
+
+    def log_weights(log: Any, step: int) -> None:
+        if args.deterministic and weighed is not None:
+            log.write(json.dumps({"step": step, "weights": weights_digest(weighed)}) + "\n")
 
     profiles = 0
     with open(args.log, "w") as log:
@@ -148,10 +181,12 @@ def main() -> int:
             log.write(json.dumps({"step": step, "end": time.perf_counter()}) + "\n")
             log.flush()
             if step in pauses:
+                log_weights(log, step)
                 log.write(json.dumps({"paused": step}) + "\n")
                 log.flush()
                 while not (control / f"resume-{step}").exists():
                     time.sleep(0.05)
+        log_weights(log, step)
         log.write(json.dumps({"done": True}) + "\n")
     return 0
 

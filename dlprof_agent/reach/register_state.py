@@ -1,0 +1,55 @@
+"""The register state a borrowed thread must get back whole, and the check once it is
+back (``ptrace``): the frame it returns through holds that state (``frame``); while
+the agent lives it compares the state the kernel restored with the one it saved, and
+puts any difference back with PTRACE_SETREGSET."""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+from dlprof_agent.errors import InjectionUnsafe
+from dlprof_agent.reach.frame import component_names, state_differences
+from dlprof_agent.reach.tracer import Tracer
+from dlprof_agent.reach.xsave_layout import LayoutUnknown, XsaveLayout, host_layout
+
+log = logging.getLogger("dlprof_agent")
+
+
+class Detour(NamedTuple):
+    """A borrowed thread on its way: where its rt_sigreturn finds the frame, and the
+    state that frame holds, to check once the thread is back."""
+
+    sigreturn_rsp: int
+    xstate: bytes | None
+    layout: XsaveLayout
+
+
+def cpu_layout(pid: int) -> XsaveLayout:
+    try:
+        return host_layout()
+    except LayoutUnknown as error:
+        raise unsafe(pid, f"this CPU's XSAVE layout is unknown: {error}") from None
+
+
+def unsafe(pid: int, why: str) -> InjectionUnsafe:
+    return InjectionUnsafe(
+        f"not injecting into process {pid}: a borrowed thread could not get its whole "
+        f"register state back ({why})",
+        "the agent reads the job from outside only; start the job with "
+        "`dlprof-agent run -- python ...` for its probe", pid=pid)
+
+
+def put_back(ptrace: Tracer, pid: int, tid: int, detour: Detour) -> None:
+    """With ``tid`` stopped at the end of its detour's rt_sigreturn: any register
+    state the kernel did not restore from the frame goes back through ptrace."""
+    if detour.xstate is None:
+        return
+    restored = ptrace.xstate(tid)
+    if restored is None or len(restored) != len(detour.xstate):
+        return
+    lost = state_differences(detour.xstate, restored, detour.layout)
+    if lost:
+        ptrace.set_xstate(tid, detour.xstate)
+        log.warning("pid %d: thread %d came back from its detour without its %s "
+                    "state; put back through ptrace", pid, tid, component_names(lost))
