@@ -479,7 +479,7 @@ def left_stopped_or_traced(pid: int) -> str | None:
 
 def default_injector(pid: int) -> str:
     """The injector attach uses for ``pid`` (inject.py's choice, before any call)."""
-    from dlprof_agent.reach.ptrace import plan_calls
+    from dlprof_agent.reach.call_plan import plan_calls
     from dlprof_agent.reach.runtime import find_python_runtime
 
     runtime = find_python_runtime(pid)

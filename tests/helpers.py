@@ -56,7 +56,7 @@ def without_eval_loop_stops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The injector plans no busy-thread stop in the eval loop's own code (as where its
     extent is unknown): a pure-Python spin then has no safe point."""
     from dlprof_agent.reach import inject as inject_module
-    from dlprof_agent.reach.ptrace import CallAddresses, plan_calls
+    from dlprof_agent.reach.call_plan import CallAddresses, plan_calls
     from dlprof_agent.reach.runtime import PythonRuntime
 
     def planned(pid: int, runtime: PythonRuntime) -> CallAddresses | None:

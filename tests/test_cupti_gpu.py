@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from dlprof_agent.grafana import build as dashboards
-from dlprof_agent.reach.ptrace import plan_calls
+from dlprof_agent.reach.call_plan import plan_calls
 from dlprof_agent.reach.runtime import find_python_runtime
 from tests import test_dashboards as dashboards_test
 from tests.conftest import REPO, Prometheus, agent_env, free_port, wait_for

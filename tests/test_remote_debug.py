@@ -17,9 +17,9 @@ from benchmarks import reach
 from dlprof_agent.errors import InjectionNotNow, UnknownDebugOffsets
 from dlprof_agent.reach import debug_offsets
 from dlprof_agent.reach import inject as injector
+from dlprof_agent.reach.call_plan import CallAddresses
 from dlprof_agent.reach.debug_offsets import parse_debug_offsets
 from dlprof_agent.reach.lock_wait import ParkingLotWait
-from dlprof_agent.reach.ptrace import CallAddresses
 from dlprof_agent.reach.runtime import PythonRuntime
 
 VERSION_3_14 = 0x030E0AF0  # PY_VERSION_HEX of 3.14.10, a final release

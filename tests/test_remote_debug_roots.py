@@ -10,6 +10,7 @@ Each test skips, saying why, where the root is absent (.ci/run builds it before 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import struct
@@ -25,12 +26,14 @@ from dlprof_agent.collectors.probe import ProbeClient
 from dlprof_agent.errors import InjectionRefused
 from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
 from dlprof_agent.reach.inject import inject
+from dlprof_agent.reach.mapped_files import read_memory
 from dlprof_agent.reach.remote_debug import (
     QueuedRemoteExec,
     find_remote_debug,
     inject_with_remote_debug,
 )
 from dlprof_agent.reach.runtime import find_python_runtime
+from dlprof_agent.reach.shutdown import life_words, shutting_down
 from tests.helpers import wait_until
 from tests.test_main_thread_waits import RESULTS, WAITS
 from tests.test_trixie_root import (
@@ -116,6 +119,12 @@ def test_the_debug_offsets_of_a_real_3_14_job(job: Job) -> None:
         main = pointer(interpreter + offsets.threads_main)
         # The main thread's state names the job's own first thread: the layout is right.
         assert pointer(main + offsets.native_thread_id) == process.pid
+    # The words that say its interpreter runs (``shutdown``), from the same table
+    words = life_words(runtime.version, target.runtime_address,
+                       functools.partial(read_memory, process.pid))
+    assert words is not None
+    assert words.interpreters == target.runtime_address + offsets.interpreters_head
+    assert not shutting_down(words, functools.partial(read_memory, process.pid))
 
 
 def test_the_probe_comes_up_in_a_3_14_job(job: Job) -> None:

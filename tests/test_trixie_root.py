@@ -29,11 +29,13 @@ from dlprof_agent.collectors.probe import ProbeClient
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow
 from dlprof_agent.reach import gdb
 from dlprof_agent.reach import inject as injector
+from dlprof_agent.reach.call_plan import plan_calls
 from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
 from dlprof_agent.reach.gdb import inject_with_gdb
 from dlprof_agent.reach.inject import inject
-from dlprof_agent.reach.ptrace import plan_calls
+from dlprof_agent.reach.mapped_files import read_memory
 from dlprof_agent.reach.runtime import find_python_runtime
+from dlprof_agent.reach.shutdown import shutting_down
 from tests.conftest import agent_env
 from tests.helpers import wait_until
 from tests.test_main_thread_waits import RESULTS, WAITS
@@ -155,6 +157,9 @@ def test_the_ptrace_injector_calls_the_jobs_own_libc(job: Job) -> None:
     assert runtime is not None and runtime.version == (3, 13)
     calls = plan_calls(process.pid, runtime)
     assert calls is not None, "libc's mmap found through the job's root, not gdb's turn"
+    # 3.13's debug offsets place the words that say its interpreter runs (``shutdown``)
+    assert calls.life is not None and calls.life.interpreters is not None
+    assert not shutting_down(calls.life, functools.partial(read_memory, process.pid))
     client = _reach(process.pid)
     try:
         assert client.snapshot() is not None

@@ -36,11 +36,13 @@ import time
 
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
+    Mapping,
     executable_path,
     inside_root,
     read_executable,
 )
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, InjectionUnsafe, TargetGone
+from dlprof_agent.reach.call_plan import runtime_life
 from dlprof_agent.reach.frame import component_names
 from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
@@ -54,6 +56,7 @@ from dlprof_agent.reach.pending import (
 from dlprof_agent.reach.procfs import memory_map, raise_if_gone, running, start_ticks
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
+from dlprof_agent.reach.shutdown import exiting
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
     exited_during_injection,
@@ -144,6 +147,20 @@ def _in_kernel(pid, lwp):
         return False
     return bool(state) and state[0] not in ("running", "-1")
 
+def _shutting_down(words):
+    # As the agent's reach/shutdown.py reads them, with every thread stopped
+    if words is None:
+        return False
+    finalizing, initialized, interpreters = words
+    memory = gdb.selected_inferior()
+
+    def word(address, size):
+        return int.from_bytes(bytes(memory.read_memory(address, size)), "little")
+
+    return bool(word(finalizing, 8)
+                or (initialized is not None and word(initialized, 4) != 1)
+                or (interpreters is not None and not word(interpreters, 8)))
+
 def _other_file(checked):
     # An address the agent found and checked against the job's memory: where gdb sees
     # another, gdb read another file than the job runs, and calling it kills the job.
@@ -160,6 +177,9 @@ def _queue(payload):
     waiting = [thread for thread in threads if _in_kernel(pid, thread.ptid[1])]
     if not waiting:
         _say("no-thread-in-kernel")
+        return
+    if _shutting_down({life!r}):
+        _say("shutting-down")  # a call now would find no interpreter
         return
     waiting[0].switch()  # the main thread when it waits, else another one
     for library in ("libc[.]", "ld-musl", "libpython3"):
@@ -231,25 +251,38 @@ def checked_addresses(pid: int, runtime: PythonRuntime | None) -> dict[str, int]
     if libc is not None:
         files["mmap"] = (libc, mapped_file_paths(pid, libc, maps))
     if runtime is not None:
-        try:
-            exe = read_executable(pid)
-        except TargetGone:
-            exe = None
-        python = (runtime.library, [executable_path(pid)] if runtime.library == exe
-                  else mapped_file_paths(pid, runtime.library, maps))
+        python = (runtime.library, _python_files(pid, runtime, maps))
         files["Py_AddPendingCall"] = files["PyRun_SimpleString"] = python
     found = {name: function_address(pid, maps, path, paths, name)
              for name, (path, paths) in files.items()}
     return {name: address for name, address in found.items() if address is not None}
 
 
-def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | None = None
-                 ) -> list[str]:
+def _python_files(pid: int, runtime: PythonRuntime, maps: list[Mapping]) -> list[str]:
+    try:
+        exe = read_executable(pid)
+    except TargetGone:
+        exe = None
+    return ([executable_path(pid)] if runtime.library == exe
+            else mapped_file_paths(pid, runtime.library, maps))
+
+
+def _life(pid: int, runtime: PythonRuntime | None) -> tuple[int, int | None, int | None] | None:
+    if runtime is None:
+        return None
+    maps = memory_map(pid)
+    words = runtime_life(pid, maps, runtime, _python_files(pid, runtime, maps))
+    return None if words is None else (words.finalizing, words.initialized,
+                                       words.interpreters)
+
+
+def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | None = None,
+                 life: tuple[int, int | None, int | None] | None = None) -> list[str]:
     script = _GDB_PYTHON.format(
         mark=GDB_MARK, page=mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, flag_bytes=FLAG_BYTES,
         placeholder=ADDRESS_PLACEHOLDER.encode(), payload_hex=payload.hex(),
-        checked=checked or {}, general=_GENERAL_REGISTERS)
+        checked=checked or {}, general=_GENERAL_REGISTERS, life=life)
     return [gdb, "--batch", "--nx", "-iex", "set auto-load off",
             "-iex", "set auto-solib-add off", "-iex", "set debuginfod enabled off",
             # A signal during a call (our SIGINT on a stuck session) unwinds the call.
@@ -328,7 +361,8 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
     if queued is not None:
         return queued
     start_time = start_ticks(pid)
-    command = _gdb_command(gdb, pid, pending_payload(code), checked_addresses(pid, runtime))
+    command = _gdb_command(gdb, pid, pending_payload(code), checked_addresses(pid, runtime),
+                           _life(pid, runtime))
     deadline = time.monotonic() + wait_seconds
     while True:
         if not _wait_for_a_thread_in_kernel(pid, deadline):
@@ -355,6 +389,8 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
         raise refused(pid, PROC_ROOT, "ptrace was denied")
     if verdict and verdict[0] == "no-thread-in-kernel":
         raise no_safe_point(pid, wait_seconds)
+    if verdict and verdict[0] == "shutting-down":
+        raise exiting(pid)
     if verdict and verdict[0] == "xstate-unwritable":
         raise _unsafe(pid, "it cannot write the extended registers (XSAVE) of this CPU: "
                       + " ".join(verdict[1:]).rstrip("."))

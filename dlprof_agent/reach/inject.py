@@ -49,11 +49,12 @@ from dlprof_agent.errors import (
     TargetNotFound,
 )
 from dlprof_agent.reach.bootstrap_files import remove_stale_files
+from dlprof_agent.reach.call_plan import CallAddresses, plan_calls
 from dlprof_agent.reach.gdb import inject_with_gdb
 from dlprof_agent.reach.lock_wait import ParkingLotWait
 from dlprof_agent.reach.pending import QueuedBootstrap, pending_bootstrap
 from dlprof_agent.reach.procfs import comm
-from dlprof_agent.reach.ptrace import CallAddresses, inject_with_ptrace, plan_calls
+from dlprof_agent.reach.ptrace import inject_with_ptrace
 from dlprof_agent.reach.remote_debug import (
     find_remote_debug,
     inject_with_remote_debug,

@@ -116,13 +116,13 @@ def _symbol_address(pid: int, maps: list[Mapping], path: str, files: list[str], 
         with open(file, "rb") as source:
             source.seek(offset)
             expected = source.read(_CHECKED_BYTES)
-        found = _read_memory(pid, base + value, _CHECKED_BYTES, procfs)
+        found = read_memory(pid, base + value, _CHECKED_BYTES, procfs)
     except OSError:
         return None
     return base + value if len(expected) == _CHECKED_BYTES and found == expected else None
 
 
-def _read_memory(pid: int, address: int, size: int, procfs: str) -> bytes:
+def read_memory(pid: int, address: int, size: int, procfs: str = PROC_ROOT) -> bytes:
     with open_memory(pid, root=procfs) as memory:
         memory.seek(address)
         return memory.read(size)

@@ -16,7 +16,8 @@ trap, no breakpoint, no stopped thread is ever left. While the agent lives, it f
 the thread (PTRACE_SYSCALL) to the end of that rt_sigreturn, compares the register
 state there with the one it saved, and puts any difference back with PTRACE_SETREGSET:
 the frame is what survives the agent's death, ptrace what checks it. Where the frame
-cannot hold the whole state, nothing is borrowed (``InjectionUnsafe``).
+cannot hold the whole state, nothing is borrowed (``InjectionUnsafe``). Nor is one
+borrowed while the job's interpreter shuts down (``shutdown``): its call would find none.
 
 It is done twice: ``mmap`` (a page for the code, at a free address with
 MAP_FIXED_NOREPLACE, Linux 4.17+), then the agent writes the code there through
@@ -49,18 +50,11 @@ import random
 import signal
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
-from dlprof_agent.collectors.procfs import (
-    PROC_ROOT,
-    Mapping,
-    executable_path,
-    open_memory,
-    read_executable,
-)
-from dlprof_agent.errors import InjectionFailed, InjectionNotNow, TargetGone
+from dlprof_agent.collectors.procfs import PROC_ROOT, Mapping, open_memory
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow
 from dlprof_agent.reach import progress
-from dlprof_agent.reach.elf import scan_elf_file
+from dlprof_agent.reach.call_plan import CallAddresses
 from dlprof_agent.reach.frame import (
     REGISTERS,
     StateNotKept,
@@ -68,14 +62,8 @@ from dlprof_agent.reach.frame import (
     signal_frame,
     signed,
 )
-from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, call_targets, in_lock_wait
-from dlprof_agent.reach.mapped_files import (
-    data_address,
-    free_address,
-    function_address,
-    libc_path,
-    mapped_file_paths,
-)
+from dlprof_agent.reach.lock_wait import LockWait, in_lock_wait
+from dlprof_agent.reach.mapped_files import free_address, read_memory
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
     FLAG_BYTES,
@@ -83,12 +71,11 @@ from dlprof_agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.reach.pending_mutex import pending_mutex_address
 from dlprof_agent.reach.procfs import memory_map, start_ticks
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.register_state import Detour, cpu_layout, put_back, unsafe
-from dlprof_agent.reach.runtime import PythonRuntime
 from dlprof_agent.reach.safe_point import BusyStops, in_signal_handler
+from dlprof_agent.reach.shutdown import LifeWords, exiting, shutting_down
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
     blocked_signals,
@@ -110,8 +97,6 @@ from dlprof_agent.reach.tracer import (
 )
 
 _MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
-# mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
-_SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
 # A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
 # with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
 _ERESTART_RESTARTBLOCK = -516
@@ -125,13 +110,6 @@ _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its det
 # only there, and from another thread 3.10-3.12 tell it only when it next takes the GIL,
 # which a main thread in a lock wait may not do for hours.
 _PREFER_MAIN_SECONDS = 0.5
-_MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
-
-
-def _read_memory(pid: int, address: int, size: int) -> bytes:
-    with open_memory(pid) as memory:
-        memory.seek(address)
-        return memory.read(size)
 
 
 def _write_memory(pid: int, address: int, data: bytes) -> None:
@@ -139,21 +117,6 @@ def _write_memory(pid: int, address: int, data: bytes) -> None:
         memory.seek(address)
         if memory.write(data) != len(data):
             raise OSError(f"short write to process {pid}")
-
-
-def _find_sigreturn(pid: int, maps: list[Mapping], libc: str) -> int | None:
-    for start, end, permissions, _, path in maps:
-        if path != libc or "x" not in permissions or end - start > _MAX_CODE_BYTES:
-            continue
-        try:
-            code = _read_memory(pid, start, end - start)
-        except OSError:
-            continue
-        for gadget in _SIGRETURN:
-            at = code.find(gadget)
-            if at >= 0:
-                return start + at
-    return None
 
 
 def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
@@ -178,11 +141,11 @@ def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...]
     arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
     stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
     interrupt = (tid == pid and lock_function is not None and stack is not None
-                 and in_lock_wait(r, lambda address, size: _read_memory(pid, address, size),
+                 and in_lock_wait(r, lambda address, size: read_memory(pid, address, size),
                                   stack[1], lock_function))
     if orig < 0:
         if busy is None or stack is None or not busy.accepts(r["rip"], maps) or (
-                in_signal_handler(lambda address, size: _read_memory(pid, address, size),
+                in_signal_handler(lambda address, size: read_memory(pid, address, size),
                                   r["rsp"], stack[1], gadget)) or (
                 hold_others is not None and not hold_others()):
             return None
@@ -216,12 +179,14 @@ def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...]
 
 def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, ...],
                      gadget: int, *, lock_function: LockWait | None = None,
-                     busy: BusyStops | None = None, main_only: bool = False) -> bool:
+                     busy: BusyStops | None = None, main_only: bool = False,
+                     life: LifeWords | None = None) -> bool:
     """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds at a time; it needs nothing more from us
     once it is set on its way, so the agent may die at any moment. False when none could be had.
     Where none waits (or with ``main_only``, where the main thread does not), the main
-    thread is taken busy, at a safe PC, given ``busy``: it runs the pending call itself."""
+    thread is taken busy, at a safe PC, given ``busy``: it runs the pending call itself.
+    Raises InjectionNotNow where ``life`` says the interpreter is shutting down."""
     maps = memory_map(pid)
     waiting = waiting_threads(pid)
     if main_only:
@@ -251,6 +216,8 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
                 continue
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
+            if life is not None and shutting_down(life, functools.partial(read_memory, pid)):
+                raise exiting(pid)
             hold = None if mutex is None else functools.partial(
                 _hold_with_the_mutex_free, ptrace, pid, held, mutex)
             detour = _detour(ptrace, pid, tid, (function, args, gadget), maps,
@@ -279,114 +246,9 @@ def _hold_with_the_mutex_free(ptrace: Tracer, pid: int, held: dict[int, int], mu
     """Every other thread of ``pid`` held, and 3.13's pending-call PyMutex at ``mutex``
     free: its byte 0, unlocked with no waiter parked."""
     try:
-        return hold_other_threads(ptrace, pid, held) and _read_memory(pid, mutex, 1) == b"\0"
+        return hold_other_threads(ptrace, pid, held) and read_memory(pid, mutex, 1) == b"\0"
     except OSError:
         return False
-
-
-class CallAddresses(NamedTuple):
-    """Where, in the job, the functions the injector has a thread call are; each
-    checked to hold the bytes of that function in its file."""
-
-    add_pending_call: int  # Py_AddPendingCall
-    run_simple_string: int  # PyRun_SimpleString
-    mmap: int  # libc's
-    sigreturn: int  # an rt_sigreturn of libc's signal restorer
-    # [start, end) of PyThread_acquire_lock_timed, or 3.13's parking-lot wait: the main
-    # thread's wait there is ended with EINTR (``lock_wait``); None where it cannot be
-    # found and checked
-    lock_wait: LockWait | None = None
-    # Where a busy main thread may be stopped (``safe_point``); None: a busy thread is not
-    # borrowed (3.13's pending-call mutex may release the caller's GIL; an unknown version)
-    busy_stops: BusyStops | None = None
-
-
-def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
-    """Addresses in ``pid`` of Py_AddPendingCall, PyRun_SimpleString, mmap and an
-    rt_sigreturn; None when one cannot be found and checked (then gdb is used)."""
-    maps = memory_map(pid)
-    libc = libc_path(maps)
-    if libc is None:
-        return None
-    try:
-        exe = read_executable(pid)
-    except TargetGone:
-        return None
-    if exe is None:
-        return None
-    # Every file through the job's root (``mapped_files``): a job in a chroot or a
-    # container has its own libc, never the agent's.
-    python_files = ([executable_path(pid)] if runtime.library == exe
-                    else mapped_file_paths(pid, runtime.library, maps))
-    add = function_address(pid, maps, runtime.library, python_files, "Py_AddPendingCall")
-    run = function_address(pid, maps, runtime.library, python_files, "PyRun_SimpleString")
-    allocate = function_address(pid, maps, libc, mapped_file_paths(pid, libc, maps), "mmap")
-    gadget = _find_sigreturn(pid, maps, libc)
-    if add is None or run is None or allocate is None or gadget is None:
-        return None
-    # Up to 3.12; 3.13 only where its pending-call mutex is found (``pending_mutex``)
-    mutex = (_pending_mutex(pid, maps, runtime.library, python_files)
-             if runtime.version == (3, 13) else None)
-    busy = (BusyStops(frozenset({runtime.library, exe}),
-                      _function_extent(pid, maps, runtime.library, python_files,
-                                       "_PyEval_EvalFrameDefault"), mutex)
-            if runtime.version is not None and (runtime.version < (3, 13) or mutex is not None)
-            else None)
-    lock_wait: LockWait | None = (
-        _parking_lot_wait(pid, maps, runtime.library, python_files)
-        if runtime.version in PARKING_LOT_VERSIONS else
-        _function_extent(pid, maps, runtime.library, python_files,
-                         "PyThread_acquire_lock_timed")
-        if runtime.version is not None and runtime.version < (3, 13) else None)
-    return CallAddresses(add, run, allocate, gadget, lock_wait, busy)
-
-
-PARKING_LOT_VERSIONS = ((3, 13), (3, 14))  # whose lock waits were read (``lock_wait``)
-
-
-def _pending_mutex(pid: int, maps: list[Mapping], path: str, files: list[str]) -> int | None:
-    """3.13's main-thread pending-call mutex in ``pid`` (``pending_mutex``), or None."""
-    runtime_state = data_address(pid, maps, path, files, "_PyRuntime")
-    adder = _function_extent(pid, maps, path, files, "_PyEval_AddPendingCall")
-    if runtime_state is None or adder is None:
-        return None
-    try:
-        code = _read_memory(pid, adder[0], adder[1] - adder[0])
-    except OSError:
-        return None
-    return pending_mutex_address(runtime_state, code, adder[0])
-
-
-def _parking_lot_wait(pid: int, maps: list[Mapping], path: str, files: list[str]
-                      ) -> ParkingLotWait | None:
-    semaphore_wait = _function_extent(pid, maps, path, files, "_PySemaphore_Wait")
-    park = _function_extent(pid, maps, path, files, "_PyParkingLot_Park")
-    event_wait = _function_extent(pid, maps, path, files, "PyEvent_WaitTimed")
-    if semaphore_wait is None or park is None:
-        return None
-    # The copy of Park that PyEvent_WaitTimed calls (3.14), where it is not Park itself
-    at, code = event_wait[0] if event_wait else 0, b""
-    with contextlib.suppress(OSError):
-        code = _read_memory(pid, at, event_wait[1] - at) if event_wait else b""
-    bound = 2 * (park[1] - park[0])
-    return ParkingLotWait(semaphore_wait, park, tuple(
-        (copy, copy + bound) for copy in sorted(set(call_targets(at, code)) - {park[0]})
-        if any(start <= copy < end and "x" in rights for start, end, rights, *_ in maps)))
-
-
-def _function_extent(pid: int, maps: list[Mapping], path: str, files: list[str],
-                     name: str) -> tuple[int, int] | None:
-    """[start, end) of function ``name`` in ``pid``, checked as _function_address is."""
-    start = function_address(pid, maps, path, files, name)
-    if start is None:
-        return None
-    for file in files:
-        with contextlib.suppress(PermissionError):
-            scan = scan_elf_file(file)
-            if scan is not None:
-                size = scan.size(name)
-                return (start, start + size) if size else None
-    return None
 
 
 def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: float
@@ -403,14 +265,13 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
                     main_until: float) -> bool:
         if pending:  # the main thread, for a while: from another the call may wait long
             return _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
-                                    lock_function=calls.lock_wait,
-                                    busy=calls.busy_stops,
-                                    main_only=time.monotonic() < main_until)
+                                    lock_function=calls.lock_wait, busy=calls.busy_stops,
+                                    main_only=time.monotonic() < main_until, life=calls.life)
         # mmap: a main thread in a lock wait is left in it for the pending call, unless
         # it is the only thread there is to borrow
         return any(_borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
-                                    lock_function=lock_function,
-                                    busy=calls.busy_stops)
+                                    lock_function=lock_function, busy=calls.busy_stops,
+                                    life=calls.life)
                    for lock_function in (None, calls.lock_wait))
 
     def borrow(function: int, args: tuple[int, ...], *, pending: bool = False) -> None:
