@@ -32,7 +32,7 @@ import pytest
 from dlprof_agent.errors import InjectionUnsafe
 from dlprof_agent.reach import gdb as gdb_module
 from dlprof_agent.reach import inject as inject_module
-from dlprof_agent.reach.gdb import parse_gdb_version, xstate_refusal
+from dlprof_agent.reach.gdb_versions import gdb_version, parse_gdb_version, xstate_refusal
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.xsave_layout import Component, LayoutUnknown, XsaveLayout, host_layout
 from tests.helpers import wait_until
@@ -227,7 +227,7 @@ def _gdb_refused_here() -> str | None:
         layout: XsaveLayout | None = host_layout()
     except LayoutUnknown:
         layout = None
-    return xstate_refusal(gdb_module.gdb_version(GDB), layout)
+    return xstate_refusal(gdb_version(GDB), layout)
 
 
 def _force_gdb(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,10 +25,10 @@ restart_syscall only when the PC it rewound to is not changed in between)."""
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import mmap
-import re
+import os
 import shutil
 import signal
 import subprocess
@@ -40,10 +40,11 @@ from dlprof_agent.collectors.procfs import (
     executable_path,
     inside_root,
     read_executable,
+    read_state,
 )
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, InjectionUnsafe, TargetGone
 from dlprof_agent.reach.call_plan import runtime_life
-from dlprof_agent.reach.frame import component_names
+from dlprof_agent.reach.gdb_versions import XSAVE_SIZED_GDB, gdb_version, xstate_refusal
 from dlprof_agent.reach.mapped_files import function_address, libc_path, mapped_file_paths
 from dlprof_agent.reach.pending import (
     ADDRESS_PLACEHOLDER,
@@ -70,11 +71,9 @@ from dlprof_agent.reach.xsave_layout import LayoutUnknown, XsaveLayout, host_lay
 log = logging.getLogger("dlprof_agent")
 
 GDB_SESSION_SECONDS = 30.0  # a session takes milliseconds; this only bounds a stuck gdb
+_UNWIND_SECONDS = 10.0  # for a stuck gdb to unwind its call and detach after SIGINT
+_STOP_DELIVERY_SECONDS = 0.5  # for a SIGSTOP a killed gdb left pending to stop the job
 GDB_MARK = "dlprof-agent:"
-# gdb from 14.1 sizes the XSAVE area from CPUID; before, a fixed buffer of this many
-# bytes (2696 since 8.0, with PKRU; before 8.0 at most AVX's 832, taken here as such)
-XSAVE_SIZED_GDB = (14, 1)
-_FIXED_XSAVE_BYTES = ((8, 0), 2696), ((0, 0), 832)
 _RUN_INSTEAD = "or start the job with `dlprof-agent run -- python ...`"
 # The registers recorded before gdb's calls and compared after, per gdb's name of the
 # architecture; orig_rax last, so that the kernel restarts the call only once the rest
@@ -295,43 +294,6 @@ def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | N
 
 
 
-@functools.cache
-def gdb_version(gdb: str) -> tuple[int, int] | None:
-    """The major and minor version of the gdb at ``gdb``, from ``gdb --version``; None
-    where it does not say."""
-    try:
-        first = subprocess.run([gdb, "--version"], capture_output=True, text=True,
-                               timeout=GDB_SESSION_SECONDS, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_gdb_version(first)
-
-
-def parse_gdb_version(text: str) -> tuple[int, int] | None:
-    """``GNU gdb (Debian 13.1-3) 13.1`` -> (13, 1): the first number after the
-    vendor's parentheses on the first line."""
-    line = text.splitlines()[0] if text else ""
-    found = re.search(r"(\d+)\.(\d+)", line.rpartition(")")[2]) or re.search(
-        r"(\d+)\.(\d+)", line)
-    return (int(found[1]), int(found[2])) if found else None
-
-
-def xstate_refusal(version: tuple[int, int] | None, layout: XsaveLayout | None) -> str | None:
-    """Why gdb ``version`` cannot put back the whole register state of a thread on a CPU
-    with XSAVE ``layout``, in words; None where it can or where either is unknown (the
-    script checks again before its calls)."""
-    if version is None or layout is None or version >= XSAVE_SIZED_GDB:
-        return None
-    limit = next(size for since, size in _FIXED_XSAVE_BYTES if version >= since)
-    needed = layout.size(layout.xcr0)
-    if needed <= limit:
-        return None
-    beyond = sum(1 << index for index, part in layout.components.items()
-                 if layout.xcr0 >> index & 1 and part.offset + part.size > limit)
-    return (f"gdb {version[0]}.{version[1]} cannot restore the {component_names(beyond)} "
-            f"registers of this CPU (XSAVE area {needed} bytes, gdb writes {limit})")
-
-
 def _refuse_unsafe_gdb(pid: int, gdb: str) -> None:
     try:
         layout: XsaveLayout | None = host_layout()
@@ -419,9 +381,19 @@ def _check_restored(pid: int, unrestored: list[str] | None) -> None:
                 "the agent did", pid, unrestored[1])
 
 
+def _stops_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while read_state(pid) != "T":
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
 def _run_gdb(pid: int, command: list[str]) -> str:
     # gdb gets its own session so that a Ctrl-C meant for the agent does not stop it
     # halfway; a kill of the whole agent side is what the pending-call design makes safe.
+    stopped_before = read_state(pid) == "T"
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -429,8 +401,17 @@ def _run_gdb(pid: int, command: list[str]) -> str:
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGINT)  # unwinds a call in progress, then detaches
         try:
-            return process.communicate(timeout=10)[0]
+            return process.communicate(timeout=_UNWIND_SECONDS)[0]
         except subprocess.TimeoutExpired:
             process.kill()
             return process.communicate()[0]
+    finally:
+        # A gdb killed between its attach and its wait leaves the SIGSTOP of
+        # PTRACE_ATTACH to stop the job once detached (ptrace(2)): that stop is ours.
+        if not stopped_before and process.returncode == -signal.SIGKILL \
+                and _stops_within(pid, _STOP_DELIVERY_SECONDS):
+            log.warning("pid %d: gdb was killed while attached and left the job stopped; "
+                        "the agent continues it", pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
