@@ -59,17 +59,23 @@ print(upper_half(0, buffer), flush=True)
 """
 
 
+def _job_in_its_read(tmp_path: Path) -> subprocess.Popen[str]:
+    """The job, started, once its only thread waits in read()."""
+    job = subprocess.Popen([sys.executable, "-c", JOB], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert job.stdout is not None and job.stdout.readline() == "ready\n"
+    wait_until(lambda: Path(f"/proc/{job.pid}/syscall").read_text().split()[0] == "0",
+               10, what="the job's read")
+    return job
+
+
 def _upper_half_after_a_borrow(tmp_path: Path) -> int:
     """Start the job, borrow its only thread while it waits in read(), and return the
     low 64 bits of ymm2's upper half as the job found them after the read."""
     marker = tmp_path / "ran"
-    job = subprocess.Popen([sys.executable, "-c", JOB], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    job = _job_in_its_read(tmp_path)
     try:
         assert job.stdout is not None and job.stdin is not None
-        assert job.stdout.readline() == "ready\n"
-        wait_until(lambda: Path(f"/proc/{job.pid}/syscall").read_text().split()[0] == "0",
-                   10, what="the job's read")
         inject(job.pid, f"open({str(marker)!r}, 'w').write('ran')")  # its only thread
         job.stdin.write("x")
         job.stdin.flush()
@@ -216,13 +222,9 @@ def test_an_unknown_layout_refuses_in_one_line_and_leaves_the_job_alone(
         raise LayoutUnknown("cannot run CPUID in the agent (denied)")
 
     monkeypatch.setattr(register_state, "host_layout", unknown)
-    job = subprocess.Popen([sys.executable, "-c", JOB], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    job = _job_in_its_read(tmp_path)
     try:
         assert job.stdout is not None and job.stdin is not None
-        assert job.stdout.readline() == "ready\n"
-        wait_until(lambda: Path(f"/proc/{job.pid}/syscall").read_text().split()[0] == "0",
-                   10, what="the job's read")
         with pytest.raises(InjectionUnsafe, match="XSAVE layout is unknown") as caught:
             inject(job.pid, "pass")
         assert "\n" not in str(caught.value)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.no_harm import kill_agent_side
 from dlprof_agent.errors import InjectionFailed, TargetNotFound
 from dlprof_agent.probe.bootstrap import injection_code
 from dlprof_agent.reach import bootstrap_files, pending
@@ -91,33 +92,6 @@ def status(pid: int, field: str) -> str:
         if line.startswith(f"{field}:"):
             return line.split(":", 1)[1].split()[0]
     return ""
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(
-                    int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_agent_side(agent: subprocess.Popen[str]) -> None:
-    """SIGKILL the agent and everything it started, whatever their sessions, as a cgroup
-    kill does: stopped first so that it starts nothing more."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(agent.pid, signal.SIGSTOP)
-    for pid in [agent.pid, *descendants(agent.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    agent.wait(10)
 
 
 def steps(path: Path) -> int:
