@@ -45,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "docs" / "reach.md"
 SECTION = "## No harm"
+MACHINE_HEADING = "### On "  # a subsection per CPU: what harms a job depends on it
 ATTACH_SECONDS = 5.0  # how long each agent stays attached (less when the job ends first)
 START_SECONDS = 300.0  # a job's imports and first steps, on a loaded machine
 # Kills land up to 1.2 times an uncut injection's length, or this: gdb's, where no
@@ -707,29 +708,42 @@ def measure(key: str, *, attaches: int, kills: int, kills_per_run: int = 0,
 
 # ---- the section ----
 
-def machine() -> list[str]:
+def instruction_sets(flags: set[str]) -> str:
+    """What of the register state's wide parts the CPU has (cpuinfo's flags), in words."""
+    if "avx512f" not in flags:
+        return "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    extras = [name for flag, name in (("avx512_bf16", "BF16"), ("avx512_fp16", "FP16"))
+              if flag in flags]
+    wide = "AVX-512" + (f" with {' and '.join(extras)}" if extras else "")
+    return f"AMX and {wide}" if "amx_tile" in flags else f"{wide}, no AMX"
+
+
+def machine() -> tuple[str, list[str]]:
+    """This machine's subsection heading (its CPU) and the lines that describe it."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M)
-    wanted = sorted(flag for flag in (flags.group(1).split() if flags else [])
-                    if flag.startswith(("avx512", "amx", "xsave")))
+    found = re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M)
+    flags = set(found.group(1).split()) if found else set()
+    wanted = sorted(flag for flag in flags if flag.startswith(("avx512", "amx", "xsave")))
     probe = ("import json, importlib.util as u\nfound = {}\n"
              "if u.find_spec('torch'):\n    import torch\n"
              "    found['torch'] = torch.__version__ + ', CPU capability ' + "
              "torch.backends.cpu.get_cpu_capability()\n"
              "if u.find_spec('numpy'):\n    import numpy\n"
              "    from numpy._core._multiarray_umath import __cpu_features__ as f\n"
-             "    found['numpy'] = numpy.__version__ + ', dispatches ' + ' '.join("
-             "k for k, v in f.items() if v and k.startswith('AVX512'))\n"
+             "    found['numpy'] = numpy.__version__ + ', dispatches ' + (' '.join("
+             "k for k, v in f.items() if v and k.startswith('AVX512')) or 'no AVX512')\n"
              "print(json.dumps(found))\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, check=False)
     versions = json.loads(done.stdout or "{}") if done.returncode == 0 else {}
-    return [f"CPU: {model.group(1) if model else platform.processor()}, {os.cpu_count()} "
-            f"CPUs; flags: {' '.join(wanted) or 'none of avx512*, amx*, xsave*'}.",
-            f"Linux {platform.release()}, Python {platform.python_version()} "
-            f"({platform.machine()})" + "".join(f"; {name} {text}"
-                                                for name, text in versions.items()) + "."]
+    name = model.group(1) if model else platform.processor() or platform.machine()
+    return (f"{MACHINE_HEADING}{name}, {instruction_sets(flags)}",
+            [f"CPU: {name}, {os.cpu_count()} CPUs; flags: "
+             f"{' '.join(wanted) or 'none of avx512*, amx*, xsave*'}.",
+             f"Linux {platform.release()}, Python {platform.python_version()} "
+             f"({platform.machine()})" + "".join(f"; {name} {text}"
+                                                 for name, text in versions.items()) + "."])
 
 
 def _cell(good: int, total: int) -> str:
@@ -737,28 +751,32 @@ def _cell(good: int, total: int) -> str:
 
 
 def section(rows: list[Row], attaches: int, kills: int, seconds: float,
-            described: list[str]) -> str:
-    """The section: what was done, the machine (``described``: machine()), the table."""
+            machine_said: tuple[str, list[str]]) -> str:
+    """The section: what was done, then this machine's subsection (``machine_said``:
+    machine()'s heading and lines) with its table."""
+    heading, described = machine_said
     lines = [
         SECTION, "",
         "Written by `python -m benchmarks.no_harm` (a few cheap kinds are checked by "
-        "`tests/test_no_harm.py`). Each kind of job trains a fixed number of steps from "
-        "fixed seeds, on in-memory data, on one intra-op thread unless said, and prints "
-        "the sha256 of its final weights; run twice untouched, both must agree. Then "
-        f"{attaches} runs, each with one `attach --layers --duration {ATTACH_SECONDS:g}` "
-        "started once the job has logged a given step: spread from 10% to 90% of the "
-        "run, and its last step (that agent meets the job as it ends: its teardown, the "
-        "interpreter's finalization, its libraries' exit handlers). Then "
-        f"{kills} kills (SIGKILL of an agent injecting the probe, and of its gdb, at a "
-        "random instant of its injection: 0 to 1.2 times its uncut length, at most "
-        f"{KILL_WINDOW_SECONDS:g} s) in as many runs as they took, one after the other "
-        "in each, the first run's first injection uncut. A run is identical when its "
-        "weights and exit code are the untouched run's; a kill counts as identical when "
-        "its run is and it left no thread stopped or traced. The gdb rows force the "
-        "injector used off x86-64: an agent whose `plan_calls` finds nothing injects, "
-        "then `attach --no-inject` connects.",
+        "`tests/test_no_harm.py`), a subsection per CPU. Each kind of job trains a fixed "
+        "number of steps from fixed seeds, on in-memory data, on one intra-op thread "
+        "unless said, and prints the sha256 of its final weights; run twice untouched, "
+        "both must agree. Then runs each with one "
+        f"`attach --layers --duration {ATTACH_SECONDS:g}` started once the job has logged "
+        "a given step: spread from 10% to 90% of the run, and its last step (that agent "
+        "meets the job as it ends: its teardown, the interpreter's finalization, its "
+        "libraries' exit handlers). Then kills (SIGKILL of an agent injecting the probe, "
+        "and of its gdb, at a random instant of its injection: 0 to 1.2 times its uncut "
+        f"length, at most {KILL_WINDOW_SECONDS:g} s) in as many runs as they took, one "
+        "after the other in each, the first run's first injection uncut. A run is "
+        "identical when its weights and exit code are the untouched run's; a kill counts "
+        "as identical when its run is and it left no thread stopped or traced. The gdb "
+        "rows force the injector used off x86-64: an agent whose `plan_calls` finds "
+        "nothing injects, then `attach --no-inject` connects.",
         "",
+        heading, "",
         *described,
+        f"Each row: {attaches} attaches, {kills} kills.",
         "",
         "| kind of job | injector | attaches identical | exit codes unchanged | "
         "kills identical | notes |",
@@ -791,29 +809,46 @@ def section(rows: list[Row], attaches: int, kills: int, seconds: float,
     ran = sorted({row.key for row in rows}, key=list(KINDS).index)
     lines += ["", f"The whole matrix took {seconds / 60:.0f} minutes." if len(ran) == len(KINDS)
               else f"This run ({', '.join(ran)}) took {seconds / 60:.0f} minutes; rows of "
-                   "other kinds are kept from earlier runs."]
+                   "other kinds are kept from earlier runs on this CPU."]
     return "\n".join(lines) + "\n"
 
 
 def with_section(text: str, new: str) -> str:
     """``text`` with its No harm section replaced by ``new``, or ``new`` added at the
-    end. Rows of the old table whose kind and injector ``new`` lacks are kept (a run of
-    a few kinds updates theirs), in the order of ``KINDS``."""
+    end. Other CPUs' subsections are kept; in this CPU's, rows of the old table whose
+    kind and injector ``new`` lacks are kept (a run of a few kinds updates theirs), in
+    the order of ``KINDS``."""
     parts = re.split(r"(?m)^(?=## )", text)
     old = next((part for part in parts if part.startswith(SECTION)), None)
     if old is None:
         return (text.rstrip("\n") + "\n\n" + new) if text.strip() else new
+    preamble, made = _subsections(new)
+    blocks = _subsections(old)[1]
+    for heading, block in made.items():
+        blocks[heading] = _merged(blocks.get(heading, ""), block)
+    merged = "\n\n".join([preamble.rstrip("\n"),
+                          *(block.rstrip("\n") for block in blocks.values())]) + "\n"
+    return "".join(merged + ("\n" if part.endswith("\n\n") else "") if part is old else part
+                   for part in parts)
+
+
+def _subsections(section: str) -> tuple[str, dict[str, str]]:
+    """A No harm section's text before its first CPU, and its CPUs' subsections by
+    heading (each with its heading line)."""
+    pieces = re.split(rf"(?m)^(?={re.escape(MACHINE_HEADING)})", section)
+    return pieces[0], {piece.splitlines()[0]: piece for piece in pieces[1:]}
+
+
+def _merged(old: str, new: str) -> str:
+    """A CPU's subsection ``new``, with the rows of ``old`` it lacks kept."""
     rows = {**_table_rows(old), **_table_rows(new)}
     order = {KINDS[key].label: index for index, key in enumerate(KINDS)}
     kept = [rows[key] for key in sorted(rows, key=lambda key: (  # attach's injector first
         order.get(key[0], len(order)), key[1] == "gdb", key[1]))]
     lines = new.splitlines()
     table_at = next(index for index, line in enumerate(lines) if line.startswith("|---"))
-    head = lines[:table_at + 1]
     tail = [line for line in lines[table_at + 1:] if not line.startswith("| ")]
-    merged = "\n".join([*head, *kept, *tail]) + "\n"
-    return "".join(merged + ("\n" if part.endswith("\n\n") else "") if part is old else part
-                   for part in parts)
+    return "\n".join([*lines[:table_at + 1], *kept, *tail]) + "\n"
 
 
 def _table_rows(section: str) -> dict[tuple[str, str], str]:

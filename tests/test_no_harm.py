@@ -51,15 +51,15 @@ def test_a_row_says_each_harm() -> None:
                       [no_harm.Attach(100, same, "probe active in pid 1"),
                        no_harm.Attach(1000, crashed, "")],
                       [no_harm.KillRun(3, [0.01, 0.02, 0.03], [], same)], 0.1)
-    text = no_harm.section([row], 2, 3, 60.0, ["CPU: a test's"])
+    text = no_harm.section([row], 2, 3, 60.0, ("### On a test's CPU", ["CPU: a test's"]))
     assert ("| pinned single-thread torch loop | ptrace | 1/2 | 2/3 | 3/3 | untouched 10 s; "
             "probe up 1/2;") in text
     assert "attach at step 1000: exit -11, weights abababababab" in text
-    assert "CPU: a test's" in text
+    assert "### On a test's CPU\n\nCPU: a test's\nEach row: 2 attaches, 3 kills." in text
 
 
-def table(*rows: str) -> str:
-    return "\n".join([f"{no_harm.SECTION}", "", "what was done", "",
+def table(cpu: str, *rows: str, said: str = "what was done") -> str:
+    return "\n".join([f"{no_harm.SECTION}", "", said, "", f"{no_harm.MACHINE_HEADING}{cpu}", "",
                       "| kind of job | injector | a | b | c | notes |", "|---|---|---|---|---|---|",
                       *rows, "", "took N minutes"]) + "\n"
 
@@ -67,15 +67,25 @@ def table(*rows: str) -> str:
 def test_the_section_is_replaced_in_place_and_a_run_of_a_few_kinds_keeps_the_other_rows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pinned, python = no_harm.KINDS["pinned"].label, no_harm.KINDS["python"].label
-    old = table(f"| {pinned} | ptrace | 1/4 | old |", f"| {pinned} | gdb | 4/4 | old |",
-                f"| {python} | ptrace | 4/4 | old |")
-    new = table(f"| {python} | ptrace | 3/4 | new |", f"| {pinned} | ptrace | 4/4 | new |")
+    old = table("X, AVX-512, no AMX", f"| {pinned} | ptrace | 1/4 | old |",
+                f"| {pinned} | gdb | 4/4 | old |", f"| {python} | ptrace | 4/4 | old |")
+    new = table("X, AVX-512, no AMX", f"| {python} | ptrace | 3/4 | new |",
+                f"| {pinned} | ptrace | 4/4 | new |", said="what was done now")
     text = f"# Reach\n\ntable\n\n{old}\n## In a Debian root: sid, Python 3.14\n\nrows\n"
     replaced = no_harm.with_section(text, new)
     assert replaced == text.replace(old, table(
-        f"| {pinned} | ptrace | 4/4 | new |", f"| {pinned} | gdb | 4/4 | old |",
-        f"| {python} | ptrace | 3/4 | new |"))
+        "X, AVX-512, no AMX", f"| {pinned} | ptrace | 4/4 | new |",
+        f"| {pinned} | gdb | 4/4 | old |", f"| {python} | ptrace | 3/4 | new |",
+        said="what was done now"))
     assert no_harm.with_section("# Reach\n", new) == f"# Reach\n\n{new}"
+
+    other_cpu = table("Y, AVX2, no AVX-512", f"| {python} | ptrace | 2/4 | other |")
+    both = no_harm.with_section(replaced, other_cpu)
+    kept, added = both.split(f"{no_harm.MACHINE_HEADING}Y, AVX2")
+    assert f"| {pinned} | gdb | 4/4 | old |" in kept and "3/4 | new" in kept
+    assert f"| {python} | ptrace | 2/4 | other |" in added and "new" not in added
+    assert "what was done now" not in both and both.count(no_harm.SECTION) == 1
+    assert both.endswith("## In a Debian root: sid, Python 3.14\n\nrows\n")
 
     out = tmp_path / "reach.md"
     out.write_text(replaced)
@@ -86,6 +96,16 @@ def test_the_section_is_replaced_in_place_and_a_run_of_a_few_kinds_keeps_the_oth
     assert "## In a Debian root: sid" in rewritten
     assert rewritten.endswith(no_harm.with_section(old, new))
     assert rewritten.count("## Notes") == 1
+
+
+def test_the_instruction_sets_name_what_the_register_state_holds() -> None:
+    said = no_harm.instruction_sets
+    assert said({"avx2"}) == "AVX2, no AVX-512"
+    assert said({"avx2", "avx512f", "avx512_fp16"}) == "AVX-512 with FP16, no AMX"
+    assert (said({"avx512f", "avx512_bf16", "avx512_fp16", "amx_tile"})
+            == "AMX and AVX-512 with BF16 and FP16")
+    heading, described = no_harm.machine()
+    assert heading.startswith(no_harm.MACHINE_HEADING) and described[0].startswith("CPU: ")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
