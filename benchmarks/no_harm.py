@@ -772,7 +772,11 @@ def section(rows: list[Row], attaches: int, kills: int, seconds: float,
         "identical when its weights and exit code are the untouched run's; a kill counts "
         "as identical when its run is and it left no thread stopped or traced. The gdb "
         "rows force the injector used off x86-64: an agent whose `plan_calls` finds "
-        "nothing injects, then `attach --no-inject` connects.",
+        "nothing injects, then `attach --no-inject` connects. gdb's calls return to a "
+        "breakpoint of its own, in the job for the milliseconds of each call: a kill of "
+        "gdb inside that window kills the job (reach/gdb.py), and a kill of agent and "
+        "gdb together (a cgroup's) can leave a thread stopped; the ptrace injector "
+        "has neither window.",
         "",
         heading, "",
         *described,
