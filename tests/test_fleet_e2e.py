@@ -1,7 +1,8 @@
 """One data-parallel job on two "nodes", end to end: two torchrun launchers
 (--nnodes 2, rendezvous on 127.0.0.1, gloo, one thread per rank), one
 `dlprof-agent daemon` per node (told apart by GROUP_RANK, each with its own
---node-name), and a real Prometheus evaluating `dlprof-agent rules --rate-window
+--node-name; without --layers, as deploy/ starts them: the step split is on by
+default), and a real Prometheus evaluating `dlprof-agent rules --rate-window
 10s --for 10s`. Rank 1 sleeps in its input before each step, so rank 0 waits for
 it in the gradient all-reduce and both report the same step time: only each
 rank's own time (step minus exchange) tells them apart.
@@ -78,7 +79,7 @@ def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:
     port = free_port()
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--quiet",
-         "--no-gpu", "--no-inject", "--layers", "--interval", "0.5", "--scan-interval", "0.5",
+         "--no-gpu", "--no-inject", "--interval", "0.5", "--scan-interval", "0.5",
          "--env", f"GROUP_RANK={node}", *OWN_JOBS, "--node-name", f"node-{node}"],
         cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     return port
