@@ -210,7 +210,7 @@ def test_without_layer_timing_every_step_is_split() -> None:
 
 
 def test_with_the_split_off_no_phase_is_timed_and_the_split_says_so() -> None:
-    import torch.distributed as distributed
+    from torch import distributed
 
     all_reduce = distributed.all_reduce
     recorder, hooks = attach(layers=False, split=False)

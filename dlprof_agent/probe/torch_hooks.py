@@ -32,10 +32,8 @@ hooks on the model and one on a node per step, whatever its number of layers.
 The optimizer's step is timed less what ran inside it: an optimizer called
 with a closure (Lightning's automatic optimization) runs forward and backward
 inside its ``step``; the closure is wrapped so that its own time, the loss and
-``zero_grad``, is ``other`` and not the optimizer's. With ``split=False`` the
-step is not split at all: no phase hook, no closure wrapped, no collective
-timed, and the split says it was turned off. Layer timing (``layers=True``)
-does not depend on the phases.
+``zero_grad``, is ``other`` and not the optimizer's. ``split=False``: no phase
+hook, closure wrapper or collective timing, and the split says it was turned off.
 Waiting for other ranks (DDP, torch.distributed) is ``exchange``: ``torch_exchange``.
 
 Samples per step are the first dimension of the model's first tensor input,
@@ -84,8 +82,7 @@ class TorchHooks:
         self._step_optimizer: int | None = None
         self._optimizer_started = 0.0
         self._optimizer_mark = 0.0
-        # Step phases (split): the model's forward and backward, every step.
-        self._forward_started = 0.0
+        self._forward_started = 0.0  # phases (split): the model's forward and backward
         self._forward_mark = 0.0
         self._backward_started = 0.0
         self._backward_mark = 0.0
@@ -122,11 +119,10 @@ class TorchHooks:
             register_optimizer_step_pre_hook,
         )
 
-        if self.split:  # the optimizer's own time; its end is the step's, split or not
-            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
         self._discovery = register_module_forward_pre_hook(self._discover)
-        if self.split:
+        if self.split:  # the optimizer's own time; its end is the step's, split or not
+            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
             self._collectives.install(self._torch)
 
     def remove(self) -> None:
