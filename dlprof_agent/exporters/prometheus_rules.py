@@ -22,11 +22,13 @@ import json
 import re
 from dataclasses import dataclass
 
-# A straggler's own time per step is at least this share above the job's median...
-STRAGGLER_SHARE = 0.2
-# ...and at least this many seconds above it, so that millisecond steps do not
-# raise it on noise.
-STRAGGLER_FLOOR_SECONDS = 0.005
+# A straggler's own time per step is above the job's median by at least this share
+# of the job's median step time: every other rank waits that long for it each step,
+# so the job loses that share of its throughput to it...
+STRAGGLER_STEP_SHARE = 0.1
+# ...and by at least this many seconds, so that sub-millisecond steps do not raise
+# it on the scheduler's noise.
+STRAGGLER_FLOOR_SECONDS = 0.0005
 # A cause explains a straggler when its figure is at least this share of the
 # rank's excess own time ("most of it").
 CAUSE_SHARE = 0.5
@@ -65,6 +67,7 @@ RANK_STEP_MEAN = "job_id_rank:dlprof_step_duration_seconds:mean"
 RANK_PHASE_MEAN = "job_id_rank_phase:dlprof_step_phase_seconds:mean"
 RANK_OWN_MEAN = "job_id_rank:dlprof_step_own_seconds:mean"
 JOB_OWN_MEDIAN = "job_id:dlprof_step_own_seconds:median"
+JOB_STEP_MEDIAN = "job_id:dlprof_step_duration_seconds:median"
 JOB_PHASE_MEDIAN = "job_id_phase:dlprof_step_phase_seconds:median"
 RANK_OWN_ABOVE_MEDIAN = "job_id_rank:dlprof_step_own_seconds:above_median"
 RANK_PHASE_ABOVE_MEDIAN = "job_id_rank_phase:dlprof_step_phase_seconds:above_median"
@@ -218,6 +221,8 @@ def job_rules(window: str) -> list[Record]:
                f"or {RANK_STEP_MEAN}"),
         Record("The job's median own time per step over its ranks.",
                JOB_OWN_MEDIAN, f"quantile by (job_id) (0.5, {RANK_OWN_MEAN})"),
+        Record("The job's median step time over its ranks.",
+               JOB_STEP_MEDIAN, f"quantile by (job_id) (0.5, {RANK_STEP_MEAN})"),
         Record("The job's median time per step of each phase over its ranks.",
                JOB_PHASE_MEDIAN, f"quantile by (job_id, phase) (0.5, {RANK_PHASE_MEAN})"),
         Record("How far each rank's own time per step is above the job's median\n"
@@ -265,15 +270,16 @@ def job_rules(window: str) -> list[Record]:
                "  * on (job, instance, gpu) group_left ()\n"
                "    max by (job, instance, gpu) (dlprof_gpu_throttle_reason_active"
                f'{{reason=~"{_any_of(GPU_SLOWDOWN_REASONS)}"}})\n)'),
-        Record(f"Stragglers: ranks whose own time per step is at least "
-               f"{STRAGGLER_SHARE:.0%} and\n{STRAGGLER_FLOOR_SECONDS * 1000:g} ms above the "
-               "job's median; the value is the excess in seconds. A rank\n"
-               "that waits in collectives is not one: waiting is not own time.",
+        Record("Stragglers: ranks whose own time per step is above the job's median by at\n"
+               f"least {STRAGGLER_STEP_SHARE:.0%} of the job's median step time (what the "
+               "job loses to it) and\n"
+               f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms; the value is the excess in seconds. "
+               "A rank that waits in\ncollectives is not one: waiting is not own time.",
                RANK_STRAGGLER_EXCESS,
                f"({RANK_OWN_ABOVE_MEDIAN} >= {STRAGGLER_FLOOR_SECONDS})\n"
                f"and on (job_id, rank)\n"
                f"({RANK_OWN_ABOVE_MEDIAN}\n"
-               f"  >= on (job_id) group_left () ({STRAGGLER_SHARE} * {JOB_OWN_MEDIAN}))"),
+               f"  >= on (job_id) group_left () ({STRAGGLER_STEP_SHARE} * {JOB_STEP_MEDIAN}))"),
         Record("Each straggler with its cause, from its own signals: its input per step is\n"
                "above the job's median by most of its excess (input); a CPU finding on it\n"
                "(cpu_starved); a slowdown on its GPUs (gpu_throttled); a memory finding\n"
@@ -312,10 +318,15 @@ def job_alerts(window: str, for_: str) -> list[Alert]:
                 "unknown: none of its signals says."))),
         Alert("Every rank, even the one that waits least, spends a large share of its step\n"
               "in collectives: the exchange itself is slow, not a rank. Which link or rank\n"
-              "slows a collective cannot be told from the ranks' time split.",
+              "slows a collective cannot be told from the ranks' time split. Not while a\n"
+              "straggler's excess is at least half that least wait: the straggler explains\n"
+              "the others' wait (and a starved rank's own collectives run slow too).",
               SLOW_EXCHANGE_ALERT,
               f'min by (job_id) (\n  {RANK_PHASE_MEAN}{{phase="exchange"}}\n'
-              f"  / ignoring (phase) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}",
+              f"  / ignoring (phase) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
+              f"unless on (job_id)\n(\n  max by (job_id) ({RANK_STRAGGLER_EXCESS})\n"
+              f"  >= {CAUSE_SHARE} * min by (job_id) "
+              f'({RANK_PHASE_MEAN}{{phase="exchange"}})\n)',
               for_, (("severity", "warning"), ("cause", "slow_collective")),
               (("summary", f"{job} spends {{{{ $value | humanizePercentage }}}} of each step "
                            "in collectives on its least-waiting rank"),
