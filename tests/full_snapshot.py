@@ -32,7 +32,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
                        ThreadGroupSample("python", 2, 2.5, 0.5, 0.0)),
         voluntary_context_switches=100, involuntary_context_switches=7,
         read_bytes=4096, write_bytes=8192, read_chars=10_000, write_chars=20_000, open_fds=12,
-        runnable_threads=2)
+        runnable_threads=2, main_thread_wait_seconds=0.5, main_thread_run_seconds=11.0)
     child = dataclasses.replace(process, pid=pid + 1, ppid=pid, is_target=False)
     host = HostSample(
         cpu_seconds=(("user", 100.0), ("system", 20.0), ("idle", 500.0), ("iowait", 3.0)),

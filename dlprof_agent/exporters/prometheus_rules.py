@@ -10,6 +10,9 @@ window, so the job dashboard and the alerts read the same names whatever
 `--rate-window` is. A target whose `job_id` or `rank` is "" (unknown) is left out
 of them.
 
+Kept in one file: the rules read one another's names, in the order Prometheus
+evaluates a group, and the thresholds they share sit beside them.
+
 A rank's own time per step is its step time less the time it waited in
 collectives (phase `exchange`). In synchronous data parallelism every rank's step
 takes as long as the slowest rank's, so step time cannot find the slow rank; own
