@@ -9,7 +9,9 @@ rank's own time (step minus exchange) tells them apart.
 
 It holds that both ranks' step series carry one job_id and their own rank; that
 the straggler alert fires for rank 1 only, naming input as its cause; and that
-stopping one daemon raises the missing-ranks alert."""
+stopping one daemon raises the missing-ranks alert. A second job, each rank
+pinned to a CPU and rank 1's shared with two busy threads, gets the alert with
+cause cpu_starved and no DlprofSlowExchange."""
 
 from __future__ import annotations
 
@@ -62,15 +64,14 @@ def rules_config(tmp_path: Path, agent_ports: list[int]) -> Path:
 
 
 def start_node(processes: list[subprocess.Popen[bytes]], tmp_path: Path, node: int,
-               master_port: int) -> None:
+               master_port: int, *job_args: str) -> None:
     """One node's torchrun launcher, one rank under it."""
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
          str(master_port), "--rdzv-id", JOB_ID, "tests/jobs/torch_ddp.py",
          "--step-log", str(tmp_path / f"steps-{node}"), "--until", str(tmp_path / "stop"),
-         "--slow-rank", SLOW_RANK,
-         "--input-sleep-ms", str(INPUT_SLEEP_MS)],
+         *(job_args or ("--slow-rank", SLOW_RANK, "--input-sleep-ms", str(INPUT_SLEEP_MS)))],
         cwd=REPO, env={**agent_env(), "OMP_NUM_THREADS": "1"}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
 
@@ -132,6 +133,55 @@ def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
         finally:
             (tmp_path / "stop").touch()
             for process in processes[2:]:  # the launchers
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+
+
+STARVING_THREADS = 2
+SHORT_STEP_SECONDS = 0.015
+
+
+@pytest.mark.serial  # the starved rank's CPU must be shared with our busy threads only
+def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not_blamed(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """Each rank pinned to a CPU of its own, the slow rank's shared with two busy
+    threads: its own time per step grows by a few milliseconds, under a step of
+    15 ms, and its main thread waits for its CPU. The straggler alert names it with
+    cause cpu_starved; DlprofSlowExchange never fires."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: one per rank")
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO)")
+    ports = [start_daemon(processes, node) for node in (0, 1)]
+    slow_cpu = cpus[int(SLOW_RANK) % len(cpus)]
+    processes += [subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{slow_cpu}}})\n"
+                               "while True:\n    sum(range(1000))\n"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(STARVING_THREADS)]
+    with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
+        master_port = free_port()
+        launchers = len(processes)
+        for node in (0, 1):
+            start_node(processes, tmp_path, node, master_port, "--pin")
+        exchange_fired: list[dict[str, str]] = []
+
+        def straggler() -> list[dict[str, str]]:
+            exchange_fired.extend(firing(prometheus, "DlprofSlowExchange"))
+            return firing(prometheus, ".*[Ss]traggler.*")
+
+        try:
+            alerts = wait_for(straggler, "the straggler alert for the starved rank", 240)
+            assert {(a["job_id"], a["rank"]) for a in alerts} == {(JOB_ID, SLOW_RANK)}
+            assert "cpu_starved" in {a["cause"] for a in alerts}, alerts
+            step = prometheus.query("job_id:dlprof_step_duration_seconds:median")
+            assert step and float(step[0]["value"][1]) < SHORT_STEP_SECONDS, step
+            assert not exchange_fired, exchange_fired
+        finally:
+            (tmp_path / "stop").touch()
+            for process in processes[launchers:]:
                 try:
                     process.wait(60)
                 except subprocess.TimeoutExpired:
