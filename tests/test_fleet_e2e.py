@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,49 @@ def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not
             step = prometheus.query("job_id:dlprof_step_duration_seconds:median")
             assert step and float(step[0]["value"][1]) < SHORT_STEP_SECONDS, step
             assert not exchange_fired, exchange_fired
+        finally:
+            (tmp_path / "stop").touch()
+            for process in processes[launchers:]:
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+
+
+HEALTHY_SECONDS = 600.0
+
+
+@pytest.mark.serial  # a healthy job: other tests' load on one rank would make a straggler
+def test_a_healthy_job_stays_silent_for_ten_minutes(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """Two equal ranks, no slow input, for 10 minutes: no straggler and no slow
+    exchange, pending or firing. Prints the largest excess any rank reached over
+    the job's median step time: the margin the rule's 10% leaves."""
+    ports = [start_daemon(processes, node) for node in (0, 1)]
+    with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
+        master_port = free_port()
+        launchers = len(processes)
+        for node in (0, 1):
+            start_node(processes, tmp_path, node, master_port, "--max-seconds",
+                       str(HEALTHY_SECONDS + 300))
+        try:
+            wait_for(lambda: len(prometheus.query(
+                "job_id_rank:dlprof_step_own_seconds:above_median")) == 2,
+                "both ranks' own time", 180)
+            began = time.monotonic()
+            alerts: list[dict[str, str]] = []
+            while time.monotonic() - began < HEALTHY_SECONDS:
+                alerts += [series["metric"] for series in prometheus.query(
+                    'ALERTS{alertname=~"DlprofStragglerRank|DlprofSlowExchange"}')]
+                time.sleep(5)
+            window = f"{HEALTHY_SECONDS:.0f}s"
+            worst = prometheus.query(
+                "max(max_over_time((job_id_rank:dlprof_step_own_seconds:above_median"
+                " / on (job_id) group_left () job_id:dlprof_step_duration_seconds:median)"
+                f"[{window}:5s]))")
+            print(f"healthy job, {window}: largest rank excess over the median step "
+                  f"time {float(worst[0]['value'][1]):.1%}" if worst else "no excess series")
+            assert not alerts, alerts
         finally:
             (tmp_path / "stop").touch()
             for process in processes[launchers:]:
