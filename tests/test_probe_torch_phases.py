@@ -284,3 +284,32 @@ def test_samples_are_found_in_keyword_and_dict_inputs(call: str) -> None:
     assert_windows_add_up(windows)
     assert totals(windows)["backward"] > 0
     assert snapshot["phase_split"] == "split"
+
+
+def test_torch_profiler_sees_the_same_ops_with_the_default_split_hooks() -> None:
+    """The split's hooks (on by default) call no operator: the job's own profiler
+    records what it records without the probe, op for op."""
+    model, images, labels = cnn_batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def profiled() -> dict[str, int]:
+        def step() -> None:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+
+        for _ in range(WARMUP + 2):
+            step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as run:
+            for _ in range(3):
+                step()
+        return {event.key: event.count for event in run.key_averages()}
+
+    without = profiled()
+    recorder, hooks = attach(layers=False)
+    try:
+        with_split = profiled()
+    finally:
+        hooks.remove()
+    assert recorder.snapshot()["phase_split"] == "split"  # the hooks were in
+    assert with_split == without
