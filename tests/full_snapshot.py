@@ -63,6 +63,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
         kernels=KernelSample(
             state="active", reason="", since=1_795_000_000.0,
             kernels=(KernelRow("at::native::vectorized_elementwise_kernel", 0, 100, 0.002),
+                     KernelRow("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 10, 0.003),
                      KernelRow("other", 0, 5, 0.0001)),
             duration_bucket_bounds=(1e-05, 0.001), durations=(KernelDurations(0, (60, 45, 0),
                                                                                0.0021),),

@@ -14,7 +14,8 @@ Kept in one file: the rules read one another's names, in the order Prometheus
 evaluates a group, and the thresholds they share sit beside them.
 
 A rank's own time per step is its step time less the time it waited in
-collectives (phase `exchange`). In synchronous data parallelism every rank's step
+collectives: phase `exchange` on the host, or on NCCL, whose collectives return once
+queued, the GPU time of its NCCL kernels, whichever is larger. In synchronous data parallelism every rank's step
 takes as long as the slowest rank's, so step time cannot find the slow rank; own
 time can, and the cause is in that rank's own signals.
 """
@@ -68,6 +69,8 @@ JOB_SAMPLES_RATE = "job_id:dlprof_samples:rate"
 RANK_STEPS_RATE = "job_id_rank:dlprof_steps:rate"
 RANK_STEP_MEAN = "job_id_rank:dlprof_step_duration_seconds:mean"
 RANK_PHASE_MEAN = "job_id_rank_phase:dlprof_step_phase_seconds:mean"
+RANK_COLLECTIVE_MEAN = "job_id_rank:dlprof_collective_kernel_seconds:mean"
+RANK_WAIT_MEAN = "job_id_rank:dlprof_step_wait_seconds:mean"
 RANK_OWN_MEAN = "job_id_rank:dlprof_step_own_seconds:mean"
 JOB_OWN_MEDIAN = "job_id:dlprof_step_own_seconds:median"
 JOB_STEP_MEDIAN = "job_id:dlprof_step_duration_seconds:median"
@@ -216,11 +219,24 @@ def job_rules(window: str) -> list[Record]:
                RANK_PHASE_MEAN,
                f"sum by (job_id, rank, phase) (rate(dlprof_step_phase_seconds_total"
                f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank) group_left ()\n({steps})"),
+        Record("GPU time per step in collective (NCCL) kernels of each rank; no series for\n"
+               "a job that runs none.",
+               RANK_COLLECTIVE_MEAN,
+               "sum by (job_id, rank) (rate(dlprof_collective_kernel_seconds_total"
+               f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank)\n({steps})"),
+        Record("Each rank's wait for the others per step: its exchange phase, or its NCCL\n"
+               "kernels' time where that is larger (an NCCL collective returns to the host\n"
+               "once queued; the wait runs on the GPU). Kernels that overlap backward count\n"
+               "on every rank alike, so ranks compare; see docs/fleet-exchange.md.",
+               RANK_WAIT_MEAN,
+               "max by (job_id, rank) (\n"
+               f'  label_replace({RANK_PHASE_MEAN}{{phase="exchange"}}, '
+               '"wait", "host", "", "")\n'
+               f'  or label_replace({RANK_COLLECTIVE_MEAN}, "wait", "gpu", "", "")\n)'),
         Record("Own time per step: step time less the wait in collectives; the step time\n"
                "itself where the agent measures no exchange.",
                RANK_OWN_MEAN,
-               f"{RANK_STEP_MEAN}\n"
-               f'  - ignoring (phase) {RANK_PHASE_MEAN}{{phase="exchange"}}\n'
+               f"{RANK_STEP_MEAN}\n  - on (job_id, rank) {RANK_WAIT_MEAN}\n"
                f"or {RANK_STEP_MEAN}"),
         Record("The job's median own time per step over its ranks.",
                JOB_OWN_MEDIAN, f"quantile by (job_id) (0.5, {RANK_OWN_MEAN})"),
@@ -325,11 +341,10 @@ def job_alerts(window: str, for_: str) -> list[Alert]:
               "straggler's excess is at least half that least wait: the straggler explains\n"
               "the others' wait (and a starved rank's own collectives run slow too).",
               SLOW_EXCHANGE_ALERT,
-              f'min by (job_id) (\n  {RANK_PHASE_MEAN}{{phase="exchange"}}\n'
-              f"  / ignoring (phase) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
+              f"min by (job_id) (\n  {RANK_WAIT_MEAN}\n"
+              f"  / on (job_id, rank) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
               f"unless on (job_id)\n(\n  max by (job_id) ({RANK_STRAGGLER_EXCESS})\n"
-              f"  >= {CAUSE_SHARE} * min by (job_id) "
-              f'({RANK_PHASE_MEAN}{{phase="exchange"}})\n)',
+              f"  >= {CAUSE_SHARE} * min by (job_id) ({RANK_WAIT_MEAN})\n)",
               for_, (("severity", "warning"), ("cause", "slow_collective")),
               (("summary", f"{job} spends {{{{ $value | humanizePercentage }}}} of each step "
                            "in collectives on its least-waiting rank"),
