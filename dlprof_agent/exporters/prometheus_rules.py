@@ -14,10 +14,10 @@ Kept in one file: the rules read one another's names, in the order Prometheus
 evaluates a group, and the thresholds they share sit beside them.
 
 A rank's own time per step is its step time less the time it waited in
-collectives: phase `exchange` on the host, or on NCCL, whose collectives return once
-queued, the GPU time of its NCCL kernels, whichever is larger. In synchronous data parallelism every rank's step
-takes as long as the slowest rank's, so step time cannot find the slow rank; own
-time can, and the cause is in that rank's own signals.
+collectives: phase `exchange` on the host or, on NCCL, whose collectives return once
+queued, the GPU time of its NCCL kernels, whichever is larger. In synchronous data
+parallelism every rank's step takes as long as the slowest rank's, so step time
+cannot find the slow rank; own time can, and the cause is in that rank's own signals.
 """
 
 from __future__ import annotations
