@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import signal
 import socket
@@ -142,6 +143,20 @@ def spread(values: Sequence[float]) -> float:
     """(max - min) / median: how far apart repetitions of the same thing landed."""
     middle = statistics.median(values)
     return (max(values) - min(values)) / middle if middle else 0.0
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95,
+                    resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The median of paired differences (one per round) and its percentile bootstrap
+    interval: (median, low, high). Seeded, so a results file can be reproduced."""
+    if not values:
+        raise ValueError("no values")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    tail = (1 - confidence) / 2 * 100
+    return (statistics.median(values), percentile(medians, tail),
+            percentile(medians, 100 - tail))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from benchmarks.common import (
     TargetCheck,
     free_port,
     load_average,
+    median_interval,
     positive_int,
     spread,
 )
@@ -41,6 +42,10 @@ TARGETS = ("derived: the event rates at which the probe passes 1% of a core and 
 TINY_LAYERS = 10
 STEP_TIMES = (0.001, 0.01, 0.1)  # seconds per step, for the "1% of a step" table
 PROFILER_FACTOR = 10.0
+# The hooks' configurations: (split, layers). "steps" is the default, with the split.
+HOOK_CONFIGS = {"no split": (False, False), "steps": (True, False), "layers": (True, True)}
+SPLIT_STEP_SECONDS = 0.005  # the split's target: at most 0.5% of a step this long
+SPLIT_SHARE = 0.005
 
 OPTIONS = (
     Option("--calls", 200_000, 5_000, "Recorder calls per timing", positive_int, "N"),
@@ -143,12 +148,19 @@ def hook_costs(rounds: int, steps: int, progress: Progress) -> dict[str, list[fl
         return statistics.median(durations[5:])  # hooks find the model in the first steps
 
     median_step(max(steps, 100))
-    costs: dict[str, list[float]] = {"off": [], "steps": [], "layers": [], "torch.profiler": []}
+    costs: dict[str, list[float]] = {"off": [], **{config: [] for config in HOOK_CONFIGS},
+                                     "torch.profiler": []}
     for index in range(rounds):
         off = median_step(steps)
         costs["off"].append(off)
-        for config in ("steps", "layers"):
-            hooks = TorchHooks(Recorder(warmup_steps=0), layers=config == "layers")
+        # Each round in another order, so that drift within a round cancels out.
+        order = list(HOOK_CONFIGS)[index % len(HOOK_CONFIGS):] + list(
+            HOOK_CONFIGS)[:index % len(HOOK_CONFIGS)]
+        for config in order:
+            split, layers = HOOK_CONFIGS[config]
+            recorder = Recorder(warmup_steps=0)
+            recorder.split = split
+            hooks = TorchHooks(recorder, layers=layers, split=split)
             hooks.install()
             try:
                 costs[config].append(median_step(steps) - off)
@@ -286,14 +298,24 @@ def run(settings: dict[str, Any]) -> Result:
                            Column("per_step", "per step", "us"),
                            Column("min", "min", "us"), Column("max", "max", "us"),
                            Column("per_layer", "per layer call", "us")])
-    for config in ("steps", "layers", "torch.profiler"):
+    for config in (*HOOK_CONFIGS, "torch.profiler"):
         cost = statistics.median(hooks[config])
         hook_table.rows.append({
             "config": config, "per_step": cost, "min": min(hooks[config]),
             "max": max(hooks[config]),
-            "per_layer": (cost - step_cost) / TINY_LAYERS if config != "steps" else None})
+            "per_layer": (cost - step_cost) / TINY_LAYERS
+            if config in ("layers", "torch.profiler") else None})
+    # The split's own cost: step timing with it less without, paired within each round.
+    split_cost, split_low, split_high = median_interval(
+        [with_split - without for with_split, without in zip(hooks["steps"], hooks["no split"],
+                                                             strict=True)])
+    hook_table.rows.append({"config": "the split alone (steps less no split, paired)",
+                            "per_step": split_cost, "min": split_low, "max": split_high})
     hook_table.notes.append(f"No-hooks step: median {statistics.median(hooks['off']) * 1e6:.1f}"
-                            " µs.")
+                            " µs. \"steps\" is what the probe does by default: step timing "
+                            "and the step split (forward, backward, optimizer, exchange); "
+                            "the split's row gives the 95% bootstrap interval of its "
+                            "per-round differences as min and max.")
     result.tables.append(hook_table)
 
     poll_table = Table("poll", "One agent poll (513 layer names)", [
@@ -307,6 +329,13 @@ def run(settings: dict[str, Any]) -> Result:
     poll_table.notes.append(f"The answer is {polls['frame_bytes'] / 1024:.0f} KiB.")
     result.tables.append(poll_table)
 
+    ceiling = SPLIT_SHARE * SPLIT_STEP_SECONDS
+    result.targets.append(TargetCheck(
+        f"the step split, per step, against a {SPLIT_STEP_SECONDS * 1e3:g} ms step",
+        f"≤ {SPLIT_SHARE:.1%} ({ceiling * 1e6:.0f} µs), the interval's upper end",
+        f"{split_cost * 1e6:.1f} µs (95% interval {split_low * 1e6:.1f} to "
+        f"{split_high * 1e6:.1f} µs, {split_high / SPLIT_STEP_SECONDS:.2%} of the step)",
+        split_high <= ceiling))
     factor = profiler_cost / layers_cost if layers_cost > 0 else float("inf")
     result.targets.append(TargetCheck(
         "--layers vs torch.profiler, per step on the same layers",
@@ -322,6 +351,8 @@ def run(settings: dict[str, Any]) -> Result:
         "recorder.layer_events_per_second_at_1pct": 0.01 / recorder["add_layer_time"],
         "hooks.step_seconds": step_cost, "hooks.layer_call_seconds": layer_cost,
         "hooks.profiler_step_seconds": profiler_cost,
+        "hooks.split_seconds": split_cost, "hooks.split_seconds_low": split_low,
+        "hooks.split_seconds_high": split_high,
         "exchange.collective_timing_seconds": exchange["collective_timing"],
         "poll.probe_answer_seconds": polls["probe_answer"],
         "poll.agent_decode_seconds": polls["agent_decode"]})

@@ -32,7 +32,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
                        ThreadGroupSample("python", 2, 2.5, 0.5, 0.0)),
         voluntary_context_switches=100, involuntary_context_switches=7,
         read_bytes=4096, write_bytes=8192, read_chars=10_000, write_chars=20_000, open_fds=12,
-        runnable_threads=2)
+        runnable_threads=2, main_thread_wait_seconds=0.5, main_thread_run_seconds=11.0)
     child = dataclasses.replace(process, pid=pid + 1, ppid=pid, is_target=False)
     host = HostSample(
         cpu_seconds=(("user", 100.0), ("system", 20.0), ("idle", 500.0), ("iowait", 3.0)),
@@ -63,6 +63,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
         kernels=KernelSample(
             state="active", reason="", since=1_795_000_000.0,
             kernels=(KernelRow("at::native::vectorized_elementwise_kernel", 0, 100, 0.002),
+                     KernelRow("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 10, 0.003),
                      KernelRow("other", 0, 5, 0.0001)),
             duration_bucket_bounds=(1e-05, 0.001), durations=(KernelDurations(0, (60, 45, 0),
                                                                                0.0021),),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,15 @@ from typing import Any
 
 import pytest
 
-from benchmarks.common import Column, Result, Table, fit_line, percentile, rerun_command
+from benchmarks.common import (
+    Column,
+    Result,
+    Table,
+    fit_line,
+    median_interval,
+    percentile,
+    rerun_command,
+)
 from benchmarks.common import render_markdown as markdown
 from tests.conftest import REPO, agent_env
 
@@ -110,3 +119,16 @@ def test_markdown_marks_targets_and_missing_values() -> None:
     text = markdown(result, data)
     assert "| 1.50 ms | **missed** |" in text and "| - | - |" in text
     assert "Smoke run" not in text
+
+
+def test_the_median_interval_covers_the_median_and_narrows_with_more_rounds() -> None:
+    rng = random.Random(1)
+    few = [0.5 + rng.gauss(0, 1) for _ in range(10)]
+    many = [0.5 + rng.gauss(0, 1) for _ in range(400)]
+    median, low, high = median_interval(few)
+    assert low <= median <= high and (median, low, high) == median_interval(few)
+    _, many_low, many_high = median_interval(many)
+    assert many_low < 0.5 < many_high and many_high - many_low < high - low
+    assert median_interval([2.0]) == (2.0, 2.0, 2.0)
+    with pytest.raises(ValueError):
+        median_interval([])

@@ -37,7 +37,8 @@ def process(pid: int = PID, **changes: Any) -> ProcessSample:
         thread_groups=(ThreadGroupSample("python", 2, 10.0, 1.0, 0.25),
                        ThreadGroupSample("data loader", 1, 2.5, 0.5, 0.0)),
         voluntary_context_switches=100, involuntary_context_switches=7,
-        read_bytes=4096, write_bytes=8192, read_chars=10_000, write_chars=20_000, open_fds=12)
+        read_bytes=4096, write_bytes=8192, read_chars=10_000, write_chars=20_000, open_fds=12,
+        main_thread_wait_seconds=0.75, main_thread_run_seconds=11.0)
     return dataclasses.replace(sample, **changes)
 
 
@@ -108,6 +109,8 @@ def test_process_series() -> None:
     assert value("dlprof_process_resident_memory_peak_bytes", {"pid": pid}) == 200 << 20
     assert value("dlprof_process_threads", {"pid": pid}) == 3
     assert value("dlprof_process_open_fds", {"pid": pid}) == 12
+    assert value("dlprof_process_main_thread_run_queue_wait_seconds_total", {"pid": pid}) == 0.75
+    assert value("dlprof_process_main_thread_run_seconds_total", {"pid": pid}) == 11.0
     assert value("dlprof_process_info",
                  {"pid": pid, "ppid": "1", "name": "python", "role": "target"}) == 1
 
@@ -338,6 +341,10 @@ dlprof_process_io_bytes_total{{direction="write",pid="4242"}} 8192.0
 # TYPE dlprof_process_io_logical_bytes_total counter
 # HELP dlprof_process_open_fds Open file descriptors.
 # TYPE dlprof_process_open_fds gauge
+# HELP dlprof_process_main_thread_run_queue_wait_seconds_total Time the main thread was runnable but waited in a run queue for a CPU (the kernel's schedstat): its share of the main thread's runnable time is CPU it was denied.
+# TYPE dlprof_process_main_thread_run_queue_wait_seconds_total counter
+# HELP dlprof_process_main_thread_run_seconds_total Time the main thread ran on a CPU (the kernel's schedstat).
+# TYPE dlprof_process_main_thread_run_seconds_total counter
 # HELP dlprof_process_start_time_seconds Process start, in seconds since the Unix epoch.
 # TYPE dlprof_process_start_time_seconds gauge
 dlprof_process_start_time_seconds{{pid="4242"}} 1.7e+09

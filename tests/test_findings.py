@@ -87,11 +87,13 @@ def point(seconds: float, *, user: float = 0.0, system: float = 0.0, iowait: flo
           target_busy: float | None = None, involuntary: int = 0, runnable: int | None = 1,
           rss: int = 1 << 30, host_sample: HostSample | None = None,
           gpu_sample: GpuSample | None = None, limits: LimitsSample | None = None,
-          probe_sample: ProbeSample | None = None, agent_cpu: float | None = None) -> Point:
+          probe_sample: ProbeSample | None = None, agent_cpu: float | None = None,
+          main_wait: float | None = None, main_run: float | None = None) -> Point:
     return Point(seconds=seconds, user_seconds=user, system_seconds=system,
                  iowait_seconds=iowait,
                  target_busy_seconds=user + system if target_busy is None else target_busy,
-                 involuntary_switches=involuntary, runnable_threads=runnable, rss_bytes=rss,
+                 involuntary_switches=involuntary, runnable_threads=runnable,
+                 main_wait_seconds=main_wait, main_run_seconds=main_run, rss_bytes=rss,
                  host=host_sample or host(), gpu=gpu_sample, limits=limits,
                  probe=probe_sample, agent_cpu_seconds=agent_cpu, pids=frozenset({PID}))
 
@@ -352,6 +354,29 @@ def test_cpu_contention_is_a_runnable_job_starved_on_a_busy_host() -> None:
     assert not starved(busy_cores=0.1, host_busy=0.3)  # a quiet host: something else
     assert not starved(busy_cores=0.9, host_busy=1.0)  # the job gets its core
     assert not starved(busy_cores=0.0, host_busy=1.0, runnable=0)  # it sleeps: not starved
+
+
+def test_cpu_contention_is_also_a_main_thread_kept_waiting_for_its_cpu() -> None:
+    """A rank pinned to a core it shares with busy threads, on a host whose other
+    cores idle: its main thread waits in the run queue for most of its runnable time."""
+    def check(wait: float, run: float, runnable: int | None = 1) -> rules.Check | None:
+        return rules.cpu_contention(window(
+            point(0.0, runnable=runnable, host_sample=host(busy=0.0), main_wait=10.0,
+                  main_run=50.0),
+            point(2.0, user=run, runnable=runnable, host_sample=host(busy=2 * 2 * 0.5),
+                  main_wait=10.0 + wait, main_run=50.0 + run)))
+
+    starved = check(wait=1.3, run=0.6)  # a third of a CPU while it wanted one
+    assert starved is not None and starved.holds
+    assert starved.evidence["main_thread_run_queue_wait_ratio"] == pytest.approx(1.3 / 1.9)
+    assert starved.evidence["host_busy_ratio"] == pytest.approx(0.5)  # a half-idle host
+    unknown_threads = check(wait=1.3, run=0.6, runnable=None)
+    assert unknown_threads is not None and unknown_threads.holds
+    fed = check(wait=0.1, run=1.8)  # its own core
+    assert fed is not None and not fed.holds
+    asleep = check(wait=0.15, run=0.1)  # runnable an eighth of the window: not judged
+    assert asleep is not None and not asleep.holds
+    assert "main_thread_run_queue_wait_ratio" not in asleep.evidence
 
 
 def test_memory_near_limit_uses_the_cgroup_limit_else_the_host() -> None:

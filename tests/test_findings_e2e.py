@@ -235,3 +235,40 @@ def test_memory_near_limit_appears_near_a_cgroup_limit_and_not_far_below(
         else:
             assert_not_raised(result, finding)
 
+
+
+# ---- a job pinned to a CPU that busy neighbours share --------------------------------------
+
+BUSY_LOOP = "while True:\n    sum(range(1000))\n"
+
+
+def _pinned(cpu: int, code: str) -> subprocess.Popen[bytes]:
+    """A Python process that runs ``code`` on ``cpu`` only (it pins itself first)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n{code}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.mark.serial  # the control needs its CPU to itself: other tests' load would share it
+def test_cpu_contention_appears_on_a_shared_core_of_a_half_idle_host_and_not_alone() -> None:
+    """A rank that shares its one allowed CPU with two busy threads while the host's
+    other CPUs idle: the host-wide figures cannot see it, its main thread's run-queue
+    wait does. The same job alone on its CPU is judged and not raised."""
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO)")
+    cpu = min(os.sched_getaffinity(0))
+    finding = "cpu_contention"
+    job = _pinned(cpu, BUSY_LOOP)
+    processes = [job]
+    try:
+        alone = watch(finding, [], expect_raised=False, attach_pid=job.pid)
+        assert_not_raised(alone, finding)
+        assert alone.evidence["main_thread_run_queue_wait_ratio"] < 0.5, alone.evidence
+        processes += [_pinned(cpu, BUSY_LOOP) for _ in range(2)]
+        shared = watch(finding, [], expect_raised=True, attach_pid=job.pid)
+        assert_raised(shared, finding)
+        assert shared.evidence["main_thread_run_queue_wait_ratio"] >= 0.5, shared.evidence
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()

@@ -1,14 +1,17 @@
 """One data-parallel job on two "nodes", end to end: two torchrun launchers
 (--nnodes 2, rendezvous on 127.0.0.1, gloo, one thread per rank), one
 `dlprof-agent daemon` per node (told apart by GROUP_RANK, each with its own
---node-name), and a real Prometheus evaluating `dlprof-agent rules --rate-window
+--node-name; without --layers, as deploy/ starts them: the step split is on by
+default), and a real Prometheus evaluating `dlprof-agent rules --rate-window
 10s --for 10s`. Rank 1 sleeps in its input before each step, so rank 0 waits for
 it in the gradient all-reduce and both report the same step time: only each
 rank's own time (step minus exchange) tells them apart.
 
 It holds that both ranks' step series carry one job_id and their own rank; that
 the straggler alert fires for rank 1 only, naming input as its cause; and that
-stopping one daemon raises the missing-ranks alert."""
+stopping one daemon raises the missing-ranks alert. A second job, each rank
+pinned to a CPU and rank 1's shared with two busy threads, gets the alert with
+cause cpu_starved and no DlprofSlowExchange."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,15 +65,14 @@ def rules_config(tmp_path: Path, agent_ports: list[int]) -> Path:
 
 
 def start_node(processes: list[subprocess.Popen[bytes]], tmp_path: Path, node: int,
-               master_port: int) -> None:
+               master_port: int, *job_args: str) -> None:
     """One node's torchrun launcher, one rank under it."""
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
          str(master_port), "--rdzv-id", JOB_ID, "tests/jobs/torch_ddp.py",
          "--step-log", str(tmp_path / f"steps-{node}"), "--until", str(tmp_path / "stop"),
-         "--slow-rank", SLOW_RANK,
-         "--input-sleep-ms", str(INPUT_SLEEP_MS)],
+         *(job_args or ("--slow-rank", SLOW_RANK, "--input-sleep-ms", str(INPUT_SLEEP_MS)))],
         cwd=REPO, env={**agent_env(), "OMP_NUM_THREADS": "1"}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
 
@@ -78,7 +81,7 @@ def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:
     port = free_port()
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--quiet",
-         "--no-gpu", "--no-inject", "--layers", "--interval", "0.5", "--scan-interval", "0.5",
+         "--no-gpu", "--no-inject", "--interval", "0.5", "--scan-interval", "0.5",
          "--env", f"GROUP_RANK={node}", *OWN_JOBS, "--node-name", f"node-{node}"],
         cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     return port
@@ -131,6 +134,98 @@ def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
         finally:
             (tmp_path / "stop").touch()
             for process in processes[2:]:  # the launchers
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+
+
+STARVING_THREADS = 2
+SHORT_STEP_SECONDS = 0.015
+
+
+@pytest.mark.serial  # the starved rank's CPU must be shared with our busy threads only
+def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not_blamed(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """Each rank pinned to a CPU of its own, the slow rank's shared with two busy
+    threads: its own time per step grows by a few milliseconds, under a step of
+    15 ms, and its main thread waits for its CPU. The straggler alert names it with
+    cause cpu_starved; DlprofSlowExchange never fires."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: one per rank")
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO)")
+    ports = [start_daemon(processes, node) for node in (0, 1)]
+    slow_cpu = cpus[int(SLOW_RANK) % len(cpus)]
+    processes += [subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{slow_cpu}}})\n"
+                               "while True:\n    sum(range(1000))\n"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(STARVING_THREADS)]
+    with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
+        master_port = free_port()
+        launchers = len(processes)
+        for node in (0, 1):
+            start_node(processes, tmp_path, node, master_port, "--pin")
+        exchange_fired: list[dict[str, str]] = []
+
+        def straggler() -> list[dict[str, str]]:
+            exchange_fired.extend(firing(prometheus, "DlprofSlowExchange"))
+            return firing(prometheus, ".*[Ss]traggler.*")
+
+        try:
+            alerts = wait_for(straggler, "the straggler alert for the starved rank", 240)
+            assert {(a["job_id"], a["rank"]) for a in alerts} == {(JOB_ID, SLOW_RANK)}
+            assert "cpu_starved" in {a["cause"] for a in alerts}, alerts
+            step = prometheus.query("job_id:dlprof_step_duration_seconds:median")
+            assert step and float(step[0]["value"][1]) < SHORT_STEP_SECONDS, step
+            assert not exchange_fired, exchange_fired
+        finally:
+            (tmp_path / "stop").touch()
+            for process in processes[launchers:]:
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+
+
+HEALTHY_SECONDS = 600.0
+
+
+@pytest.mark.serial  # a healthy job: other tests' load on one rank would make a straggler
+def test_a_healthy_job_stays_silent_for_ten_minutes(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """Two equal ranks, no slow input, for 10 minutes: no straggler and no slow
+    exchange, pending or firing. Prints the largest excess any rank reached over
+    the job's median step time: the margin the rule's 10% leaves."""
+    ports = [start_daemon(processes, node) for node in (0, 1)]
+    with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
+        master_port = free_port()
+        launchers = len(processes)
+        for node in (0, 1):
+            start_node(processes, tmp_path, node, master_port, "--max-seconds",
+                       str(HEALTHY_SECONDS + 300))
+        try:
+            wait_for(lambda: len(prometheus.query(
+                "job_id_rank:dlprof_step_own_seconds:above_median")) == 2,
+                "both ranks' own time", 180)
+            began = time.monotonic()
+            alerts: list[dict[str, str]] = []
+            while time.monotonic() - began < HEALTHY_SECONDS:
+                alerts += [series["metric"] for series in prometheus.query(
+                    'ALERTS{alertname=~"DlprofStragglerRank|DlprofSlowExchange"}')]
+                time.sleep(5)
+            window = f"{HEALTHY_SECONDS:.0f}s"
+            worst = prometheus.query(
+                "max(max_over_time((job_id_rank:dlprof_step_own_seconds:above_median"
+                " / on (job_id) group_left () job_id:dlprof_step_duration_seconds:median)"
+                f"[{window}:5s]))")
+            print(f"healthy job, {window}: largest rank excess over the median step "
+                  f"time {float(worst[0]['value'][1]):.1%}" if worst else "no excess series")
+            assert not alerts, alerts
+        finally:
+            (tmp_path / "stop").touch()
+            for process in processes[launchers:]:
                 try:
                     process.wait(60)
                 except subprocess.TimeoutExpired:

@@ -153,3 +153,34 @@ def test_the_sample_is_typed_and_immutable() -> None:
     assert sample.devices == ((0, "GPU-aaaa"), (1, "GPU-bbbb"))
     assert {row.kind for row in sample.memcpy} == {"h2d", "d2h"}
     assert isinstance(GpuDeviceSample, type)
+
+
+def test_nccl_kernels_are_summed_per_rank_as_collective_gpu_time() -> None:
+    """Kernels named as NCCL's releases name them (one kernel may run several
+    operations, so the name says NCCL, not which call) are summed; others are not."""
+    binding = FakeBinding()
+    tracer = kt.KernelTracer(continuous=True, max_layers=512, binding_factory=lambda: binding,
+                             cuda_check=lambda: True, profiler_check=lambda: "")
+    tracer.tick()
+    t = now_on_cupti_clock() - 100_000
+    binding.deliver(BufferBuilder()
+                    .kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", t, t + 40_000)
+                    .kernel("ncclKernel_SendRecv_RING", t, t + 5_000)
+                    .kernel("ampere_sgemm_128x64_nn", t, t + 30_000))
+    tracer.tick()
+    snapshot = dict(tracer.snapshot())
+    tracer.stop()
+    probe = ProbeSample.from_reply(PID, reply(snapshot))
+    assert probe.kernels is not None
+    assert probe.kernels.collective_seconds() == pytest.approx(45e-6)
+    exported = [sample for metric in text_string_to_metric_families(
+        generate_latest(registry(probe)).decode()) for sample in metric.samples
+        if sample.name == "dlprof_collective_kernel_seconds_total"]
+    assert len(exported) == 1 and exported[0].value == pytest.approx(45e-6)
+    assert {"pid", "job_id", "rank"} == set(exported[0].labels)
+
+    without = ProbeSample.from_reply(PID, reply(traced_snapshot()))  # a gemm, no NCCL
+    assert without.kernels is not None and without.kernels.collective_seconds() is None
+    names = {metric.name for metric in text_string_to_metric_families(
+        generate_latest(registry(without)).decode()) if metric.samples}
+    assert "dlprof_collective_kernel_seconds" not in names

@@ -38,3 +38,19 @@ def test_the_probe_is_told_only_what_differs_from_its_defaults() -> None:
                 {"layers_every": True}):
         with pytest.raises(ValueError):
             _options(bad, DEFAULT_OPTIONS)
+
+
+@pytest.mark.parametrize(("command", "target"), [(["attach"], ["1"]),
+                                                (["daemon"], ["--match", "train"]),
+                                                (["run"], ["--", "python", "train.py"])])
+def test_the_step_split_is_on_unless_turned_off(command: list[str], target: list[str]) -> None:
+    parser = build_parser()
+    assert ProbeOptions().split and parser.parse_args([*command, *target]).split
+    assert not parser.parse_args([*command, "--no-split", *target]).split
+    assert "split" not in _start_options(ProbeOptions(), 1.0)  # an older probe knows no split
+    started = _start_options(ProbeOptions(split=False), 1.0)
+    assert started["split"] is False
+    assert not _options({"split": False}, DEFAULT_OPTIONS)["split"]
+    assert DEFAULT_OPTIONS["split"]
+    with pytest.raises(ValueError):
+        _options({"split": 1}, DEFAULT_OPTIONS)

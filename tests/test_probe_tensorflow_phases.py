@@ -34,10 +34,11 @@ SUM_TOLERANCE = 0.01
 def attach() -> Iterator[Any]:
     made: list[TensorFlowHooks] = []
 
-    def make(*, layers: bool = True) -> Recorder:
+    def make(*, layers: bool = True, split: bool = True) -> Recorder:
         recorder = Recorder(warmup_steps=WARMUP,
                             layer_sampling=LayerSampling(every=3) if layers else None)
-        hooks = TensorFlowHooks(recorder, layers=layers)
+        recorder.split = split
+        hooks = TensorFlowHooks(recorder, layers=layers, split=split)
         hooks.install()
         made.append(hooks)
         return recorder
@@ -85,24 +86,38 @@ def test_eager_fit_splits_backward_and_the_optimizer(attach: Any) -> None:
     assert snapshot["phase_split"] == "split"
 
 
-def test_a_custom_eager_loop_has_steps_and_phases(attach: Any) -> None:
+def eager_loop(steps: int) -> None:
     """No tf.function: the optimizer's apply ends each step."""
-    recorder = attach()
     net = model(run_eagerly=True)
     optimizer = keras.optimizers.SGD(0.01)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = data(BATCH)
-    for _ in range(14):
+    for _ in range(steps):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, net(x, training=True))
         gradients = tape.gradient(loss, net.trainable_variables)
         optimizer.apply_gradients(zip(gradients, net.trainable_variables, strict=True))
+
+
+def test_a_custom_eager_loop_has_steps_and_phases(attach: Any) -> None:
+    recorder = attach()
+    eager_loop(14)
     snapshot = recorder.snapshot()
     phases = assert_adds_up(snapshot)
     assert snapshot["step_source"] == "tf_optimizer"
     assert snapshot["steps"]["steady"] == 14 - 1 - WARMUP  # the first apply starts them
     assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
     assert snapshot["phase_split"] == "split"
+
+
+def test_with_the_split_off_an_eager_loop_keeps_its_steps_and_no_phase(attach: Any) -> None:
+    recorder = attach(layers=False, split=False)
+    eager_loop(14)
+    snapshot = recorder.snapshot()
+    assert set(assert_adds_up(snapshot)) == {"unsplit"}
+    assert snapshot["step_source"] == "tf_optimizer"
+    assert snapshot["steps"]["steady"] == 14 - 1 - WARMUP
+    assert snapshot["phase_split"] == "not split: turned off"
 
 
 def test_a_compiled_fit_keeps_its_step_time_and_says_it_is_not_split(attach: Any) -> None:

@@ -30,11 +30,12 @@ Step = Callable[[], None]
 Module: Any = torch.nn.Module
 
 
-def attach(*, layers: bool = True) -> tuple[Recorder, TorchHooks]:
+def attach(*, layers: bool = True, split: bool = True) -> tuple[Recorder, TorchHooks]:
     # As the agent sets it up: duty-cycled layer timing under the default budget.
     recorder = Recorder(warmup_steps=WARMUP,
                         layer_sampling=LayerSampling() if layers else None)
-    hooks = TorchHooks(recorder, layers=layers)
+    recorder.split = split
+    hooks = TorchHooks(recorder, layers=layers, split=split)
     hooks.install()
     return recorder, hooks
 
@@ -181,7 +182,7 @@ def test_an_optimizer_loop_with_duty_cycled_layers_splits_every_window() -> None
     assert recorder.snapshot()["layer_sampled_steps"] < WINDOWS * WINDOW_STEPS
 
 
-def test_without_layer_timing_the_split_says_forward_was_not_seen() -> None:
+def closure_training() -> Step:
     model, images, labels = cnn_batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -191,16 +192,36 @@ def test_without_layer_timing_the_split_says_forward_was_not_seen() -> None:
         loss.backward()
         return loss
 
+    return lambda: optimizer.step(closure)
+
+
+def test_without_layer_timing_every_step_is_split() -> None:
     recorder, hooks = attach(layers=False)
     try:
-        windows = phase_windows(recorder, lambda: optimizer.step(closure))
+        windows = phase_windows(recorder, closure_training())
     finally:
         hooks.remove()
     assert_windows_add_up(windows)
     phases = totals(windows)
-    assert "other" not in phases and "forward" not in phases
-    assert phases["optimizer"] < phases["unsplit"]  # the closure is not the optimizer's
-    assert recorder.snapshot()["phase_split"] == "forward not seen"
+    assert {"forward", "backward", "optimizer", "other"} == set(phases)
+    assert phases["optimizer"] < phases["forward"] + phases["backward"]  # not the closure's
+    assert recorder.snapshot()["phase_split"] == "split"
+    assert not recorder.snapshot()["layers"] and not hooks.layer_labels  # no layer hooked
+
+
+def test_with_the_split_off_no_phase_is_timed_and_the_split_says_so() -> None:
+    from torch import distributed
+
+    all_reduce = distributed.all_reduce
+    recorder, hooks = attach(layers=False, split=False)
+    try:
+        assert distributed.all_reduce is all_reduce  # no collective wrapped
+        windows = phase_windows(recorder, closure_training())
+    finally:
+        hooks.remove()
+    assert_windows_add_up(windows)
+    assert set(totals(windows)) == {"unsplit"}
+    assert recorder.snapshot()["phase_split"] == "not split: turned off"
 
 
 class TinyLanguageModel(Module):  # type: ignore[misc]
@@ -263,3 +284,32 @@ def test_samples_are_found_in_keyword_and_dict_inputs(call: str) -> None:
     assert_windows_add_up(windows)
     assert totals(windows)["backward"] > 0
     assert snapshot["phase_split"] == "split"
+
+
+def test_torch_profiler_sees_the_same_ops_with_the_default_split_hooks() -> None:
+    """The split's hooks (on by default) call no operator: the job's own profiler
+    records what it records without the probe, op for op."""
+    model, images, labels = cnn_batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def profiled() -> dict[str, int]:
+        def step() -> None:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+
+        for _ in range(WARMUP + 2):
+            step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as run:
+            for _ in range(3):
+                step()
+        return {event.key: event.count for event in run.key_averages()}
+
+    without = profiled()
+    recorder, hooks = attach(layers=False)
+    try:
+        with_split = profiled()
+    finally:
+        hooks.remove()
+    assert recorder.snapshot()["phase_split"] == "split"  # the hooks were in
+    assert with_split == without

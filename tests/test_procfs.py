@@ -27,6 +27,7 @@ from dlprof_agent.collectors.procfs import (
     Io,
     ProcessFiles,
     ResourceLimit,
+    Schedstat,
     count_fds,
     list_tasks,
     may_read_io,
@@ -38,6 +39,7 @@ from dlprof_agent.collectors.procfs import (
     read_environ,
     read_io,
     read_limits,
+    read_schedstat,
     read_stat,
     read_state,
     read_status,
@@ -423,3 +425,25 @@ def test_the_source_check_sees_what_it_forbids(tmp_path: Path) -> None:
                       '_GDB_PYTHON = "open(\'/proc/%d/maps\')"\n')
     assert [place.split(":")[1] for place in proc_paths_built(module)] == ["2", "3", "5"]
     assert READER.read_text().count('"/proc"') == 1  # the default root, once
+
+
+def test_schedstat_is_the_main_thread_on_a_cpu_and_waiting_for_one(tmp_path: Path) -> None:
+    (tmp_path / "123").mkdir()
+    (tmp_path / "123" / "schedstat").write_text("2000000000 500000000 7\n")
+    assert read_schedstat(123, root=str(tmp_path)) == Schedstat(2.0, 0.5)
+    (tmp_path / "123" / "schedstat").write_text("not numbers\n")
+    assert read_schedstat(123, root=str(tmp_path)) is None
+    (tmp_path / "123" / "schedstat").unlink()  # a kernel without CONFIG_SCHED_INFO
+    assert read_schedstat(123, root=str(tmp_path)) is None
+    with pytest.raises(TargetGone):
+        read_schedstat(124, root=str(tmp_path))
+    if not Path("/proc/self/schedstat").exists():
+        pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO)")
+    before = read_schedstat(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    after = read_schedstat(os.getpid())
+    assert before is not None and after is not None
+    assert after.run_seconds - before.run_seconds >= 0.04
+    assert after.wait_seconds >= before.wait_seconds

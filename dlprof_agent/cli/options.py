@@ -35,6 +35,11 @@ def add_probe_options(parser: argparse.ArgumentParser, *, injects: bool) -> None
     group = parser.add_argument_group(
         "in-process probe", "step time, samples per second, per-layer time and framework "
         "settings, measured inside the job")
+    group.add_argument("--no-split", dest="split", action="store_false",
+                       help="do not split each step into forward, backward, optimizer, "
+                            "exchange (waiting for other ranks) and other; the split is on by "
+                            "default, a few hooks a step, and the fleet's straggler rules "
+                            "need it")
     group.add_argument("--layers", action="store_true",
                        help="also time each layer's forward and backward, in a share of the "
                             "steps chosen to stay within --layers-budget; the other steps run "
@@ -138,6 +143,7 @@ def probe_options(args: argparse.Namespace) -> ProbeOptions | None:
     if not getattr(args, "probe", True):
         return None
     return ProbeOptions(inject=getattr(args, "inject", False), layers=args.layers,
+                        split=args.split,
                         warmup_steps=args.warmup_steps, kernels=args.kernels,
                         layers_budget=args.layers_budget, layers_every=args.layers_every or 0,
                         max_series=getattr(args, "max_series_per_target", None))

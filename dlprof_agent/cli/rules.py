@@ -17,7 +17,7 @@ from dlprof_agent.exporters.prometheus_rules import (
     DEFAULT_RATE_WINDOW,
     DEFAULT_SCRAPE_JOB,
     STRAGGLER_FLOOR_SECONDS,
-    STRAGGLER_SHARE,
+    STRAGGLER_STEP_SHARE,
     RuleOptions,
     duration_ms,
     rules_file,
@@ -55,8 +55,9 @@ def add_parser(commands: Any) -> None:
             "estimate, and alerts. With the defaults it is deploy/prometheus/rules.yml "
             "as shipped.") + "\n\n" + paragraph(
             f"A rank is a straggler when its own time per step (step time less the time "
-            f"it waited in collectives) is {STRAGGLER_SHARE:.0%} and "
-            f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms above its job's median for --for; "
+            f"it waited in collectives) is above its job's median by "
+            f"{STRAGGLER_STEP_SHARE:.0%} of the job's median step time, and "
+            f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms, for --for; "
             f"the alert DlprofStragglerRank names it (labels job_id, rank) and its cause "
             f"(label cause: {', '.join(CAUSES)}). Also: DlprofSlowExchange, "
             "DlprofJobStalled, DlprofMissingRanks, DlprofAgentDown, DlprofProbeDown. "

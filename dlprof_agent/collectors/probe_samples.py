@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -153,6 +154,13 @@ class KernelRow:
     seconds: float
 
 
+# NCCL's kernels, as profilers name them: ncclDevKernel_AllReduce_Sum_f32_RING_LL and
+# ncclDevKernel_Generic (2.19 on), ncclKernel_SendRecv_RING (2.13),
+# ncclAllReduceRingLLKernel_sum (older; NVIDIA/nccl issues 2196, 739, 536). One kernel
+# may run several operations, so the name tells NCCL from the rest, not which call.
+COLLECTIVE_KERNELS = re.compile(r"nccl", re.IGNORECASE)
+
+
 @dataclass(frozen=True, slots=True)
 class KernelDurations:
     device: int
@@ -195,6 +203,12 @@ class KernelSample:
     record_ticks_per_ns: float = 0.0
     unmeasured_batches: int = 0  # dropped: their clock was never measured
     traced: bool = False  # the tracer has run at some point: its counters are real
+
+    def collective_seconds(self) -> float | None:
+        """GPU time in collective (NCCL) kernels since the tracer started; None when
+        the job ran none, or none among the kernels kept by name."""
+        rows = [row.seconds for row in self.kernels if COLLECTIVE_KERNELS.search(row.kernel)]
+        return sum(rows) if rows else None
 
     @classmethod
     def from_reply(cls, kernels: Mapping[str, object], *, layers: bool = True

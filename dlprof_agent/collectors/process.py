@@ -54,6 +54,10 @@ class ProcessSample:
     open_fds: int | None
     # Threads running or waiting for a CPU (state R) at the read; None where unread.
     runnable_threads: int | None = None
+    # The main thread's time waiting in a run queue for a CPU, and on one
+    # (/proc/<pid>/schedstat); None where the kernel keeps no schedstat.
+    main_thread_wait_seconds: float | None = None
+    main_thread_run_seconds: float | None = None
 
 
 def read_peak_rss_bytes(pid: int, *, procfs: str = PROC_ROOT) -> int | None:
@@ -223,6 +227,7 @@ class ProcessCollector:
         try:
             thread_stats = files.threads()
             status = files.status()
+            schedstat = files.schedstat()
         except TargetGone:
             raise psutil.NoSuchProcess(process.pid) from None
         thread_groups = state.threads.update(thread_stats)
@@ -249,6 +254,8 @@ class ProcessCollector:
             write_chars=getattr(io, "write_chars", None),
             open_fds=open_fds,
             runnable_threads=sum(1 for stat in thread_stats if stat.state == "R"),
+            main_thread_wait_seconds=None if schedstat is None else schedstat.wait_seconds,
+            main_thread_run_seconds=None if schedstat is None else schedstat.run_seconds,
         )
 
 

@@ -124,6 +124,15 @@ class Io:
 
 
 @dataclass(frozen=True, slots=True)
+class Schedstat:
+    """/proc/<pid>/schedstat: the scheduler's times of one task (for a process, its main
+    thread), in seconds since it started."""
+
+    run_seconds: float  # on a CPU
+    wait_seconds: float  # runnable, waiting in a run queue for a CPU
+
+
+@dataclass(frozen=True, slots=True)
 class CgroupEntry:
     """One line of /proc/<pid>/cgroup."""
 
@@ -304,6 +313,17 @@ def read_task_syscall(pid: int, tid: int, *, root: str = PROC_ROOT) -> list[str]
     file needs ptrace access); TargetGone when the thread has ended."""
     text = _read_text(pid, "syscall", tid=tid, root=root)
     return None if text is None else text.split()
+
+
+def read_schedstat(pid: int, *, tid: int | None = None, root: str = PROC_ROOT
+                   ) -> Schedstat | None:
+    """The task's run and run-queue wait times; None where the kernel keeps none
+    (built without CONFIG_SCHED_INFO) or the line is not three numbers."""
+    text = _read_text(pid, "schedstat", tid=tid, root=root)
+    fields = text.split() if text is not None else []
+    if len(fields) < 2 or not all(field.isdigit() for field in fields[:2]):
+        return None
+    return Schedstat(int(fields[0]) / 1e9, int(fields[1]) / 1e9)
 
 
 def read_io(pid: int, *, root: str = PROC_ROOT) -> Io | None:
@@ -553,6 +573,9 @@ class ProcessFiles:
 
     def io(self) -> Io | None:
         return self._once("io", lambda: read_io(self.pid, root=self.root))
+
+    def schedstat(self) -> Schedstat | None:
+        return self._once("schedstat", lambda: read_schedstat(self.pid, root=self.root))
 
     def environ(self) -> dict[str, str] | None:
         return self._once("environ", lambda: read_environ(self.pid, root=self.root))

@@ -75,7 +75,8 @@ def probe_series(probe: ProbeSample) -> int:
         fixed += 3 + (kernels.since > 0)
         if kernels.traced:
             fixed += (sum(histogram_series(d.bucket_counts) for d in kernels.durations)
-                      + 2 * len(kernels.memcpy) + 2 + 3 * bool(kernels.record_clock))
+                      + 2 * len(kernels.memcpy) + 2 + 3 * bool(kernels.record_clock)
+                      + (kernels.collective_seconds() is not None))
     return fixed + sum(_open_ended(probe))
 
 

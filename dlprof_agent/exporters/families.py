@@ -62,6 +62,12 @@ def process_families(processes: Iterable[ProcessSample]) -> list[Metric]:
                          "Bytes passed through read and write system calls, "
                          "page-cache hits included.", ["pid", "direction"])
     fds = gauge("dlprof_process_open_fds", "Open file descriptors.", ["pid"])
+    main_wait = counter("dlprof_process_main_thread_run_queue_wait_seconds_total",
+                        "Time the main thread was runnable but waited in a run queue for "
+                        "a CPU (the kernel's schedstat): its share of the main thread's "
+                        "runnable time is CPU it was denied.", ["pid"])
+    main_run = counter("dlprof_process_main_thread_run_seconds_total",
+                       "Time the main thread ran on a CPU (the kernel's schedstat).", ["pid"])
     start = gauge("dlprof_process_start_time_seconds",
                   "Process start, in seconds since the Unix epoch.", ["pid"])
 
@@ -89,9 +95,12 @@ def process_families(processes: Iterable[ProcessSample]) -> list[Metric]:
                 family.add_metric([pid, "write"], write)
         if p.open_fds is not None:
             fds.add_metric([pid], p.open_fds)
+        if p.main_thread_wait_seconds is not None and p.main_thread_run_seconds is not None:
+            main_wait.add_metric([pid], p.main_thread_wait_seconds)
+            main_run.add_metric([pid], p.main_thread_run_seconds)
         start.add_metric([pid], p.start_time_seconds)
     return [info, cpu, rss, rss_peak, vms, threads, group_cpu, group_threads, switches, io,
-            io_logical, fds, start]
+            io_logical, fds, main_wait, main_run, start]
 
 
 def host_families(host: HostSample) -> list[Metric]:

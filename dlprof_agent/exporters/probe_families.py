@@ -155,15 +155,16 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
                                                probe.step_bucket_counts),
                         probe.step_seconds_sum)
     phases = counter("dlprof_step_phase_seconds_total",
-                     "Steady-state step time by phase: forward and backward (summed over "
-                     "layers, with --layers), optimizer, exchange (waiting for other ranks "
-                     "in collectives), and other (data, loss, Python).",
+                     "Steady-state step time by phase: forward and backward (unless "
+                     "--no-split), optimizer, exchange (waiting for other ranks in "
+                     "collectives), and other (data, loss, Python).",
                      ["pid", *JOB_LABELS, "phase"])
     for phase, seconds in probe.phase_seconds:
         phases.add_metric([*job, phase], seconds)
     split = gauge("dlprof_step_phase_split_info",
                   "1, with whether the latest steady step's phases were split, or why not "
-                  "(forward not seen, backward not seen, not split: compiled graph).",
+                  "(forward not seen, backward not seen, not split: compiled graph, not "
+                  "split: turned off).",
                   ["pid", *JOB_LABELS, "split"])
     if probe.phase_split is not None:
         split.add_metric([*job, probe.phase_split], 1)
@@ -208,6 +209,13 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
     held.add_metric([pid], probe.replies_held)
     kernels = (kernel_families(pid, probe.kernels, gpu_labels(gpu))
                if probe.kernels is not None else [])
-    return [probe_up, steps, samples, duration, phases, split, layer_seconds, layer_calls,
-            sampled,
-            info, hook_errors, dropped, held, *kernels]
+    collective = counter("dlprof_collective_kernel_seconds_total",
+                         "GPU time in collective communication (NCCL) kernels, from CUPTI: "
+                         "on NCCL a rank's wait for the others runs there, not on the host.",
+                         ["pid", *JOB_LABELS])
+    in_collectives = (probe.kernels.collective_seconds()
+                      if probe.kernels is not None and probe.kernels.traced else None)
+    if in_collectives is not None:
+        collective.add_metric(job, in_collectives)
+    return [probe_up, steps, samples, duration, phases, split, collective, layer_seconds,
+            layer_calls, sampled, info, hook_errors, dropped, held, *kernels]

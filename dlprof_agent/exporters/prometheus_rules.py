@@ -10,10 +10,14 @@ window, so the job dashboard and the alerts read the same names whatever
 `--rate-window` is. A target whose `job_id` or `rank` is "" (unknown) is left out
 of them.
 
+Kept in one file: the rules read one another's names, in the order Prometheus
+evaluates a group, and the thresholds they share sit beside them.
+
 A rank's own time per step is its step time less the time it waited in
-collectives (phase `exchange`). In synchronous data parallelism every rank's step
-takes as long as the slowest rank's, so step time cannot find the slow rank; own
-time can, and the cause is in that rank's own signals.
+collectives: phase `exchange` on the host or, on NCCL, whose collectives return once
+queued, the GPU time of its NCCL kernels, whichever is larger. In synchronous data
+parallelism every rank's step takes as long as the slowest rank's, so step time
+cannot find the slow rank; own time can, and the cause is in that rank's own signals.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import json
 import re
 from dataclasses import dataclass
 
-# A straggler's own time per step is at least this share above the job's median...
-STRAGGLER_SHARE = 0.2
-# ...and at least this many seconds above it, so that millisecond steps do not
-# raise it on noise.
-STRAGGLER_FLOOR_SECONDS = 0.005
+# A straggler's own time per step is above the job's median by at least this share
+# of the job's median step time: every other rank waits that long for it each step,
+# so the job loses that share of its throughput to it...
+STRAGGLER_STEP_SHARE = 0.1
+# ...and by at least this many seconds, so that sub-millisecond steps do not raise
+# it on the scheduler's noise.
+STRAGGLER_FLOOR_SECONDS = 0.0005
 # A cause explains a straggler when its figure is at least this share of the
 # rank's excess own time ("most of it").
 CAUSE_SHARE = 0.5
@@ -63,8 +69,11 @@ JOB_SAMPLES_RATE = "job_id:dlprof_samples:rate"
 RANK_STEPS_RATE = "job_id_rank:dlprof_steps:rate"
 RANK_STEP_MEAN = "job_id_rank:dlprof_step_duration_seconds:mean"
 RANK_PHASE_MEAN = "job_id_rank_phase:dlprof_step_phase_seconds:mean"
+RANK_COLLECTIVE_MEAN = "job_id_rank:dlprof_collective_kernel_seconds:mean"
+RANK_WAIT_MEAN = "job_id_rank:dlprof_step_wait_seconds:mean"
 RANK_OWN_MEAN = "job_id_rank:dlprof_step_own_seconds:mean"
 JOB_OWN_MEDIAN = "job_id:dlprof_step_own_seconds:median"
+JOB_STEP_MEDIAN = "job_id:dlprof_step_duration_seconds:median"
 JOB_PHASE_MEDIAN = "job_id_phase:dlprof_step_phase_seconds:median"
 RANK_OWN_ABOVE_MEDIAN = "job_id_rank:dlprof_step_own_seconds:above_median"
 RANK_PHASE_ABOVE_MEDIAN = "job_id_rank_phase:dlprof_step_phase_seconds:above_median"
@@ -210,14 +219,29 @@ def job_rules(window: str) -> list[Record]:
                RANK_PHASE_MEAN,
                f"sum by (job_id, rank, phase) (rate(dlprof_step_phase_seconds_total"
                f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank) group_left ()\n({steps})"),
+        Record("GPU time per step in collective (NCCL) kernels of each rank; no series for\n"
+               "a job that runs none.",
+               RANK_COLLECTIVE_MEAN,
+               "sum by (job_id, rank) (rate(dlprof_collective_kernel_seconds_total"
+               f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank)\n({steps})"),
+        Record("Each rank's wait for the others per step: its exchange phase, or its NCCL\n"
+               "kernels' time where that is larger (an NCCL collective returns to the host\n"
+               "once queued; the wait runs on the GPU). Kernels that overlap backward count\n"
+               "on every rank alike, so ranks compare; see docs/fleet-exchange.md.",
+               RANK_WAIT_MEAN,
+               "max by (job_id, rank) (\n"
+               f'  label_replace({RANK_PHASE_MEAN}{{phase="exchange"}}, '
+               '"wait", "host", "", "")\n'
+               f'  or label_replace({RANK_COLLECTIVE_MEAN}, "wait", "gpu", "", "")\n)'),
         Record("Own time per step: step time less the wait in collectives; the step time\n"
                "itself where the agent measures no exchange.",
                RANK_OWN_MEAN,
-               f"{RANK_STEP_MEAN}\n"
-               f'  - ignoring (phase) {RANK_PHASE_MEAN}{{phase="exchange"}}\n'
+               f"{RANK_STEP_MEAN}\n  - on (job_id, rank) {RANK_WAIT_MEAN}\n"
                f"or {RANK_STEP_MEAN}"),
         Record("The job's median own time per step over its ranks.",
                JOB_OWN_MEDIAN, f"quantile by (job_id) (0.5, {RANK_OWN_MEAN})"),
+        Record("The job's median step time over its ranks.",
+               JOB_STEP_MEDIAN, f"quantile by (job_id) (0.5, {RANK_STEP_MEAN})"),
         Record("The job's median time per step of each phase over its ranks.",
                JOB_PHASE_MEDIAN, f"quantile by (job_id, phase) (0.5, {RANK_PHASE_MEAN})"),
         Record("How far each rank's own time per step is above the job's median\n"
@@ -265,15 +289,16 @@ def job_rules(window: str) -> list[Record]:
                "  * on (job, instance, gpu) group_left ()\n"
                "    max by (job, instance, gpu) (dlprof_gpu_throttle_reason_active"
                f'{{reason=~"{_any_of(GPU_SLOWDOWN_REASONS)}"}})\n)'),
-        Record(f"Stragglers: ranks whose own time per step is at least "
-               f"{STRAGGLER_SHARE:.0%} and\n{STRAGGLER_FLOOR_SECONDS * 1000:g} ms above the "
-               "job's median; the value is the excess in seconds. A rank\n"
-               "that waits in collectives is not one: waiting is not own time.",
+        Record("Stragglers: ranks whose own time per step is above the job's median by at\n"
+               f"least {STRAGGLER_STEP_SHARE:.0%} of the job's median step time (what the "
+               "job loses to it) and\n"
+               f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms; the value is the excess in seconds. "
+               "A rank that waits in\ncollectives is not one: waiting is not own time.",
                RANK_STRAGGLER_EXCESS,
                f"({RANK_OWN_ABOVE_MEDIAN} >= {STRAGGLER_FLOOR_SECONDS})\n"
                f"and on (job_id, rank)\n"
                f"({RANK_OWN_ABOVE_MEDIAN}\n"
-               f"  >= on (job_id) group_left () ({STRAGGLER_SHARE} * {JOB_OWN_MEDIAN}))"),
+               f"  >= on (job_id) group_left () ({STRAGGLER_STEP_SHARE} * {JOB_STEP_MEDIAN}))"),
         Record("Each straggler with its cause, from its own signals: its input per step is\n"
                "above the job's median by most of its excess (input); a CPU finding on it\n"
                "(cpu_starved); a slowdown on its GPUs (gpu_throttled); a memory finding\n"
@@ -312,10 +337,14 @@ def job_alerts(window: str, for_: str) -> list[Alert]:
                 "unknown: none of its signals says."))),
         Alert("Every rank, even the one that waits least, spends a large share of its step\n"
               "in collectives: the exchange itself is slow, not a rank. Which link or rank\n"
-              "slows a collective cannot be told from the ranks' time split.",
+              "slows a collective cannot be told from the ranks' time split. Not while a\n"
+              "straggler's excess is at least half that least wait: the straggler explains\n"
+              "the others' wait (and a starved rank's own collectives run slow too).",
               SLOW_EXCHANGE_ALERT,
-              f'min by (job_id) (\n  {RANK_PHASE_MEAN}{{phase="exchange"}}\n'
-              f"  / ignoring (phase) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}",
+              f"min by (job_id) (\n  {RANK_WAIT_MEAN}\n"
+              f"  / on (job_id, rank) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
+              f"unless on (job_id)\n(\n  max by (job_id) ({RANK_STRAGGLER_EXCESS})\n"
+              f"  >= {CAUSE_SHARE} * min by (job_id) ({RANK_WAIT_MEAN})\n)",
               for_, (("severity", "warning"), ("cause", "slow_collective")),
               (("summary", f"{job} spends {{{{ $value | humanizePercentage }}}} of each step "
                            "in collectives on its least-waiting rank"),

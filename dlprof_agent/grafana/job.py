@@ -32,7 +32,7 @@ from dlprof_agent.exporters.prometheus_rules import (
     RANK_STRAGGLER_CAUSE,
     STRAGGLER_ALERT,
     STRAGGLER_FLOOR_SECONDS,
-    STRAGGLER_SHARE,
+    STRAGGLER_STEP_SHARE,
 )
 from dlprof_agent.grafana.panels import (
     DATASOURCE,
@@ -58,7 +58,8 @@ IDENTITY_METRICS: dict[str, tuple[str, ...]] = {
 
 JOB_ID = 'job_id="$job_id"'
 RANK = "rank {{rank}}"
-SKEW: Steps = ((None, "green"), (1 + STRAGGLER_SHARE, "orange"), (1.5, "red"))
+SKEW_AMBER = 1.2  # the slowest rank's own time a fifth above the median's
+SKEW: Steps = ((None, "green"), (SKEW_AMBER, "orange"), (1.5, "red"))
 EXCHANGE: Steps = ((None, "green"), (0.2, "orange"), (0.4, "red"))
 EFFICIENCY: Steps = ((None, "red"), (0.5, "orange"), (0.8, "green"))
 MISSING: Steps = ((None, "red"), (1.0, "green"))
@@ -141,9 +142,9 @@ def _ranks() -> list[Panel]:
                    _phase("exchange"), _phase("other"), f"{RANK_STEP_MEAN}{{{JOB_ID}}}")],
                names=names, hidden=("Time",)),
         time_series("Own time per step by rank", "Step time less the wait in collectives, "
-                    "per rank, with the job's median. A rank "
-                    f"{STRAGGLER_SHARE:.0%} and {STRAGGLER_FLOOR_SECONDS * 1000:g} ms above "
-                    "the median is a straggler.", "s",
+                    "per rank, with the job's median. A rank above the median by "
+                    f"{STRAGGLER_STEP_SHARE:.0%} of the median step time (and "
+                    f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms) is a straggler.", "s",
                     [(f"{RANK_OWN_MEAN}{{{JOB_ID}}}", RANK),
                      (f"{JOB_OWN_MEDIAN}{{{JOB_ID}}}", "median")]),
         time_series("Exchange wait per step by rank", "Time each rank waits in collectives "
@@ -190,7 +191,7 @@ def _exchange() -> list[Panel]:
                     [(f"{JOB_SCALING_EFFICIENCY}{{{JOB_ID}}}", "efficiency")],
                     steps=EFFICIENCY),
         time_series("Step skew", "The slowest rank's own time over the median's. Above "
-                    f"{1 + STRAGGLER_SHARE:g} (amber) the slowest rank holds the job back.",
+                    f"{SKEW_AMBER:g} (amber) the slowest rank holds the job back.",
                     "short", [(f"{JOB_STEP_SKEW}{{{JOB_ID}}}", "skew")], steps=SKEW),
         _table("Alerts of this job", "Every dlprof alert carrying this job_id, pending or "
                "firing: stragglers, a slow exchange, a stall, missing ranks, a probe down. "

@@ -42,6 +42,7 @@ class StartArgs(TypedDict, total=False):
 
     interval_seconds: float
     layers: bool
+    split: bool  # the step's phases; sent only when False, as kernels
     warmup_steps: int
     max_layers: int
     agent_pid: int
@@ -56,6 +57,7 @@ class SessionOptions(TypedDict):
 
     interval_seconds: float
     layers: bool
+    split: bool
     warmup_steps: int
     max_layers: int
     agent_pid: int

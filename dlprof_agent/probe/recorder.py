@@ -58,6 +58,7 @@ SPLIT = "split"
 FORWARD_NOT_SEEN = "forward not seen"
 BACKWARD_NOT_SEEN = "backward not seen"
 COMPILED_GRAPH = "not split: compiled graph"
+SPLIT_OFF = "not split: turned off"  # the agent asked for no phases (--no-split)
 DEFAULT_LAYER_BUDGET = 0.01  # layer timing may add this fraction of step time
 # Under a budget: one timed step in MIN_SAMPLE_INTERVAL at most (so a timed step
 # costing up to 5% stays within 1% even if its cost is misjudged), one in
@@ -141,6 +142,7 @@ class Recorder:
         self.phase_split = ""  # SPLIT, or why the latest steady step was not split
         # Set by hooks that know the step cannot be split (COMPILED_GRAPH); "" if it can.
         self.unsplit_reason = ""
+        self.split = True  # False: no hook times a phase, and the step says why
         self._phase_total = 0.0  # every phase second recorded, for exclusive times
         self._timed_split: dict[str, float] = {}  # the latest timed step's phases
         # name -> [forward seconds, forward calls, backward seconds, backward calls],
@@ -312,7 +314,9 @@ class Recorder:
                 for phase, value in unseen.items():
                     phases[phase] = rest * value / unseen_total
                 rest = 0.0
-        if self.unsplit_reason:
+        if not self.split:
+            state = SPLIT_OFF
+        elif self.unsplit_reason:
             state = self.unsplit_reason
         elif phases.get("forward", 0.0) <= 0:
             state = FORWARD_NOT_SEEN

@@ -31,13 +31,14 @@ LEASE_INTERVALS = 3
 LEASE_MARGIN_SECONDS = 1.0
 MAX_TRACE_STEPS = 100_000
 
-DEFAULT_OPTIONS: SessionOptions = {"interval_seconds": 1.0, "layers": False,
+DEFAULT_OPTIONS: SessionOptions = {"interval_seconds": 1.0, "layers": False, "split": True,
                                    "warmup_steps": DEFAULT_WARMUP_STEPS,
                                    "max_layers": DEFAULT_MAX_LAYERS, "agent_pid": 0,
                                    "kernels": True, "layers_budget": DEFAULT_LAYER_BUDGET,
                                    "layers_every": 0, "lease_seconds": 0.0}
 _OPTION_TYPES: dict[str, tuple[type, ...]] = {
-    "interval_seconds": (int, float), "layers": (bool,), "warmup_steps": (int,),
+    "interval_seconds": (int, float), "layers": (bool,), "split": (bool,),
+    "warmup_steps": (int,),
     "max_layers": (int,), "agent_pid": (int,), "kernels": (bool,),
     "layers_budget": (int, float), "layers_every": (int,), "lease_seconds": (int, float)}
 
@@ -67,7 +68,7 @@ def checked_options(args: object, current: SessionOptions) -> SessionOptions:
     merged: dict[str, object] = dict(current)
     for key, value in args.items():
         kinds = _OPTION_TYPES.get(key)
-        # bool is an int in Python; only "layers" and "kernels" may be one.
+        # bool is an int in Python; only the switches may be one.
         if kinds is None or not isinstance(value, kinds) or (
                 isinstance(value, bool) and bool not in kinds):
             raise ValueError(f"bad argument {key!r}")
@@ -100,8 +101,10 @@ class Session:
         self.interval = float(options["interval_seconds"])
         self.lease_override = float(options["lease_seconds"])  # 0: from the interval
         self.layers = bool(options["layers"])
+        self.split = bool(options["split"])
         self.recorder = Recorder(warmup_steps=int(options["warmup_steps"]),
                                  max_layers=int(options["max_layers"]))
+        self.recorder.split = self.split
         self.layer_sampling = (float(options["layers_budget"]), int(options["layers_every"]))
         self.set_layers(self.layers)
         self.hooks: dict[str, FrameworkHooks] = {}
@@ -119,7 +122,7 @@ class Session:
 
     def options(self) -> SessionOptions:
         """What this session runs with now, as ``configure`` starts from."""
-        return {"interval_seconds": self.interval, "layers": self.layers,
+        return {"interval_seconds": self.interval, "layers": self.layers, "split": self.split,
                 "warmup_steps": self.recorder.warmup_steps,
                 "max_layers": self.recorder.max_layers, "agent_pid": 0,
                 "kernels": self.tracer.continuous,
@@ -133,8 +136,10 @@ class Session:
         self.recorder.set_warmup_steps(int(options["warmup_steps"]))
         self.recorder.max_layers = int(options["max_layers"])
         sampling = (float(options["layers_budget"]), int(options["layers_every"]))
-        if bool(options["layers"]) != self.layers or sampling != self.layer_sampling:
+        if (bool(options["layers"]) != self.layers or sampling != self.layer_sampling
+                or bool(options["split"]) != self.split):
             self.layer_sampling = sampling
+            self.split = self.recorder.split = bool(options["split"])
             self.remove_hooks()
             self.set_layers(bool(options["layers"]))
             self.install_new_hooks(errors)
@@ -154,8 +159,8 @@ class Session:
                 continue
             try:
                 module = __import__(hooks_module, fromlist=[class_name])
-                hooks: FrameworkHooks = getattr(module, class_name)(self.recorder,
-                                                                    layers=self.layers)
+                hooks: FrameworkHooks = getattr(module, class_name)(
+                    self.recorder, layers=self.layers, split=self.split)
                 self.hooks[module_name] = hooks
                 if self.layers and isinstance(hooks, AttributingHooks):
                     hooks.kernels = self.tracer  # kernel time per layer, while tracing

@@ -32,9 +32,11 @@ Four hooks, all patched in place and restored by ``remove()``:
   normally gets no per-layer time; ``settings()["layer_timing"]`` says which
   case applies. The timed steps' leaf layers are also the forward phase, which
   the recorder estimates for the other steps from the timed ones.
-- Phases, while executing eagerly (Keras ``fit(run_eagerly=True)``, custom
-  eager loops): ``GradientTape.gradient`` is the backward phase and Keras's
-  ``BaseOptimizer.apply`` (which ``apply_gradients`` calls) the optimizer's.
+- Phases (``split=True``, the default), while executing eagerly (Keras
+  ``fit(run_eagerly=True)``, custom eager loops): ``GradientTape.gradient``
+  is the backward phase and Keras's ``BaseOptimizer.apply`` (which
+  ``apply_gradients`` calls) the optimizer's; with ``split=False`` neither is
+  timed, though the optimizer's apply still ends an eager loop's steps.
   One call each per step, whatever the model's size. In an eager loop with
   no ``tf.function`` step, the end of the optimizer's apply ends a step
   (source ``"tf_optimizer"``). Inside a compiled step the Python code runs
@@ -104,9 +106,10 @@ class TensorFlowHooks:
 
     name = "tensorflow"
 
-    def __init__(self, recorder: Recorder, *, layers: bool) -> None:
+    def __init__(self, recorder: Recorder, *, layers: bool, split: bool = True) -> None:
         self.recorder = recorder
         self.layers = layers
+        self.split = split
         # Re-entrant: patched Keras code may run while a hook holds it.
         self._lock = threading.RLock()
         self._pid = os.getpid()
@@ -226,7 +229,7 @@ class TensorFlowHooks:
         self._patch(function_class, "__call__",
                     self._function_call_wrapper(function_class.__call__))
         tape = getattr(sys.modules.get(_TAPE_MODULE), "GradientTape", None)
-        if tape is not None:
+        if tape is not None and self.split:
             self._patch(tape, "gradient", self._phase_wrapper(tape.gradient, "backward"))
 
     def _install_keras(self) -> None:
@@ -247,7 +250,7 @@ class TensorFlowHooks:
         self._patch(trainer_class, "make_train_function",
                     self._make_train_function_wrapper(trainer_class.make_train_function))
         optimizer = getattr(sys.modules.get(_KERAS_OPTIMIZER_MODULE), "BaseOptimizer", None)
-        if optimizer is not None:
+        if optimizer is not None:  # also ends an eager loop's steps, split or not
             self._patch(optimizer, "apply", self._phase_wrapper(optimizer.apply, "optimizer"))
         if self.layers:
             # Patched only for timed steps (``_layer_boundary``): the others call Keras as is.
@@ -449,7 +452,8 @@ class TensorFlowHooks:
             now = self.recorder.clock()
             mark, start = started
             recorder = self.recorder
-            recorder.add_phase_time(phase, now - start, since=mark)
+            if self.split:
+                recorder.add_phase_time(phase, now - start, since=mark)
             if phase != "optimizer" or not args:
                 return
             # With several optimizers (a GAN, say) the first one to apply marks the steps.

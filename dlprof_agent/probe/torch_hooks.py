@@ -25,15 +25,15 @@ kernel launched meanwhile to the layer and phase. CUPTI keeps those ids per
 thread, and autograd runs backward on its own threads: a backward id is popped
 on the thread that pushed it, the next time a hook runs there.
 
-Phases (``layers=True``): every step, not only timed ones, the model's forward
+Phases (``split=True``, the default): every step, the model's forward
 runs from its pre-hook to its forward hook and its backward from the moment
 autograd reaches the node of the model's output to the end of that pass: two
 hooks on the model and one on a node per step, whatever its number of layers.
 The optimizer's step is timed less what ran inside it: an optimizer called
 with a closure (Lightning's automatic optimization) runs forward and backward
 inside its ``step``; the closure is wrapped so that its own time, the loss and
-``zero_grad``, is ``other`` and not the optimizer's. Without layer timing the
-optimizer alone is timed, and the split says that forward was not seen.
+``zero_grad``, is ``other`` and not the optimizer's. ``split=False``: no phase
+hook, closure wrapper or collective timing, and the split says it was turned off.
 Waiting for other ranks (DDP, torch.distributed) is ``exchange``: ``torch_exchange``.
 
 Samples per step are the first dimension of the model's first tensor input,
@@ -51,7 +51,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from dlprof_agent.probe.recorder import OTHER_PHASE, UNSPLIT_PHASE, Recorder
+from dlprof_agent.probe.recorder import OTHER_PHASE, Recorder
 from dlprof_agent.probe.torch_exchange import CollectiveTiming, DdpWait, holds_ddp
 from dlprof_agent.probe.torch_values import (
     batch_dimension,
@@ -69,9 +69,10 @@ SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
 class TorchHooks:
     name = "pytorch"
 
-    def __init__(self, recorder: Recorder, *, layers: bool) -> None:
+    def __init__(self, recorder: Recorder, *, layers: bool, split: bool = True) -> None:
         self.recorder = recorder
         self.layers = layers
+        self.split = split
         self._clock = recorder.clock  # the recorder's: steps and layers on one clock
         self._handles: list[Any] = []
         self._discovery: Any = None
@@ -81,8 +82,7 @@ class TorchHooks:
         self._step_optimizer: int | None = None
         self._optimizer_started = 0.0
         self._optimizer_mark = 0.0
-        # Step phases (with layers): the model's forward and backward, every step.
-        self._forward_started = 0.0
+        self._forward_started = 0.0  # phases (split): the model's forward and backward
         self._forward_mark = 0.0
         self._backward_started = 0.0
         self._backward_mark = 0.0
@@ -119,10 +119,11 @@ class TorchHooks:
             register_optimizer_step_pre_hook,
         )
 
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
         self._discovery = register_module_forward_pre_hook(self._discover)
-        self._collectives.install(self._torch)
+        if self.split:  # the optimizer's own time; its end is the step's, split or not
+            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+            self._collectives.install(self._torch)
 
     def remove(self) -> None:
         self._collectives.remove()
@@ -163,15 +164,13 @@ class TorchHooks:
         count as themselves, the rest (the loss, zero_grad) as other, and none of
         it as the optimizer's."""
         recorder, clock = self.recorder, self._clock
-        # Without the model's phases, what the closure runs is not split.
-        phase = OTHER_PHASE if self.layers else UNSPLIT_PHASE
 
         def timed_closure() -> Any:
             mark, started = recorder.phase_mark(), clock()
             try:
                 return closure()
             finally:
-                recorder.add_phase_time(phase, clock() - started, since=mark)
+                recorder.add_phase_time(OTHER_PHASE, clock() - started, since=mark)
 
         return timed_closure
 
@@ -227,8 +226,9 @@ class TorchHooks:
         self._batch_dim = batch_dimension(root, self._torch.nn.RNNBase)
         self._ddp_wait.ddp = holds_ddp(self._torch, root)
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        if self.layers:
+        if self.split:
             self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        if self.layers:
             self._hook_layers(root)
 
     def _hook_layers(self, root: Any) -> None:
@@ -283,7 +283,7 @@ class TorchHooks:
             if self._root_calls % SETTINGS_EVERY_CALLS == 0:
                 self._observe(batch)
             self._root_calls += 1
-            if self.layers:
+            if self.split:
                 self._forward_mark = recorder.phase_mark()
                 self._forward_started = self._clock()
         except Exception as error:

@@ -39,6 +39,7 @@ SOCKET_WAIT_SECONDS = 10.0  # an injected bootstrap runs at the target's next sa
 class ProbeOptions:
     inject: bool = True
     layers: bool = False
+    split: bool = True  # the step's phases (forward, backward, optimizer, exchange, other)
     warmup_steps: int = 10
     wait_seconds: float = SOCKET_WAIT_SECONDS
     kernels: bool = True  # continuous CUPTI kernel tracing while the job uses CUDA
@@ -57,6 +58,8 @@ def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
     if not options.kernels:
         # Sent only when off: a probe older than kernel tracing refuses unknown options.
         started["kernels"] = False
+    if not options.split:
+        started["split"] = False  # likewise; a probe older than it splits only with layers
     if options.layers and options.layers_budget != 0.01:
         started["layers_budget"] = options.layers_budget  # likewise: only when not default
     if options.layers and options.layers_every:

@@ -2,7 +2,8 @@
 thread each): a small CNN on tensors held in memory, each step's end logged
 (step_log.py) to STEP_LOG.RANK. Rank --slow-rank, if given, sleeps
 --input-sleep-ms before each step, where a job waits for its input, so the
-other ranks wait for it in the gradient all-reduce."""
+other ranks wait for it in the gradient all-reduce. With --pin, rank R runs on
+the R-th CPU it may use only (the test then starves one rank's CPU)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ def main() -> int:
     parser = arguments(__doc__ or "")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--input-sleep-ms", type=float, default=20.0)
+    parser.add_argument("--pin", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     args.step_log = f"{args.step_log}.{rank}"
     enable_probe()
     torch.manual_seed(rank)

@@ -29,6 +29,9 @@ SYSTEM_SHARE = 0.2
 # step time says more about them than about the job.
 CONTENTION_SHARE = 0.5
 HOST_BUSY_SHARE = 0.9
+# The main thread's run-queue wait is read once it was runnable this share of the
+# window: a job asleep or waiting for I/O has too little of it to judge.
+MAIN_RUNNABLE_SHARE = 0.2
 # Input-bound. With every phase of the step measured (window.SPLIT_PHASES),
 # "other" is the step time no hook saw: data loading, the loss and the loop's
 # Python. The loss and the loop are a few per cent of a step; half the step there
@@ -132,19 +135,30 @@ def thread_oversubscription(window: Window) -> Check | None:
 
 
 def cpu_contention(window: Window) -> Check | None:
+    """Either the job's threads get under half the CPU they could use on a busy host,
+    or its main thread (a training loop's critical path) waited in a run queue for
+    over half its runnable time: contention on the CPUs it may use, however idle the
+    rest of the host (a rank pinned to a core it shares)."""
     runnable = window.mean_runnable_threads()
     allowed = window.allowed_cpus()
     host_busy = window.rate(_host_busy_seconds)
     host = window.last.host
+    main = window.main_thread_waits()
+    main_starved = False
+    evidence: dict[str, float] = {}
+    if main is not None and main[1] >= MAIN_RUNNABLE_SHARE * window.seconds:
+        denied = main[0] / main[1]
+        evidence["main_thread_run_queue_wait_ratio"] = denied
+        main_starved = denied >= 1 - CONTENTION_SHARE
     if runnable is None or allowed is None or host_busy is None or host is None:
-        return None
+        return Check(True, evidence) if main_starved else None
     wanted = min(runnable, allowed)  # what its runnable threads could use at most
     received = _share(window.busy_cores(), wanted) if wanted > 0 else 1.0
     host_share = host_busy / host.logical_cpus
-    return Check(runnable >= 0.5 and received < CONTENTION_SHARE
-                 and host_share >= HOST_BUSY_SHARE,
-                 {"runnable_threads": runnable, "busy_cores": window.busy_cores(),
-                  "received_cpu_ratio": min(received, 1.0), "host_busy_ratio": host_share})
+    evidence.update({"runnable_threads": runnable, "busy_cores": window.busy_cores(),
+                     "received_cpu_ratio": min(received, 1.0), "host_busy_ratio": host_share})
+    return Check(main_starved or (runnable >= 0.5 and received < CONTENTION_SHARE
+                                  and host_share >= HOST_BUSY_SHARE), evidence)
 
 
 def _host_busy_seconds(point: Point) -> float | None:

@@ -43,6 +43,9 @@ class Point:
     target_busy_seconds: float  # the target alone: the process that launches kernels
     involuntary_switches: int
     runnable_threads: int | None
+    # The target's main thread: waiting for a CPU and on one (schedstat), None unknown.
+    main_wait_seconds: float | None
+    main_run_seconds: float | None
     rss_bytes: int
     host: HostSample | None
     gpu: GpuSample | None
@@ -85,6 +88,15 @@ class Window:
         if any(r is None for r in runnable):
             return None
         return statistics.fmean(r for r in runnable if r is not None)
+
+    def main_thread_waits(self) -> tuple[float, float] | None:
+        """The target's main thread over the window: (seconds it waited in a run queue
+        for a CPU, seconds it was runnable: that wait and its time on a CPU)."""
+        wait = self.rate(lambda point: point.main_wait_seconds)
+        run = self.rate(lambda point: point.main_run_seconds)
+        if wait is None or run is None:
+            return None
+        return wait * self.seconds, (wait + run) * self.seconds
 
     def busy_cores(self) -> float:
         return ((self.last.user_seconds + self.last.system_seconds
@@ -222,6 +234,8 @@ def point_of(snapshot: Snapshot, *, host: HostSample | None = None,
         target_busy_seconds=(target.user_seconds + target.system_seconds
                              if target is not None else 0.0),
         involuntary_switches=sum(p.involuntary_context_switches for p in ps),
+        main_wait_seconds=target.main_thread_wait_seconds if target is not None else None,
+        main_run_seconds=target.main_thread_run_seconds if target is not None else None,
         runnable_threads=(None if not ps or any(r is None for r in runnable)
                           else sum(r for r in runnable if r is not None)),
         rss_bytes=sum(p.rss_bytes for p in ps),
