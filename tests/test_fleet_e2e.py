@@ -87,6 +87,17 @@ def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:
     return port
 
 
+def stop_launchers(tmp_path: Path, launchers: list[subprocess.Popen[bytes]]) -> None:
+    """Both ranks stop after the same step once the stop file is there; a launcher
+    still running a minute later is killed with its group."""
+    (tmp_path / "stop").touch()
+    for process in launchers:
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 @pytest.mark.serial  # the cause: other tests' load would starve the ranks of CPU
 def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
@@ -132,12 +143,7 @@ def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
                                "the missing-ranks alert", 120)
             assert {a["job_id"] for a in missing} == {JOB_ID}
         finally:
-            (tmp_path / "stop").touch()
-            for process in processes[2:]:  # the launchers
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
+            stop_launchers(tmp_path, processes[2:])
 
 
 STARVING_THREADS = 2
@@ -181,12 +187,7 @@ def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not
             assert step and float(step[0]["value"][1]) < SHORT_STEP_SECONDS, step
             assert not exchange_fired, exchange_fired
         finally:
-            (tmp_path / "stop").touch()
-            for process in processes[launchers:]:
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
+            stop_launchers(tmp_path, processes[launchers:])
 
 
 HEALTHY_SECONDS = 600.0
@@ -224,9 +225,4 @@ def test_a_healthy_job_stays_silent_for_ten_minutes(
                   f"time {float(worst[0]['value'][1]):.1%}" if worst else "no excess series")
             assert not alerts, alerts
         finally:
-            (tmp_path / "stop").touch()
-            for process in processes[launchers:]:
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
+            stop_launchers(tmp_path, processes[launchers:])
