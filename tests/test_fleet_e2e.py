@@ -123,16 +123,19 @@ def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
             assert nodes == {"0": "node-0", "1": "node-1"}
 
             fast_rank_fired: list[dict[str, str]] = []
+            exchange_fired: list[dict[str, str]] = []
 
             def straggler() -> list[dict[str, str]]:
                 alerts = firing(prometheus, ".*[Ss]traggler.*")
                 fast_rank_fired.extend(a for a in alerts if a.get("rank") != SLOW_RANK)
+                exchange_fired.extend(firing(prometheus, "DlprofSlowExchange"))
                 return alerts
 
             alerts = wait_for(straggler, "the straggler alert for the slow rank", 180)
             assert {(a["job_id"], a["rank"], a["cause"]) for a in alerts} == {
                 (JOB_ID, SLOW_RANK, "input")}
             assert not fast_rank_fired, fast_rank_fired
+            assert not exchange_fired, exchange_fired
             # The rank that waits in the all-reduce is not called input-bound.
             verdicts = prometheus.query('dlprof_finding{finding="input_bound"} == 1')
             assert {v["metric"]["rank"] for v in verdicts} <= {SLOW_RANK}, verdicts
