@@ -372,8 +372,10 @@ def test_cpu_contention_is_also_a_main_thread_kept_waiting_for_its_cpu() -> None
     assert starved.evidence["host_busy_ratio"] == pytest.approx(0.5)  # a half-idle host
     unknown_threads = check(wait=1.3, run=0.6, runnable=None)
     assert unknown_threads is not None and unknown_threads.holds
-    fed = check(wait=0.1, run=1.8)  # its own core
+    fed = check(wait=0.1, run=1.8)  # its own core: 5% waiting
     assert fed is not None and not fed.holds
+    shared = check(wait=0.6, run=1.0)  # beside one busy thread, after its sleeps
+    assert shared is not None and shared.holds
     asleep = check(wait=0.15, run=0.1)  # runnable an eighth of the window: not judged
     assert asleep is not None and not asleep.holds
     assert "main_thread_run_queue_wait_ratio" not in asleep.evidence

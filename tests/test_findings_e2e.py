@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.collectors.limits import LimitsCollector
+from dlprof_agent.model.findings.rules import MAIN_WAIT_SHARE
 from dlprof_agent.model.findings.tracker import RAISE_AFTER_SECONDS
 from dlprof_agent.model.findings.window import MIN_WINDOW_SECONDS
 from tests.conftest import agent_env, free_port, http_get
@@ -263,11 +264,13 @@ def test_cpu_contention_appears_on_a_shared_core_of_a_half_idle_host_and_not_alo
     try:
         alone = watch(finding, [], expect_raised=False, attach_pid=job.pid)
         assert_not_raised(alone, finding)
-        assert alone.evidence["main_thread_run_queue_wait_ratio"] < 0.5, alone.evidence
+        assert alone.evidence["main_thread_run_queue_wait_ratio"] < MAIN_WAIT_SHARE, \
+            alone.evidence
         processes += [_pinned(cpu, BUSY_LOOP) for _ in range(2)]
         shared = watch(finding, [], expect_raised=True, attach_pid=job.pid)
         assert_raised(shared, finding)
-        assert shared.evidence["main_thread_run_queue_wait_ratio"] >= 0.5, shared.evidence
+        assert shared.evidence["main_thread_run_queue_wait_ratio"] >= MAIN_WAIT_SHARE, \
+            shared.evidence
     finally:
         for process in processes:
             process.kill()
