@@ -46,11 +46,14 @@ def firing(prometheus: Prometheus, alertname: str) -> list[dict[str, str]]:
         f'ALERTS{{alertstate="firing",alertname=~"{alertname}"}}')]
 
 
-def rules_config(tmp_path: Path, agent_ports: list[int]) -> Path:
-    """Prometheus's config: the agents' scrape and the generated rules."""
+def rules_config(tmp_path: Path, agent_ports: list[int], rate_window: str = "10s",
+                 for_: str = "10s") -> Path:
+    """Prometheus's config: the agents' scrape and the generated rules (short windows,
+    so that the alerts come within the test's minutes)."""
     rules = tmp_path / "rules.yml"
     generated = subprocess.run(
-        [sys.executable, "-m", "dlprof_agent", "rules", "--rate-window", "10s", "--for", "10s"],
+        [sys.executable, "-m", "dlprof_agent", "rules", "--rate-window", rate_window,
+         "--for", for_],
         env=agent_env(), capture_output=True, text=True, timeout=60, check=True)
     rules.write_text(generated.stdout)
     targets = ", ".join(f"'127.0.0.1:{port}'" for port in agent_ports)
@@ -202,11 +205,13 @@ HEALTHY_BATCH = 64
 @pytest.mark.serial  # a healthy job: other tests' load on one rank would make a straggler
 def test_a_healthy_job_stays_silent_for_ten_minutes(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
-    """Two equal ranks, no slow input, compute-bound, for 10 minutes: no straggler and
-    no slow exchange, pending or firing. Prints the largest excess any rank reached over
-    the job's median step time: the margin the rule's 10% leaves."""
+    """Two equal ranks, no slow input, compute-bound, for 10 minutes, under the rules
+    as shipped (rate window 1m, for 2m): no straggler and no slow exchange fires.
+    Prints the largest excess any rank reached over the job's median step time (the
+    margin the rule's 10% leaves) and the alerts that were pending."""
     ports = [start_daemon(processes, node) for node in (0, 1)]
-    with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
+    config = rules_config(tmp_path, ports, rate_window="1m", for_="2m")
+    with running_prometheus(config, tmp_path / "data") as prometheus:
         master_port = free_port()
         launchers = len(processes)
         for node in (0, 1):
@@ -222,6 +227,8 @@ def test_a_healthy_job_stays_silent_for_ten_minutes(
                 alerts += [series["metric"] for series in prometheus.query(
                     'ALERTS{alertname=~"DlprofStragglerRank|DlprofSlowExchange"}')]
                 time.sleep(5)
+            print("alerts pending or firing at some point:",
+                  sorted({(a["alertname"], a["alertstate"]) for a in alerts}))
             window = f"{HEALTHY_SECONDS:.0f}s"
             worst = prometheus.query(
                 "max(max_over_time((job_id_rank:dlprof_step_own_seconds:above_median"
@@ -229,6 +236,7 @@ def test_a_healthy_job_stays_silent_for_ten_minutes(
                 f"[{window}:5s]))")
             print(f"healthy job, {window}: largest rank excess over the median step "
                   f"time {float(worst[0]['value'][1]):.1%}" if worst else "no excess series")
-            assert not alerts, alerts
+            fired = [alert for alert in alerts if alert["alertstate"] == "firing"]
+            assert not fired, fired
         finally:
             stop_launchers(tmp_path, processes[launchers:])
