@@ -243,7 +243,7 @@ def test_memory_near_limit_appears_near_a_cgroup_limit_and_not_far_below(
 BUSY_LOOP = "while True:\n    sum(range(1000))\n"
 
 
-def _pinned(cpu: int, code: str) -> subprocess.Popen[bytes]:
+def pinned(cpu: int, code: str) -> subprocess.Popen[bytes]:
     """A Python process that runs ``code`` on ``cpu`` only (it pins itself first)."""
     return subprocess.Popen(
         [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\n{code}"],
@@ -259,14 +259,14 @@ def test_cpu_contention_appears_on_a_shared_core_of_a_half_idle_host_and_not_alo
         pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO)")
     cpu = min(os.sched_getaffinity(0))
     finding = "cpu_contention"
-    job = _pinned(cpu, BUSY_LOOP)
+    job = pinned(cpu, BUSY_LOOP)
     processes = [job]
     try:
         alone = watch(finding, [], expect_raised=False, attach_pid=job.pid)
         assert_not_raised(alone, finding)
         assert alone.evidence["main_thread_run_queue_wait_ratio"] < MAIN_WAIT_SHARE, \
             alone.evidence
-        processes += [_pinned(cpu, BUSY_LOOP) for _ in range(2)]
+        processes += [pinned(cpu, BUSY_LOOP) for _ in range(2)]
         shared = watch(finding, [], expect_raised=True, attach_pid=job.pid)
         assert_raised(shared, finding)
         assert shared.evidence["main_thread_run_queue_wait_ratio"] >= MAIN_WAIT_SHARE, \

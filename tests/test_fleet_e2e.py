@@ -34,6 +34,7 @@ from tests.conftest import (
     running_prometheus,
     wait_for,
 )
+from tests.test_findings_e2e import BUSY_LOOP, pinned
 
 pytestmark = pytest.mark.slow
 
@@ -172,10 +173,7 @@ def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not
         pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO)")
     ports = [start_daemon(processes, node) for node in (0, 1)]
     slow_cpu = cpus[int(SLOW_RANK) % len(cpus)]
-    processes += [subprocess.Popen(
-        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{slow_cpu}}})\n"
-                               "while True:\n    sum(range(1000))\n"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(STARVING_THREADS)]
+    processes += [pinned(slow_cpu, BUSY_LOOP) for _ in range(STARVING_THREADS)]
     with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
         master_port = free_port()
         launchers = len(processes)

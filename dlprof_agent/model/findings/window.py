@@ -92,11 +92,13 @@ class Window:
     def main_thread_waits(self) -> tuple[float, float] | None:
         """The target's main thread over the window: (seconds it waited in a run queue
         for a CPU, seconds it was runnable: that wait and its time on a CPU)."""
-        wait = self.rate(lambda point: point.main_wait_seconds)
-        run = self.rate(lambda point: point.main_run_seconds)
-        if wait is None or run is None:
+        waits = (self.first.main_wait_seconds, self.last.main_wait_seconds)
+        runs = (self.first.main_run_seconds, self.last.main_run_seconds)
+        if self.seconds <= 0 or waits[0] is None or waits[1] is None \
+                or runs[0] is None or runs[1] is None:
             return None
-        return wait * self.seconds, (wait + run) * self.seconds
+        wait, run = waits[1] - waits[0], runs[1] - runs[0]
+        return wait, wait + run
 
     def busy_cores(self) -> float:
         return ((self.last.user_seconds + self.last.system_seconds
