@@ -226,6 +226,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+STALE_MARK = "> **Older than the code it measures**"
+
+
+def code_state(measures: Sequence[str]) -> dict[str, Any]:
+    """The commit a benchmark ran on, the paths whose code it measures, and
+    whether they had changes not committed (then the commit does not name it)."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+    return {"commit": git("rev-parse", "HEAD") or None, "measures": list(measures),
+            "dirty": bool(git("status", "--porcelain", "--", *measures))}
+
+
 def load_average() -> tuple[float, float, float]:
     one, five, fifteen = os.getloadavg()
     return one, five, fifteen
@@ -288,12 +302,16 @@ class Processes:
     def start(self, args: Sequence[str], *, stdin: int | IO[Any] | None = subprocess.DEVNULL,
               stdout: int | IO[Any] | None = subprocess.DEVNULL,
               env: dict[str, str] | None = None,
-              stop_signal: int = signal.SIGTERM) -> subprocess.Popen[str]:
-        """Start ``args``; its stderr is kept aside, to explain a failure to start."""
+              stop_signal: int = signal.SIGTERM,
+              code: Path | None = None) -> subprocess.Popen[str]:
+        """Start ``args``; its stderr is kept aside, to explain a failure to start.
+        ``code``: a folder holding another version's ``dlprof_agent``, run from
+        there: ``-m`` puts the working folder first on the path, before this
+        checkout (child_env), whose ``benchmarks`` it still finds."""
         log = tempfile.TemporaryFile()  # noqa: SIM115 - open until stop() closes it
         try:
             process = subprocess.Popen(list(args), stdin=stdin, stdout=stdout, stderr=log,
-                                       text=True, cwd=REPO, env=env or child_env())
+                                       text=True, cwd=code or REPO, env=env or child_env())
         except BaseException:
             log.close()
             raise
@@ -538,6 +556,8 @@ class Result:
     targets: list[TargetCheck] = field(default_factory=list)
     noise: dict[str, Any] = field(default_factory=dict)
     noise_summary: str = ""
+    resolution: str = ""  # the smallest difference the run can tell from none
+    code: dict[str, Any] = field(default_factory=dict)  # code_state() when it ran
     unavailable: list[str] = field(default_factory=list)
     owed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -548,6 +568,7 @@ class Result:
             "benchmark": self.benchmark, "title": self.title, "what": self.what,
             "smoke": self.smoke, "date": started.isoformat(timespec="seconds"),
             "duration_seconds": seconds, "command": command, "machine": machine(),
+            "code": self.code, "resolution": self.resolution,
             "settings": self.settings, "noise": {**self.noise, "summary": self.noise_summary},
             "figures": self.figures, "targets": [asdict(t) for t in self.targets],
             "tables": [{"name": t.name, "title": t.title,
@@ -598,7 +619,10 @@ def render_markdown(result: Result, data: dict[str, Any]) -> str:
               + (f"{m['memory_bytes'] / 2**30:.0f} GiB, " if m["memory_bytes"] else "")
               + f"{m['kernel']}, Python {m['python']}, torch {m['torch'] or 'absent'}, "
               f"TensorFlow {m['tensorflow'] or 'absent'}",
+              _code_line(data.get("code") or {}),
               f"- **Noise**: {result.noise_summary or 'not measured'}",
+              "- **Resolution**: " + (result.resolution or "differences within the noise "
+                                      "above are not resolved"),
               "- **Settings**: " + ", ".join(f"{k}={_shown(v)}"
                                              for k, v in result.settings.items()), ""]
     if result.targets:
@@ -622,6 +646,15 @@ def render_markdown(result: Result, data: dict[str, Any]) -> str:
         if items:
             lines += [f"## {heading}", "", *(f"- {item}" for item in items), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _code_line(code: dict[str, Any]) -> str:
+    commit = code.get("commit")
+    if not commit:
+        return "- **Code**: not a git checkout"
+    return (f"- **Code**: commit `{commit[:12]}`"
+            + (" with uncommitted changes" if code.get("dirty") else "")
+            + f", measuring {', '.join(code.get('measures', []))}")
 
 
 def rerun_command(argv: Sequence[str], out: Path, default_out: Path) -> str:

@@ -1,153 +1,125 @@
-"""Training overhead: how much slower a reference workload trains with the agent
-attached, against no agent, and against the usual alternatives on the same job.
+"""Training overhead: how much the probe slows a reference workload, measured
+inside one job in paired blocks, against a planted slowdown and the
+framework's own profiler.
 
-One training process per workload (benchmarks.training_job) runs blocks of
-steps on command. The configurations take turns block by block, at least five
-rounds, and each round starts with a different one, so the machine's drift
-hits them all alike. Around a block the harness starts and stops the real
-thing: `dlprof-agent attach PID` (at 1 s and 0.1 s, --no-probe), with the
-probe's step timing, with --layers (its default budget, and every step timed);
-torch.profiler (CPU activities) or
-tf.profiler inside the job; `py-spy record --rate 100 --nonblocking`. A
-block's overhead is its median step time over the median of the same round's
-no-agent block, minus one (to first order, the throughput lost).
+One training process per workload and thread count (benchmarks.training_job)
+runs blocks of tens of steps on command. For each configuration, pairs of
+blocks run back to back, one with the measurement on and one off, the order
+swapped every pair so that drift cancels (benchmarks.paired). The probe is
+switched through its own protocol, as an agent does, and polled once a
+second of on time; torch.profiler or tf.profiler is started inside the job
+around its block. py-spy, which cannot be switched inside the job, is started
+and stopped around its on block, paired the same way. A configuration's
+overhead is the median over pairs of (mean step on / mean step off - 1), for
+wall time and for the job's own CPU per step, with a 95% bootstrap interval;
+a target is met when the interval's upper end is under it. Two checks of the
+method itself run on the first workload: nothing against nothing (the
+interval must hold 0) and a planted busy-wait of 0.5% of a step (the interval
+must exclude 0).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import select
+import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
     CORES,
-    Column,
+    REPO,
     HostBusy,
     Option,
     Processes,
     Progress,
     Result,
-    Table,
-    TargetCheck,
-    agent_command,
-    cpu_seconds,
-    free_port,
-    get,
+    int_list,
     load_average,
-    metric_value,
-    percentile,
     positive_float,
     positive_int,
-    spread,
     str_list,
-    wait_until,
 )
+from benchmarks.overhead_report import add_comparison, add_workload
+from benchmarks.paired import Pairs, ProbeDriver, TrainingJob, run_pairs
 
 NAME = "overhead"
 TITLE = "Training overhead"
-SUMMARY = ("throughput of a CNN and the LSTM (PyTorch, TensorFlow) with no agent, the "
-           "agent at 1 s and 0.1 s, + probe step timing, + --layers, torch.profiler/"
-           "tf.profiler and py-spy at 100 Hz, interleaved")
-TARGETS = ("agent at 1 s + step timing <= 0.5%; with --layers <= 1%; >= 10x less "
-           "overhead than torch.profiler for the same per-layer breakdown")
-STEPS_TARGET = 0.005
-LAYERS_TARGET = 0.01
-PROFILER_FACTOR = 10.0
+SUMMARY = ("the probe's step timing and --layers, torch.profiler/tf.profiler and py-spy on "
+           "a CNN and an LSTM (PyTorch, TensorFlow), in paired blocks inside one job, "
+           "with intervals; a planted 0.5% slowdown checks the method")
+TARGETS = ("step timing (with the split) <= 0.5%; --layers <= 1% and <= a tenth of "
+           "torch.profiler's; each at the upper end of its 95% interval")
+MEASURES = ("dlprof_agent/probe", "benchmarks/overhead.py", "benchmarks/paired.py",
+            "benchmarks/training_job.py")
+PLANTED = 0.005
 SETTLE_STEPS = 5  # a block's first steps: the probe finds the model, a profiler starts
-
-OPTIONS = (
-    Option("--workloads", ["pytorch:small-cnn", "pytorch:lstm", "tensorflow:small-cnn",
-                           "tensorflow:lstm"], ["pytorch:small-cnn"],
-           "FRAMEWORK:MODEL pairs; models small-cnn and lstm", str_list, "LIST"),
-    Option("--configs", None, None,
-           "configurations, 'off' always included; all: off,agent-1s,agent-0.1s,steps-1s,"
-           "layers-1s,layers-all-1s,profiler,py-spy", str_list, "LIST"),
-    Option("--rounds", 5, 1, "rounds: each configuration runs once per round",
-           positive_int, "N"),
-    Option("--block-seconds", 4.0, 0.3, "training time per block", positive_float, "S"),
-    Option("--threads", CORES, 1, "the job's intra-op threads", positive_int, "N",
-           "the number of cores"),
-    Option("--cnn-batch", 32, 8, "small CNN: samples per step", positive_int, "N"),
-    Option("--lstm-batch", 16, 4, "LSTM: samples per step", positive_int, "N"),
-    Option("--lstm-vocabulary", 2000, 500, "LSTM: vocabulary", positive_int, "N"),
-    Option("--lstm-hidden", 128, 32, "LSTM: hidden units (2 layers)", positive_int, "N"),
-    Option("--lstm-sequence", 20, 8, "LSTM: tokens per sample", positive_int, "N"),
-)
 
 
 @dataclass(frozen=True)
 class Config:
     key: str
     label: str
-    agent_args: tuple[str, ...] | None = None  # None: no agent around the block
-    probe: bool = False  # the agent must be reading the probe before the block starts
-    profiler: bool = False  # the framework's profiler runs inside the job
+    probe: dict[str, Any] | None = None  # StartArgs for the on block; None: no probe
+    keep: bool = False  # one session, paused between on blocks (a duty cycle's state)
+    mode: str = "plain"  # the job's mode in the on block (training_job)
     py_spy: bool = False
+    first_only: bool = False  # the method's own checks, the comparison: first job only
+    compared: bool = False  # also run against --compare's code
+    by_mean: bool = False  # only some steps pay (paired.Pairs)
+    gpu_only: bool = False  # CUPTI's part: nothing to measure without a GPU
 
 
 CONFIGS = (
-    Config("off", "no agent"),
-    Config("agent-1s", "agent, 1 s, --no-probe", ("--interval", "1", "--no-probe")),
-    Config("agent-0.1s", "agent, 0.1 s, --no-probe", ("--interval", "0.1", "--no-probe")),
-    Config("steps-1s", "agent, 1 s + probe step timing", ("--interval", "1", "--no-inject"),
-           probe=True),
-    Config("layers-1s", "agent, 1 s + probe --layers",
-           ("--interval", "1", "--no-inject", "--layers"), probe=True),
-    Config("layers-all-1s", "agent, 1 s + --layers --layers-every 1",
-           ("--interval", "1", "--no-inject", "--layers", "--layers-every", "1"), probe=True),
-    Config("profiler", "framework profiler, CPU", profiler=True),
+    Config("same", "nothing (off against off)", first_only=True),
+    Config("planted", f"planted busy-wait, {PLANTED:.1%} of a step",
+           mode=f"planted={PLANTED}", first_only=True),
+    Config("steps", "probe: step timing with the split", probe={"kernels": False},
+           compared=True),
+    Config("kernels", "probe: step timing, split and CUDA kernels (the default)", probe={},
+           gpu_only=True),
+    Config("layers", "probe: --layers (1% budget; on a GPU, with kernels)",
+           probe={"layers": True}, keep=True,
+           by_mean=True),
+    Config("layers-all", "probe: --layers, every step timed",
+           probe={"layers": True, "layers_every": 1}, first_only=True, compared=True),
+    Config("profiler", "framework profiler, CPU", mode="profiler"),
     Config("py-spy", "py-spy record, 100 Hz, --nonblocking", py_spy=True),
 )
+CROSS_PROCESS = ("py-spy",)
 
-
-class TrainingJob:
-    """A benchmarks.training_job process: blocks of steps on command."""
-
-    def __init__(self, processes: Processes, framework: str, model: str, *, batch: int,
-                 threads: int, warmup_seconds: float, lstm: tuple[int, int, int] | None = None
-                 ) -> None:
-        """``lstm``: vocabulary, hidden units and sequence length."""
-        self.batch = batch
-        sizes = [] if lstm is None else [
-            "--vocabulary", str(lstm[0]), "--hidden", str(lstm[1]), "--sequence", str(lstm[2])]
-        self.process = processes.start(
-            [sys.executable, "-m", "benchmarks.training_job", "--framework", framework,
-             "--model", model, "--batch", str(batch), "--threads", str(threads), *sizes,
-             "--warmup-seconds", str(warmup_seconds)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.pid = self.process.pid
-        line = self._read_line(timeout=300)
-        if not line.startswith("ready"):
-            raise RuntimeError(f"the {framework} {model} job did not start: {line!r}")
-        self.step_seconds = float(line.split()[1])
-
-    def _read_line(self, timeout: float) -> str:
-        stdout = self.process.stdout
-        assert stdout is not None
-        ready, _, _ = select.select([stdout], [], [], timeout)
-        if not ready:
-            raise RuntimeError(f"the training job said nothing for {timeout:g} s")
-        return stdout.readline().strip()
-
-    def run_block(self, steps: int, *, profiler: bool = False) -> list[float]:
-        stdin = self.process.stdin
-        assert stdin is not None
-        stdin.write(f"{steps} {'profiler' if profiler else 'plain'}\n")
-        stdin.flush()
-        line = self._read_line(timeout=600)
-        if not line:
-            raise RuntimeError(f"the training job exited ({self.process.poll()})")
-        durations: list[float] = json.loads(line)
-        return durations
+OPTIONS = (
+    Option("--workloads", ["pytorch:small-cnn", "pytorch:lstm", "tensorflow:small-cnn",
+                           "tensorflow:lstm"], ["pytorch:small-cnn"],
+           "FRAMEWORK:MODEL pairs; models small-cnn and lstm, and resnet-50 for pytorch "
+           "(with --device cuda: gpu-check's)", str_list, "LIST"),
+    Option("--device", "cpu", "cpu", "PyTorch jobs' device: cpu or cuda", str, "DEVICE"),
+    Option("--configs", None, None,
+           "configurations; all: " + ",".join(c.key for c in CONFIGS), str_list, "LIST"),
+    Option("--threads", [1, CORES], [1], "the job's intra-op threads, one job for each",
+           int_list, "LIST", "1 and the number of cores"),
+    Option("--pairs", 150, 4, "pairs per configuration", positive_int, "N"),
+    Option("--block-seconds", 0.1, 0.05, "training time per block (at least 10 steps)",
+           positive_float, "S"),
+    Option("--cross-pairs", 12, 2, "pairs for a tool started around its block (py-spy)",
+           positive_int, "N"),
+    Option("--cross-block-seconds", 2.0, 0.5, "training time per block for those",
+           positive_float, "S"),
+    Option("--compare", None, None, "also measure this git revision's probe (configs "
+           "steps and layers-all, the first workload and thread count)", str, "REV"),
+    Option("--cnn-batch", 32, 8, "small CNN and ResNet-50: samples per step", positive_int,
+           "N"),
+    Option("--lstm-batch", 16, 4, "LSTM: samples per step", positive_int, "N"),
+    Option("--lstm-vocabulary", 2000, 500, "LSTM: vocabulary", positive_int, "N"),
+    Option("--lstm-hidden", 128, 32, "LSTM: hidden units (2 layers)", positive_int, "N"),
+    Option("--lstm-sequence", 20, 8, "LSTM: tokens per sample", positive_int, "N"),
+)
 
 
 def _py_spy() -> str | None:
@@ -169,59 +141,102 @@ def py_spy_problem(pid: int) -> str | None:
     return None
 
 
-class Around:
-    """What runs outside the job around one block: an agent or py-spy."""
+@dataclass
+class Measured:
+    """One job's configurations: their pairs and the probe's own price."""
 
-    def __init__(self, processes: Processes, config: Config, pid: int) -> None:
-        self.processes = processes
-        self.config = config
-        self.pid = pid
-        self.process: subprocess.Popen[str] | None = None
-        self.port = 0
+    label: str  # the workload, its threads and the code's version
+    framework: str
+    batch: int
+    steps: int
+    device: str
+    pairs: dict[str, Pairs] = field(default_factory=dict)
+    own_cpu_per_step: dict[str, float] = field(default_factory=dict)
 
-    def start(self) -> None:
-        if self.config.agent_args is not None:
-            self.port = free_port()
-            self.process = self.processes.start(
-                agent_command("attach", str(self.pid), "--port", str(self.port), "--quiet",
-                              "--grace", "0", *self.config.agent_args))
-            wait_until(lambda: get(self.port, "/healthz").status == 200,
-                       "the agent's /healthz", alive=self.process)
-            if self.config.probe:
-                wait_until(lambda: self._probe_value("dlprof_probe_up") == 1,
-                           "the agent to read the job's probe", alive=self.process)
-        elif self.config.py_spy:
-            binary = _py_spy()
-            assert binary is not None
-            self.process = self.processes.start(
-                [binary, "record", "--rate", "100", "--pid", str(self.pid), "--nonblocking",
-                 "-o", "/dev/null"], stdout=subprocess.DEVNULL,
-                stop_signal=signal.SIGINT)  # py-spy ends its recording on Ctrl-C
-            time.sleep(0.5)  # it starts sampling within milliseconds; make sure it lives
-            if self.process.poll() is not None:
-                raise RuntimeError(f"py-spy exited with {self.process.returncode}")
 
-    def _probe_value(self, name: str) -> float | None:
-        return metric_value(get(self.port, "/metrics").body, name, pid=str(self.pid))
+def _switches(config: Config, job: TrainingJob, processes: Processes,
+              driver: ProbeDriver) -> tuple[Any, Any]:
+    if config.probe is not None:
+        options = config.probe
+        return (lambda: driver.on(options, keep=config.keep)), driver.off
+    if config.py_spy:
+        held: list[subprocess.Popen[str]] = []
+        binary = _py_spy()
+        assert binary is not None
 
-    def probe_seen(self, block_ended: float) -> tuple[int, int]:
-        """Steady steps and layers the agent got from the probe, from a sample
-        taken after the block ended."""
-        def fresh() -> bytes | None:
-            body = get(self.port, "/metrics").body
-            last = metric_value(body, "dlprof_agent_last_sample_timestamp_seconds")
-            return body if last is not None and last > block_ended else None
-        body: bytes = wait_until(fresh, "a sample after the block", timeout=10)
-        text = body.decode()
-        steps = metric_value(body, "dlprof_steps_total", pid=str(self.pid), phase="steady")
-        layers = {line.split('layer="', 1)[1].split('"', 1)[0]
-                  for line in text.splitlines() if line.startswith("dlprof_layer_calls_total{")}
-        return int(steps or 0), len(layers)
+        def start() -> None:
+            held.append(processes.start(
+                [binary, "record", "--rate", "100", "--pid", str(job.pid), "--nonblocking",
+                 "-o", os.devnull], stdout=subprocess.DEVNULL, stop_signal=signal.SIGINT))
+            time.sleep(0.5)  # it samples within milliseconds; make sure it lives
+            if held[-1].poll() is not None:
+                raise RuntimeError(f"py-spy exited with {held[-1].returncode}")
 
-    def stop(self) -> None:
-        if self.process is not None:
-            self.processes.stop(self.process, timeout=20)
-            self.process = None
+        return start, (lambda: processes.stop(held.pop(), timeout=20) if held else None)
+    return (lambda: None), (lambda: None)
+
+
+def measure(settings: dict[str, Any], job_spec: tuple[str, str, int], configs: list[Config],
+            progress: Progress, *, code: Path | None = None,
+            label: str = "") -> tuple[Measured, dict[str, str]]:
+    """``job_spec``: framework, model and intra-op threads."""
+    framework, model, threads = job_spec
+    unavailable: dict[str, str] = {}
+    with Processes() as processes:
+        job = TrainingJob(
+            processes, framework, model,
+            batch=int(settings["lstm_batch" if model == "lstm" else "cnn_batch"]),
+            threads=threads, warmup_seconds=0.5 if settings["smoke"] else 3.0,
+            lstm=(int(settings["lstm_vocabulary"]), int(settings["lstm_hidden"]),
+                  int(settings["lstm_sequence"])), code=code,
+            device=settings["device"] if framework == "pytorch" else "cpu")
+        steps = max(10, round(float(settings["block_seconds"]) / job.step_seconds))
+        measured = Measured(label, framework, job.batch, steps,
+                            settings["device"] if framework == "pytorch" else "cpu")
+        driver = ProbeDriver(job.pid)
+        try:
+            for config in configs:
+                if config.py_spy and (problem := py_spy_problem(job.pid)) is not None:
+                    unavailable[config.key] = problem
+                    progress.advance(f"{label}: {config.key} not measured")
+                    continue
+                cross = config.key in CROSS_PROCESS
+                pairs = int(settings["cross_pairs" if cross else "pairs"])
+                block = steps if not cross else max(steps, round(
+                    float(settings["cross_block_seconds"]) / job.step_seconds))
+                switch_on, switch_off = _switches(config, job, processes, driver)
+                if config.keep:  # the duty cycle learns its rate before the pairs
+                    switch_on()
+                    job.block(10 * block)
+                    switch_off()
+                driver.own_cpu, driver.steps = 0.0, 0
+                result = run_pairs(job, pairs, block, settle=SETTLE_STEPS,
+                                   switch_on=switch_on, switch_off=switch_off,
+                                   mode=config.mode, by_mean=config.by_mean)
+                driver.close()
+                measured.pairs[config.key] = result
+                if config.probe is not None and driver.steps:
+                    measured.own_cpu_per_step[config.key] = driver.own_cpu / driver.steps
+                summary = result.summary()
+                progress.advance(f"{label}: {config.key} {summary['wall']:+.2%} "
+                                 f"[{summary['wall_low']:+.2%}, {summary['wall_high']:+.2%}]")
+        finally:
+            driver.finish()
+    return measured, unavailable
+
+
+def _old_code(revision: str, into: Path) -> Path:
+    """``revision``'s dlprof_agent package, unpacked under ``into``."""
+    archive = subprocess.run(["git", "archive", "--format=tar", revision, "dlprof_agent"],
+                             cwd=REPO, capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"overhead: --compare {revision}: "
+                         f"{archive.stderr.decode(errors='replace').strip()[:200]}")
+    tar_path = into / "code.tar"
+    tar_path.write_bytes(archive.stdout)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
 def run(settings: dict[str, Any]) -> Result:
@@ -229,191 +244,85 @@ def run(settings: dict[str, Any]) -> Result:
     unknown = set(chosen) - {c.key for c in CONFIGS}
     if unknown:
         raise SystemExit(f"overhead: unknown configuration(s) {', '.join(sorted(unknown))}")
-    configs = [c for c in CONFIGS if c.key == "off" or c.key in chosen]
-    settings = {**settings, "configs": [c.key for c in configs]}
+    configs = [c for c in CONFIGS if c.key in chosen]
     workloads = []
     for spec in settings["workloads"]:
         framework, _, model = spec.partition(":")
-        if framework not in ("pytorch", "tensorflow") or model not in ("small-cnn", "lstm"):
+        if framework not in ("pytorch", "tensorflow") or model not in (
+                "small-cnn", "lstm", "resnet-50") or (
+                model == "resnet-50" and framework != "pytorch"):
             raise SystemExit(f"overhead: {spec!r} is not FRAMEWORK:MODEL with FRAMEWORK "
-                             "pytorch or tensorflow and MODEL small-cnn or lstm")
+                             "pytorch or tensorflow and MODEL small-cnn or lstm (or "
+                             "pytorch:resnet-50)")
         workloads.append((framework, model))
+    if settings["device"] not in ("cpu", "cuda"):
+        raise SystemExit(f"overhead: --device {settings['device']!r}: cpu or cuda")
+    if settings["device"] == "cpu":
+        configs = [c for c in configs if not c.gpu_only]
+    threads_list = list(dict.fromkeys(int(t) for t in settings["threads"]))
 
     result = Result(NAME, TITLE, __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
                     settings["smoke"], settings)
-    rounds = int(settings["rounds"])
-    progress = Progress(NAME, len(workloads) * rounds * len(configs))
+    jobs = [(f, m, t) for f, m in workloads for t in threads_list]
+    plan = [[c for c in configs if not c.first_only or index == 0]
+            for index in range(len(jobs))]
+    compared = [c for c in configs if c.compared] if settings["compare"] else []
+    progress = Progress(NAME, sum(map(len, plan)) + len(compared))
     busy = HostBusy()
     load_start = load_average()
-    baseline_spreads: list[float] = []
-    block_noise: list[float] = []
     unavailable: dict[str, str] = {}
-    for framework, model in workloads:
-        workload = f"{framework} {model}"
-        with Processes() as processes:
-            progress.note(f"starting the {workload} job")
-            job = TrainingJob(
-                processes, framework, model,
-                batch=int(settings["cnn_batch" if model == "small-cnn" else "lstm_batch"]),
-                threads=int(settings["threads"]),
-                warmup_seconds=0.5 if settings["smoke"] else 3.0,
-                lstm=(int(settings["lstm_vocabulary"]), int(settings["lstm_hidden"]),
-                      int(settings["lstm_sequence"])))
-            steps = max(SETTLE_STEPS + 10,
-                        math.ceil(float(settings["block_seconds"]) / job.step_seconds))
-            active = list(configs)
-            if any(c.py_spy for c in active):
-                problem = py_spy_problem(job.pid)
-                if problem is not None:
-                    unavailable["py-spy"] = problem
-                    active = [c for c in active if not c.py_spy]
-            medians: dict[str, list[float]] = {c.key: [] for c in active}
-            # The job's own CPU per step: what runs inside it (probe, profiler) shows
-            # there without the wall-clock noise of a shared machine.
-            job_cpu: dict[str, list[float]] = {c.key: [] for c in active}
-            seen: dict[str, list[tuple[int, int]]] = {c.key: [] for c in active}
-            for round_index in range(rounds):
-                shift = round_index % len(active)  # each round opens with another config
-                for config in active[shift:] + active[:shift]:
-                    around = Around(processes, config, job.pid)
-                    try:
-                        around.start()
-                        busy.start()
-                        cpu_before = cpu_seconds(job.pid)
-                        durations = job.run_block(steps + SETTLE_STEPS,
-                                                  profiler=config.profiler)
-                        job_cpu[config.key].append((cpu_seconds(job.pid) - cpu_before)
-                                                   / (steps + SETTLE_STEPS))
-                        busy.stop()
-                        if config.probe:
-                            seen[config.key].append(around.probe_seen(time.time()))
-                    finally:
-                        around.stop()
-                    steady = durations[SETTLE_STEPS:]
-                    medians[config.key].append(statistics.median(steady))
-                    if config.key == "off":
-                        block_noise.append((percentile(steady, 75) - percentile(steady, 25))
-                                           / statistics.median(steady))
-                    progress.advance(f"{workload}, round {round_index + 1}: {config.key} "
-                                     f"{medians[config.key][-1] * 1e3:.2f} ms/step")
-        base = medians["off"]
-        baseline_spreads.append(spread(base))
-        _add_workload(result, workload=workload, framework=framework, batch=job.batch,
-                      steps=steps, configs=active, medians=medians, seen=seen,
-                      job_cpu=job_cpu)
+    busy.start()
+    first: Measured | None = None
+    for (framework, model, threads), chosen_configs in zip(jobs, plan, strict=True):
+        label = f"{framework} {model}, {threads} thread{'s' if threads > 1 else ''}"
+        progress.note(f"starting the {label} job")
+        measured, missing = measure(settings, (framework, model, threads), chosen_configs,
+                                    progress, label=label)
+        unavailable.update(missing)
+        first = first or measured
+        add_workload(result, measured, configs)
+    if compared and first is not None:
+        with tempfile.TemporaryDirectory(prefix="overhead-compare-") as folder:
+            code = _old_code(settings["compare"], Path(folder))
+            label = f"{first.label}, at {settings['compare']}"
+            progress.note(f"starting the {label} job")
+            old, _ = measure(settings, jobs[0], compared, progress, code=code, label=label)
+        add_comparison(result, settings["compare"], old, first)
+    busy.stop()
     load_end = load_average()
-
-    worst = max(baseline_spreads)
-    result.noise = {"baseline_spread_per_workload": baseline_spreads,
-                    "baseline_block_iqr_over_median": statistics.median(block_noise),
-                    "host_busy_share_during_blocks": statistics.fmean(busy.shares),
+    result.noise = {"host_busy_share": busy.shares[0] if busy.shares else None,
                     "load_average_start": load_start[0], "load_average_end": load_end[0]}
     result.noise_summary = (
-        f"the no-agent blocks of a workload spread by up to {worst:.1%} across rounds "
-        f"(max-min over median; per workload: "
-        + ", ".join(f"{s:.1%}" for s in baseline_spreads)
-        + f"); within a block the steps' interquartile range is "
-        f"{statistics.median(block_noise):.1%} of the median. The machine's cores were "
-        f"{statistics.fmean(busy.shares):.0%} busy during blocks (the job included); load "
-        f"average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end. "
-        f"Overheads smaller than the spread are within noise.")
-    result.figures["baseline_spread_max"] = worst
+        f"the machine's cores were {busy.shares[0]:.0%} busy over the run (the job "
+        f"included); load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at "
+        "the end. Each configuration is compared with its own off blocks, run between "
+        "its on blocks, so what the machine does elsewhere widens the intervals rather "
+        "than moving the medians." if busy.shares else "not measured")
     for key, why in unavailable.items():
         result.unavailable.append(f"{key}: {why}")
-    threads = int(settings["threads"])
+    if first is not None and "same" in first.pairs:
+        same = first.pairs["same"].summary()
+        result.resolution = (
+            f"nothing against nothing ({first.label}, {same['pairs']:.0f} pairs) gave "
+            f"{same['wall']:+.2%} with a 95% interval of [{same['wall_low']:+.2%}, "
+            f"{same['wall_high']:+.2%}]: a difference smaller than about half that width, "
+            f"±{(same['wall_high'] - same['wall_low']) / 2:.2%}, is not told from none.")
     result.notes += [
-        f"The job runs {threads} intra-op thread(s) on {CORES} cores"
-        + (", so the agent's own CPU competes with it, as it would on a fully used node."
-           if threads >= CORES else
-           "; the agent can run on an idle core, so this measures mostly the in-process "
-           "part (the probe) and shared caches."),
-        "TensorFlow's reference models train compiled (train_on_batch on a graph), so "
-        "--layers can time no single layer there (dlprof_framework_info says so); its row "
-        "measures the hooks alone. The profiler row for TensorFlow is tf.profiler "
-        "(start/stop around the block).",
-        "The agent and py-spy are started before and stopped after each block; only the "
-        "steps inside the block are timed, after "
-        f"{SETTLE_STEPS} settling steps.",
-        "Job CPU per step is the job process's user and system CPU over the block (from "
-        "/proc, settling steps included) divided by its steps. It counts what runs inside "
-        "the job (the probe's hooks, a profiler) and not the agent's own process, and "
-        "other tenants of the machine move it much less than wall time.",
+        f"One intra-op thread leaves the other of this machine's {CORES} cores to the "
+        "probe's thread and the harness, so it shows the probe's own cost; at the "
+        "number of cores the probe's thread competes with OpenMP's, as on a fully used "
+        "node.",
+        "A block's figure is its median step, robust to this machine's spikes, except for "
+        "--layers at its duty cycle: it times one step in N, which a median would skip, "
+        "so there it is the mean. The job's CPU per step is its process's CPU time (all "
+        "threads: the probe's, OpenMP's) over the block's timed steps.",
+        "The probe's own price is what it reports in dlprof_probe_cpu_seconds_total "
+        "(hooks, layers, thread) over the on blocks, per step it counted: what a user "
+        "reads on their own job. It leaves out what PyTorch itself spends because a "
+        "module has a hook (its slower call path).",
+        "TensorFlow's reference models train compiled (train_on_batch on a graph): "
+        "--layers can time no single layer there, and its rows measure the hooks alone. "
+        "The profiler row for TensorFlow is tf.profiler (start and stop around the "
+        "block); torch.profiler records CPU activities.",
     ]
     return result
-
-
-def _add_workload(result: Result, *, workload: str, framework: str, batch: int, steps: int,
-                  configs: list[Config], medians: dict[str, list[float]],
-                  seen: dict[str, list[tuple[int, int]]],
-                  job_cpu: dict[str, list[float]]) -> None:
-    base = medians["off"]
-    slug = workload.replace(" ", "_").replace("-", "_")
-    table = Table(f"{slug}", f"{workload}: batch {batch}, {steps}-step blocks, "
-                  f"{len(base)} round(s)", [
-                      Column("config", "configuration"),
-                      Column("step_seconds", "median step", "ms"),
-                      Column("samples_per_second", "samples/s", "int"),
-                      Column("overhead_median", "overhead: median", "spct"),
-                      Column("overhead_min", "min", "spct"),
-                      Column("overhead_max", "max", "spct"),
-                      Column("job_cpu_per_step", "job CPU per step", "ms"),
-                      Column("job_cpu_overhead", "job CPU: median", "spct"),
-                      Column("probe_steps", "steps the probe saw", "int"),
-                      Column("probe_layers", "layers it timed", "int"),
-                      Column("target", "target"),
-                      Column("verdict", "verdict", "met")])
-    overheads: dict[str, float] = {}
-    for config in configs:
-        step = statistics.median(medians[config.key])
-        row: dict[str, Any] = {"config": config.label, "step_seconds": step,
-                               "samples_per_second": batch / step}
-        if config.key != "off":
-            ratios = [on / off - 1 for on, off in zip(medians[config.key], base, strict=True)]
-            overheads[config.key] = statistics.median(ratios)
-            row.update(overhead_median=overheads[config.key], overhead_min=min(ratios),
-                       overhead_max=max(ratios))
-        cpu = job_cpu.get(config.key, [])
-        if cpu:
-            row["job_cpu_per_step"] = statistics.median(cpu)
-        if config.key != "off" and cpu and len(cpu) == len(job_cpu["off"]):
-            row["job_cpu_overhead"] = statistics.median(
-                [on / off - 1 for on, off in zip(cpu, job_cpu["off"], strict=True) if off > 0])
-            result.figures[f"{slug}.{config.key}.job_cpu_overhead"] = row["job_cpu_overhead"]
-        if seen.get(config.key):
-            row["probe_steps"] = min(s for s, _ in seen[config.key])
-            row["probe_layers"] = min(n for _, n in seen[config.key])
-        table.rows.append(row)
-        result.figures[f"{slug}.{config.key}.step_seconds"] = step
-        if config.key != "off":
-            result.figures[f"{slug}.{config.key}.overhead_median"] = overheads[config.key]
-
-    def check(key: str, name: str, limit: float) -> None:
-        if key not in overheads:
-            return
-        met = overheads[key] <= limit
-        for row in table.rows:
-            if row["config"] == next(c.label for c in configs if c.key == key):
-                row.update(target=f"≤ {limit:.1%}", verdict=met)
-        result.targets.append(TargetCheck(f"{workload}: {name}", f"overhead ≤ {limit:.1%}",
-                                          f"{overheads[key]:+.2%} (median of rounds)", met))
-
-    check("steps-1s", "agent 1 s + step timing", STEPS_TARGET)
-    check("layers-1s", "agent 1 s + --layers", LAYERS_TARGET)
-    if "profiler" in overheads and "layers-1s" in overheads:
-        profiler, layers = overheads["profiler"], overheads["layers-1s"]
-        name = f"{workload}: vs the framework profiler"
-        requirement = f"≥ {PROFILER_FACTOR:.0f}x less overhead than it, same breakdown"
-        if framework == "tensorflow":
-            result.targets.append(TargetCheck(
-                name, requirement, "n/a: compiled Keras has no per-layer breakdown from "
-                "the probe to compare", None))
-        elif layers <= 0:
-            result.targets.append(TargetCheck(
-                name, requirement, f"--layers {layers:+.2%} (within noise), profiler "
-                f"{profiler:+.2%}", profiler > 0))
-        else:
-            factor = profiler / layers
-            result.targets.append(TargetCheck(
-                name, requirement, f"{factor:.1f}x (profiler {profiler:+.2%}, --layers "
-                f"{layers:+.2%})", factor >= PROFILER_FACTOR))
-    result.tables.append(table)

@@ -46,6 +46,7 @@ PROFILER_FACTOR = 10.0
 HOOK_CONFIGS = {"no split": (False, False), "steps": (True, False), "layers": (True, True)}
 SPLIT_STEP_SECONDS = 0.005  # the split's target: at most 0.5% of a step this long
 SPLIT_SHARE = 0.005
+MEASURES = ("dlprof_agent/probe", "benchmarks/probe_throughput.py", "benchmarks/cupti_decode.py")
 
 OPTIONS = (
     Option("--calls", 200_000, 5_000, "Recorder calls per timing", positive_int, "N"),

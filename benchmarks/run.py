@@ -23,7 +23,15 @@ from types import ModuleType
 from typing import Any
 
 from benchmarks import footprint, overhead, probe_throughput, scaling, scrape
-from benchmarks.common import DEFAULT_OUT, SMOKE_OUT, Result, add_options, rerun_command, resolve
+from benchmarks.common import (
+    DEFAULT_OUT,
+    SMOKE_OUT,
+    Result,
+    add_options,
+    code_state,
+    rerun_command,
+    resolve,
+)
 from benchmarks.common import write_result as write
 
 BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (
@@ -61,7 +69,9 @@ def run_one(name: str, args: argparse.Namespace, argv: Sequence[str]) -> Result:
     started = datetime.datetime.now(datetime.timezone.utc)
     clock = time.monotonic()
     runner: Callable[[dict[str, Any]], Result] = module.run
+    code = code_state(getattr(module, "MEASURES", ("dlprof_agent", f"benchmarks/{name}.py")))
     result = runner(settings)
+    result.code = code
     words = list(argv) if args.name == name else [name, *(["--smoke"] if args.smoke else [])]
     md, js = write(result, out, rerun_command(words, out, SMOKE_OUT if args.smoke
                                               else DEFAULT_OUT),

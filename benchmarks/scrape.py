@@ -52,7 +52,8 @@ from benchmarks.common import (
     stderr_tail,
 )
 from benchmarks.exposition import node_snapshot, registry_for, shape_for
-from benchmarks.overhead import SETTLE_STEPS, TrainingJob
+from benchmarks.overhead import SETTLE_STEPS
+from benchmarks.paired import TrainingJob
 from dlprof_agent.exporters.http import render_for
 
 NAME = "scrape"

@@ -7,8 +7,11 @@ own drift, allocator and caches hit them all alike).
 
 It enables the in-process probe (dormant until an agent connects), warms up,
 and prints ``ready SECONDS`` (a step's median time). Then, per line on stdin,
-``STEPS MODE`` (MODE: plain, or profiler for the framework's own profiler
-around the block) runs STEPS steps and prints their times as one JSON list.
+``SETTLE STEPS MODE`` runs SETTLE untimed steps and STEPS timed ones, and prints
+``{"seconds": [each timed step], "cpu": the process's CPU seconds over them}``.
+MODE: ``plain``; ``profiler``, the framework's own profiler around the block;
+``planted=F``, each step followed by a busy-wait of F times the ready median (a
+known slowdown, for the method's own check).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-MODELS = ("small-cnn", "lstm")
+MODELS = ("small-cnn", "lstm", "resnet-50")  # resnet-50: PyTorch only (gpu-check)
 FRAMEWORKS = ("pytorch", "tensorflow")
 
 
@@ -47,6 +50,10 @@ def pytorch_job(args: argparse.Namespace) -> tuple[Step, Profiler]:
         labels = torch.randint(0, 10, (args.batch,))
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
             torch.nn.CrossEntropyLoss())
+    elif args.model == "resnet-50":
+        model = torch_models.build("resnet-50")
+        inputs, labels = torch_models.example_batch("resnet-50", args.batch)
+        loss_fn = torch_models.loss_fn("resnet-50")
     else:
         # The reference LSTM's structure at a size a CPU steps through quickly.
         model = torch_models.LSTMLanguageModel(vocabulary=args.vocabulary, hidden=args.hidden)
@@ -58,15 +65,23 @@ def pytorch_job(args: argparse.Namespace) -> tuple[Step, Profiler]:
             loss: torch.Tensor = cross_entropy(logits.reshape(-1, args.vocabulary),
                                                targets.reshape(-1))
             return loss
+    device = torch.device(args.device)
+    model, inputs, labels = model.to(device), inputs.to(device), labels.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     def step() -> None:
         optimizer.zero_grad()
         torch.autograd.backward(loss_fn(model(inputs), labels))
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()  # a step's time is its GPU work's too
 
     def profiler() -> contextlib.AbstractContextManager[Any]:
-        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        return torch.profiler.profile(activities=activities)
 
     return step, profiler
 
@@ -120,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=MODELS, default="small-cnn")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", default="cpu", help="PyTorch only: cpu or cuda")
     parser.add_argument("--vocabulary", type=int, default=2000, help="LSTM only")
     parser.add_argument("--hidden", type=int, default=128, help="LSTM only")
     parser.add_argument("--sequence", type=int, default=20, help="LSTM only: tokens per sample")
@@ -137,17 +153,28 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         step()
         durations.append(time.perf_counter() - started)
-    print(f"ready {statistics.median(durations[len(durations) // 2:])}", flush=True)
+
+    ready = statistics.median(durations[len(durations) // 2:])
+    print(f"ready {ready}", flush=True)
 
     for line in sys.stdin:
-        steps_text, mode = line.split()
+        settle_text, steps_text, mode = line.split()
+        planted = ready * float(mode.partition("=")[2]) if mode.startswith("planted=") else 0.0
         block: list[float] = []
         with profiler() if mode == "profiler" else contextlib.nullcontext():
+            for _ in range(int(settle_text)):
+                step()
+            cpu_started = time.process_time()
             for _ in range(int(steps_text)):
                 started = time.perf_counter()
                 step()
+                if planted:
+                    busy_until = time.perf_counter() + planted
+                    while time.perf_counter() < busy_until:
+                        pass
                 block.append(time.perf_counter() - started)
-        print(json.dumps(block), flush=True)
+            cpu = time.process_time() - cpu_started
+        print(json.dumps({"seconds": block, "cpu": cpu}), flush=True)
     return 0
 
 

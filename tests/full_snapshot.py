@@ -58,6 +58,7 @@ def full_snapshot(pid: int = 4242) -> Snapshot:
         phase_seconds=(("backward", 2.0), ("forward", 1.0), ("optimizer", 0.5),
                        ("other", 0.5)),
         layers=(LayerSample("features.0", 0.5, 20, 1.0, 20),), hook_errors=1,
+        cpu_seconds=(("hooks", 0.01), ("thread", 0.02)),
         dropped_messages=(("malformed", 1),),
         settings=(("torch", (("framework", "pytorch"), ("framework_version", "2.13.0"))),),
         kernels=KernelSample(

@@ -121,20 +121,23 @@ def test_the_flush_cost_snippet_and_the_sweeps_arguments_are_valid() -> None:
 
 
 @pytest.mark.e2e
-def test_the_overhead_harness_runs_its_five_configurations_on_a_cpu_job(tmp_path: Path) -> None:
-    """The interleaving, attaching and parsing of the overhead step, on the same
-    job on the CPU (small CNN): its figures mean nothing here, its table must be whole."""
+def test_the_overhead_step_runs_the_benchmarks_paired_method_on_a_cpu_job(
+        tmp_path: Path) -> None:
+    """The overhead step on the same harness with a CPU job (small CNN): its figures
+    mean nothing here; its table must be whole and its verdict read from it."""
     pytest.importorskip("torch")
     script = load_script()
     check = script.Check(tmp_path, 400)
     check.env = agent_env() | {"OMP_NUM_THREADS": "1"}
 
-    result, notes = script.overhead(check, 90, ("--device", "cpu", "--model", "small-cnn",
-                                                "--batch", "8"))
+    result, notes = script.overhead(check, 300, (
+        "--workloads", "pytorch:small-cnn", "--cnn-batch", "8", "--pairs", "2",
+        "--block-seconds", "0.05", "--smoke"))
 
-    assert result in ("ok", "failed") and "against the agent without it" in notes, notes
+    assert result in ("ok", "failed") and "--layers" in notes and "overhead.md" in notes, notes
     table = (tmp_path / "overhead.md").read_text()
-    rows = [line.split("|")[1].strip() for line in table.splitlines()
-            if line.startswith("| ") and "configuration" not in line]
-    assert rows == list(script.OVERHEAD_CONFIGS)
-    assert "interleaved rounds" in table and "load average" in table
+    assert "median of pairs [95% interval]" in table
+    for label in ("nothing (off against off)", "probe: step timing with the split",
+                  "probe: --layers", "framework profiler"):
+        assert f"| {label}" in table, label
+    assert "CUDA kernels" not in table  # without a GPU there is no kernel tracing to price

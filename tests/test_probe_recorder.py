@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import pytest
 
 from dlprof_agent.errors import ConnectionClosed, ProtocolError
 from dlprof_agent.probe.protocol import HEADER, MAGIC, encode, read_frame
-from dlprof_agent.probe.recorder import OTHER_LAYER, STEP_BUCKETS, LayerSampling, Recorder
+from dlprof_agent.probe.recorder import (
+    OTHER_LAYER,
+    STEP_BUCKETS,
+    LayerSampling,
+    Recorder,
+    priced,
+)
 from dlprof_agent.probe.session import DEFAULT_OPTIONS
 from dlprof_agent.probe.session import checked_options as _options
 
@@ -142,6 +149,60 @@ def test_the_budget_sets_how_often_steps_are_timed(budget: float, cost: float,
     assert sum(timed) == pytest.approx(20, abs=1)
     added = sum(timed) * cost / (20 * interval)
     assert added <= budget * 1.05
+
+
+def test_the_layer_part_of_the_probes_cost_is_what_timed_steps_added() -> None:
+    sampling = LayerSampling(budget=0.01)
+    recorder = Recorder(warmup_steps=0, clock=Clock(), layer_sampling=sampling)
+    recorder.step_boundary("optimizer")
+    timed = timed_steps(recorder, 400, step=1.0, cost=0.05)
+    # Each timed step added 0.05 s over the untimed ones before it.
+    assert recorder.cpu_seconds()["layers"] == pytest.approx(0.05 * sum(timed))
+    assert "layers" not in Recorder(warmup_steps=0).cpu_seconds()  # no layer timing
+
+
+class Hooks:
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    @priced
+    def spin(self, seconds: float) -> str:
+        """Busy for ``seconds``."""
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+        return "done"
+
+    @priced
+    def fail(self) -> None:
+        raise RuntimeError("a hook bug")
+
+
+def test_a_priced_hook_adds_its_time_and_keeps_its_result_and_name() -> None:
+    recorder = Recorder(warmup_steps=0, clock=Clock())  # a fake clock: pricing ignores it
+    hooks = Hooks(recorder)
+    started = time.perf_counter()
+    assert [hooks.spin(0.002) for _ in range(5)] == ["done"] * 5
+    elapsed = time.perf_counter() - started
+    assert 0.010 <= recorder.hook_seconds <= elapsed
+    with pytest.raises(RuntimeError):
+        hooks.fail()  # priced on the way out too
+    assert recorder.cpu_seconds() == {"hooks": recorder.hook_seconds}
+    assert Hooks.spin.__name__ == "spin" and Hooks.spin.__doc__ == "Busy for ``seconds``."
+
+
+def test_a_resumed_recorder_does_not_count_the_pause_as_a_step() -> None:
+    clock = Clock()
+    recorder = Recorder(warmup_steps=0, clock=clock)
+    recorder.step_boundary("optimizer")
+    run_steps(recorder, [1.0, 1.0])
+    clock.now += 500.0  # paused: no hook ran
+    recorder.resume()
+    recorder.step_boundary("optimizer")
+    run_steps(recorder, [1.0])
+    snapshot = recorder.snapshot()
+    assert snapshot["steps"]["steady"] == 3
+    assert snapshot["step_seconds_sum"] == pytest.approx(3.0)
 
 
 def test_without_duty_cycle_every_step_counts_and_no_sampled_count_is_told() -> None:

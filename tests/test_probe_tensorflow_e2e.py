@@ -73,4 +73,5 @@ def test_injection_reaches_a_custom_tf_function_loop(
     values = metrics(port)
     assert values["dlprof_samples_total{phase=steady}"] >= 20 * BATCH
     assert values["dlprof_probe_hook_errors_total{}"] == 0
+    assert values["dlprof_probe_cpu_seconds_total{part=hooks}"] > 0  # Keras's hooks priced
     assert job.poll() is None

@@ -138,6 +138,10 @@ def test_run_reports_steps_samples_and_layers_matching_the_jobs_own_timer(
     assert conv > 0
     assert values["dlprof_layer_calls_total{layer=0 Conv2d,phase=backward}"] >= steady
     assert values["dlprof_layer_sampled_steps_total{}"] == steady  # every step was timed
+    # The probe prices itself: its hooks are a small part of the step, its thread ran.
+    hooks = values["dlprof_probe_cpu_seconds_total{part=hooks}"]
+    assert 0 < hooks < 0.2 * probe_seconds
+    assert values["dlprof_probe_cpu_seconds_total{part=thread}"] > 0
 
     labels = info_labels(port)
     assert labels["framework"] == "pytorch"

@@ -125,3 +125,48 @@ def test_inplace_activations_and_tuple_outputs_are_not_disturbed() -> None:
         optimizer.step()
     hooks.remove()
     assert recorder.hook_errors == 0, recorder.hook_error_kinds
+
+
+def test_a_paused_session_takes_every_hook_out_and_keeps_its_totals() -> None:
+    import socket
+    import time
+
+    from dlprof_agent.probe.session import DEFAULT_OPTIONS, Session, checked_options
+
+    job = Job()
+    left, right = socket.socketpair()
+    with left, right:
+        session = Session(left, 1, 0, checked_options(
+            {"warmup_steps": 0, "layers": True, "layers_every": 2}, DEFAULT_OPTIONS))
+        errors: dict[str, int] = {}
+        session.install_new_hooks(errors)
+        for _ in range(8):
+            job.step()
+        before = session.recorder.snapshot()
+        priced = session.cpu_seconds()["hooks"]
+        assert before["steps"]["steady"] >= 6 and priced > 0
+
+        session.reconfigure(checked_options({"paused": True}, session.options()), errors)
+        assert hooks_left(job) == 0
+        session.install_new_hooks(errors)  # as every snapshot does: not while paused
+        assert hooks_left(job) == 0
+        for _ in range(5):
+            job.step()
+        time.sleep(0.3)  # longer than any step: counted as one, it would show
+        assert session.recorder.snapshot()["steps"] == before["steps"]
+        assert session.cpu_seconds()["hooks"] == priced
+
+        session.reconfigure(checked_options({"paused": False}, session.options()), errors)
+        for _ in range(8):
+            job.step()
+        after = session.recorder.snapshot()
+        assert after["steps"]["steady"] >= before["steps"]["steady"] + 5
+        assert after["layer_sampled_steps"] > before["layer_sampled_steps"]
+        # The pause is no step: the longest step is no longer than before it.
+        assert after["step_buckets"] == before["step_buckets"]
+        top = max(i for i, n in enumerate(after["step_bucket_counts"]) if n)
+        assert top == max(i for i, n in enumerate(before["step_bucket_counts"]) if n)
+        assert session.cpu_seconds()["hooks"] > priced
+        assert errors == {} and after["hook_errors"] == 0
+        session.remove_hooks()
+    assert hooks_left(job) == 0

@@ -298,6 +298,9 @@ class ProbeSample:
     # Replies of this probe dropped undecoded so far, their size past the agent's
     # byte budget per pass (reply_pacing); this sample stood for them.
     replies_held: int = 0
+    # The probe's own CPU seconds by part (hooks, layers, thread); () from a probe
+    # older than the field.
+    cpu_seconds: tuple[tuple[str, float], ...] = ()
 
     @property
     def steady_steps(self) -> int:
@@ -365,6 +368,9 @@ class ProbeSample:
             phase_split=(_text(probe["phase_split"], "phase split")
                          if "phase_split" in probe else None),
             hook_errors=_count(probe["hook_errors"], "hook errors"),
+            cpu_seconds=tuple(sorted((_text(k, "probe CPU part"), _seconds(v, "probe CPU"))
+                                     for k, v in _map(probe.get("cpu_seconds", {}),
+                                                      "probe CPU", 8).items())),
             dropped_messages=_counts(reply.get("dropped", {}), "dropped messages"),
             settings=tuple(sorted(
                 (_text(framework, "framework"),

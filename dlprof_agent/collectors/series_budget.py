@@ -69,7 +69,8 @@ def probe_series(probe: ProbeSample) -> int:
     fixed = (1 + len(probe.steps) + len(probe.samples)
              + histogram_series(probe.step_bucket_counts) + len(probe.phase_seconds)
              + (probe.layer_sampled_steps is not None) + len(probe.settings) + 2
-             + len(probe.dropped_messages) + (probe.phase_split is not None))
+             + len(probe.dropped_messages) + (probe.phase_split is not None)
+             + len(probe.cpu_seconds))
     kernels = probe.kernels
     if kernels is not None:
         fixed += 3 + (kernels.since > 0)

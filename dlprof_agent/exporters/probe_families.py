@@ -198,6 +198,13 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
                           "Failures inside the probe's hooks, caught before reaching the job.",
                           ["pid"])
     hook_errors.add_metric([pid], probe.hook_errors)
+    own_cpu = counter("dlprof_probe_cpu_seconds_total",
+                      "CPU time the probe itself took in the job, by part: hooks (its step "
+                      "and phase hooks on the job's threads), layers (what steps with "
+                      "timed layers added over the others), thread (its own thread: "
+                      "replies, kernel records).", ["pid", "part"])
+    for part, seconds in probe.cpu_seconds:
+        own_cpu.add_metric([pid, part], seconds)
     dropped = counter("dlprof_probe_dropped_messages_total",
                       "Messages and connections the probe refused: malformed, oversized, "
                       "unknown, wrong version, from another user, or too slow.", ["pid", "reason"])
@@ -218,4 +225,4 @@ def probe_families(target_pid: int, up: bool, probe: ProbeSample | None,
     if in_collectives is not None:
         collective.add_metric(job, in_collectives)
     return [probe_up, steps, samples, duration, phases, split, collective, layer_seconds,
-            layer_calls, sampled, info, hook_errors, dropped, held, *kernels]
+            layer_calls, sampled, info, hook_errors, own_cpu, dropped, held, *kernels]

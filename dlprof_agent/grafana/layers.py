@@ -130,6 +130,16 @@ def _memcpy() -> list[Panel]:
 def _tracer() -> list[Panel]:
     return [
         time_series(
+            "The probe's own CPU",
+            "CPU the probe itself takes inside the job, as a share of one core, by part: "
+            "hooks (its step and phase hooks), layers (what steps with timed layers add), "
+            "thread (its replies and kernel records). As the probe measures it; above 1% "
+            "(amber) turn --layers' budget down.",
+            "percentunit",
+            [(f"sum by (pid, part) ({rate('dlprof_probe_cpu_seconds_total', PROCESS)})",
+              "{{pid}} {{part}}")],
+            steps=((None, "green"), (0.01, "orange"), (0.05, "red"))),
+        time_series(
             "CUPTI overhead",
             "Time the kernel tracer costs the job, as a share of wall time. Above 2% "
             "(amber) trace fewer activity kinds or for shorter windows.",
@@ -161,4 +171,4 @@ def build_layers() -> dict[str, Any]:
         "kernels and memory copies from the CUPTI tracer.",
         [("Layers (CPU time)", _layers()), ("Layers (GPU time)", _layer_gpu()),
          ("Kernels", _kernels()), ("Memory copies", _memcpy()),
-         ("Kernel tracer", _tracer())], gpu=True)
+         ("The probe's own cost", _tracer())], gpu=True)

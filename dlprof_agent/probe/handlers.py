@@ -48,7 +48,9 @@ class Handler:
 def _snapshot(session: Session, args: object, dropped: Dropped) -> SnapshotReply:
     session.install_new_hooks(dropped)
     session.tracer.tick()
-    return {"ok": True, "probe": session.recorder.snapshot(), "settings": session.settings(),
+    probe = session.recorder.snapshot()
+    probe["cpu_seconds"] = session.cpu_seconds()
+    return {"ok": True, "probe": probe, "settings": session.settings(),
             "dropped": dict(dropped), "kernels": session.tracer.snapshot()}
 
 

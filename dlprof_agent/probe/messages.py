@@ -50,6 +50,9 @@ class StartArgs(TypedDict, total=False):
     layers_budget: float  # fraction of step time layer timing may add
     layers_every: int  # time one step in this many; 0: as the budget allows
     lease_seconds: float  # sent only when set; 0: three intervals and a second, at least 2 s
+    # configure only: True takes every hook out and keeps the totals; False puts
+    # them back (the overhead benchmark's paired blocks, in one session)
+    paused: bool
 
 
 class SessionOptions(TypedDict):
@@ -65,6 +68,7 @@ class SessionOptions(TypedDict):
     layers_budget: float
     layers_every: int
     lease_seconds: float
+    paused: bool
 
 
 class TraceArgs(TypedDict, total=False):
@@ -126,6 +130,9 @@ class _RecorderSnapshotBase(TypedDict):
 
 class RecorderSnapshot(_RecorderSnapshotBase, total=False):
     layer_sampled_steps: int  # only when layer timing is duty-cycled
+    # The probe's own CPU: "hooks" (its code on the job's threads), "layers" (what
+    # timed steps added, with layer timing), "thread" (the probe's thread).
+    cpu_seconds: dict[str, float]
     # Once a steady step closed: "split", or why its phases are not (recorder.py).
     phase_split: str
 

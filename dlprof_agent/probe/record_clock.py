@@ -46,7 +46,7 @@ PLAUSIBLE_LAG_NS = 60 * 10**9
 PLAUSIBLE_LEAD_NS = 10**9
 CALIBRATION_SECONDS = 1.0
 MAX_HELD_BATCHES = 64  # about 30 s of drains with nothing decided: bounded either way
-ENVELOPE_POINTS = 8
+ENVELOPE_POINTS = 32  # a drain late by a descheduled thread is outvoted by its neighbours
 
 
 def newest_end(batch: Batch) -> int | None:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dlprof_agent.probe.messages import RecorderSnapshot
 
@@ -70,6 +70,28 @@ BASELINE_STEPS = 63  # untimed step times kept: their median is the baseline
 COST_SAMPLES = 15  # timed steps' extra times kept: their median is the cost
 MIN_COST_SAMPLES = 3
 
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def priced(hook: _Hook) -> _Hook:
+    """A hook method whose time, entry to exit, adds to its recorder's
+    ``hook_seconds``: the probe's own cost on the job's threads, which it reports.
+    The hooks do not block, so their wall time is CPU time. perf_counter, not the
+    recorder's clock: tests replace that one, and this measures the real cost."""
+    clock = time.perf_counter
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entered = clock()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self.recorder.hook_seconds += clock() - entered
+
+    timed.__name__ = hook.__name__
+    timed.__doc__ = hook.__doc__
+    return timed  # type: ignore[return-value]
+
+
 # Who marks step boundaries, weakest first. A stronger source, once seen, wins:
 # an explicit probe.step() call beats optimizer hooks, which beat the fallbacks.
 # An eager TensorFlow optimizer's apply marks custom loops; Keras's fit, which
@@ -88,6 +110,7 @@ class LayerSampling:
         self.every = every  # > 0: a fixed rate, the budget is not consulted
         self.interval = every or FIRST_SAMPLE_INTERVAL
         self.since_sample = 0  # steady steps closed since the last timed one
+        self.cost_seconds = 0.0  # what the timed steps added over untimed ones, in all
         self._baseline: deque[float] = deque(maxlen=BASELINE_STEPS)
         self._costs: deque[float] = deque(maxlen=COST_SAMPLES)
         self._after_sample = False  # removing the hooks lands in the step after one
@@ -97,7 +120,9 @@ class LayerSampling:
         if sampled:
             self.since_sample = 0
             if len(self._baseline) >= MIN_COST_SAMPLES:
-                self._costs.append(seconds - statistics.median(self._baseline))
+                cost = seconds - statistics.median(self._baseline)
+                self._costs.append(cost)
+                self.cost_seconds += max(0.0, cost)
             self._after_sample = True
         else:
             self.since_sample += 1
@@ -159,6 +184,7 @@ class Recorder:
         self.layer_listeners: list[Callable[[bool], None]] = []
         self.hook_errors = 0
         self.hook_error_kinds: dict[str, str] = {}
+        self.hook_seconds = 0.0  # time in the priced hooks (``priced``)
         self.steady = False  # past warm-up: layer time counts from here
         # A windowed trace being taken (kernel_tracer.Capture): sees each step boundary.
         self.capture: Capture | None = None
@@ -248,6 +274,12 @@ class Recorder:
         self.hook_errors += 1
         if len(self.hook_error_kinds) < 16:
             self.hook_error_kinds.setdefault(where, f"{type(error).__name__}: {error}"[:200])
+
+    def resume(self) -> None:
+        """The hooks are back after a pause: the next boundary starts a step, not
+        one as long as the pause."""
+        with self._lock:
+            self._last_boundary = None
 
     # Internals, under the lock.
 
@@ -348,6 +380,15 @@ class Recorder:
             stats[3] += weight * backward_calls
 
     # Read side: the probe thread, once per interval.
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Time the probe's hooks took on the job's threads; with layer timing, what
+        the timed steps added over untimed ones, as the duty cycle measures it."""
+        parts = {"hooks": self.hook_seconds}
+        sampling = self._layer_sampling
+        if sampling is not None:
+            parts["layers"] = sampling.cost_seconds
+        return parts
 
     def snapshot(self) -> RecorderSnapshot:
         with self._lock:

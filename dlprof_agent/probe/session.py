@@ -35,12 +35,13 @@ DEFAULT_OPTIONS: SessionOptions = {"interval_seconds": 1.0, "layers": False, "sp
                                    "warmup_steps": DEFAULT_WARMUP_STEPS,
                                    "max_layers": DEFAULT_MAX_LAYERS, "agent_pid": 0,
                                    "kernels": True, "layers_budget": DEFAULT_LAYER_BUDGET,
-                                   "layers_every": 0, "lease_seconds": 0.0}
+                                   "layers_every": 0, "lease_seconds": 0.0, "paused": False}
 _OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "interval_seconds": (int, float), "layers": (bool,), "split": (bool,),
     "warmup_steps": (int,),
     "max_layers": (int,), "agent_pid": (int,), "kernels": (bool,),
-    "layers_budget": (int, float), "layers_every": (int,), "lease_seconds": (int, float)}
+    "layers_budget": (int, float), "layers_every": (int,), "lease_seconds": (int, float),
+    "paused": (bool,)}
 
 
 class FrameworkHooks(Protocol):
@@ -112,6 +113,9 @@ class Session:
         self.tracer = KernelTracer(continuous=bool(options["kernels"]),
                                    max_layers=int(options["max_layers"]))
         self.tracer.recorder = self.recorder
+        self.paused = bool(options["paused"])
+        # Made on the probe thread (Probe._handshake): its CPU from here is this session's.
+        self.thread_cpu_started = time.thread_time()
 
     @property
     def lease_seconds(self) -> float:
@@ -128,7 +132,7 @@ class Session:
                 "kernels": self.tracer.continuous,
                 "layers_budget": self.layer_sampling[0],
                 "layers_every": self.layer_sampling[1],
-                "lease_seconds": self.lease_override}
+                "lease_seconds": self.lease_override, "paused": self.paused}
 
     def reconfigure(self, options: SessionOptions, errors: dict[str, int]) -> None:
         self.interval = float(options["interval_seconds"])
@@ -143,17 +147,29 @@ class Session:
             self.remove_hooks()
             self.set_layers(bool(options["layers"]))
             self.install_new_hooks(errors)
+        if bool(options["paused"]) != self.paused:
+            self.paused = bool(options["paused"])
+            if self.paused:
+                self.remove_hooks()
+            else:
+                self.recorder.resume()
+                self.install_new_hooks(errors)
         self.tracer.set_continuous(bool(options["kernels"]))
 
     def set_layers(self, layers: bool) -> None:
         self.layers = layers
         budget, every = self.layer_sampling
-        self.recorder.layer_sampling = (LayerSampling(budget=budget, every=every)
-                                        if layers else None)
+        before = self.recorder.layer_sampling
+        sampling = LayerSampling(budget=budget, every=every) if layers else None
+        if sampling is not None and before is not None:
+            sampling.cost_seconds = before.cost_seconds  # a counter: it carries on
+        self.recorder.layer_sampling = sampling
 
     def install_new_hooks(self, errors: dict[str, int]) -> None:
         """Hook each framework once it is imported: with `run`, the agent
-        arrives before the script has imported anything."""
+        arrives before the script has imported anything. None while paused."""
+        if self.paused:
+            return
         for module_name, hooks_module, class_name in FRAMEWORK_HOOKS:
             if module_name in self.hooks or not framework_imported(module_name):
                 continue
@@ -201,6 +217,13 @@ class Session:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError("bad offset")
         return self.tracer.capture_status(offset)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """The probe's own CPU in this session: the recorder's parts and the probe
+        thread's (called on that thread)."""
+        parts = dict(self.recorder.cpu_seconds())
+        parts["thread"] = max(0.0, time.thread_time() - self.thread_cpu_started)
+        return parts
 
     def settings(self) -> dict[str, dict[str, str]]:
         result = {}

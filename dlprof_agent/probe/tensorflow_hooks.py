@@ -69,7 +69,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlprof_agent.probe.patching import Patch
-from dlprof_agent.probe.recorder import COMPILED_GRAPH, Recorder
+from dlprof_agent.probe.recorder import COMPILED_GRAPH, Recorder, priced
 from dlprof_agent.probe.tensorflow_samples import KerasSamples, leading_dim
 from dlprof_agent.probe.tensorflow_settings import (
     KERAS_CONFIG_MODULE,
@@ -365,6 +365,7 @@ class TensorFlowHooks:
 
     # Hook bodies: never raise.
 
+    @priced
     def _function_call_start(self, function: Any, args: tuple[Any, ...]) -> bool:
         """True when this is a top-level eager call, which the caller must
         close by clearing ``inside``."""
@@ -418,6 +419,7 @@ class TensorFlowHooks:
         self._candidates[key] = weakref.ref(function)
         return None
 
+    @priced
     def _keras_call_start(self, model_ref: weakref.ref[Any]) -> None:
         try:
             recorder = self.recorder
@@ -428,13 +430,15 @@ class TensorFlowHooks:
             recorder.unsplit_reason = ("" if getattr(model, "run_eagerly", False)
                                        else COMPILED_GRAPH)
             self._note_boundary(model)
-            # Frames: this one, the wrapper, then whoever called train_function.
-            samples = self._samples.of_caller(sys._getframe(2))
+            # Frames: this one, priced's, the wrapper, then whoever called
+            # train_function.
+            samples = self._samples.of_caller(sys._getframe(3))
             if samples:
                 recorder.add_samples(samples)
         except Exception as exc:
             self.recorder.hook_failed("keras.train_function", exc)
 
+    @priced
     def _phase_start(self) -> tuple[float, float] | None:
         """A phase's mark and start, when it runs eagerly; None inside a graph."""
         try:
@@ -446,6 +450,7 @@ class TensorFlowHooks:
             self.recorder.hook_failed("tensorflow.phase", exc)
             return None
 
+    @priced
     def _phase_end(self, phase: str, started: tuple[float, float],
                    args: tuple[Any, ...]) -> None:
         try:

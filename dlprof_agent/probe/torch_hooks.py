@@ -40,7 +40,13 @@ Samples per step are the first dimension of the model's first tensor input,
 positional or keyword (Hugging Face's ``model(**batch)``), or of the first
 tensor in a dict of them (a ``BatchEncoding``).
 
+The step and phase hooks are ``priced``: their time is the probe's reported cost.
+The layer hooks are not; what a timed step adds is measured whole (LayerSampling).
+
 Modules, tensors, autograd nodes and hook handles are torch's objects (Any).
+
+Kept in one file: discovery, step, phase and layer hooks share one step's state
+(the model found, the marks of the open phases, the timed leaves).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from dlprof_agent.probe.recorder import OTHER_PHASE, Recorder
+from dlprof_agent.probe.recorder import OTHER_PHASE, Recorder, priced
 from dlprof_agent.probe.torch_exchange import CollectiveTiming, DdpWait, holds_ddp
 from dlprof_agent.probe.torch_values import (
     batch_dimension,
@@ -146,6 +152,7 @@ class TorchHooks:
 
     # Hooks, on the training thread. Each catches everything: the job never sees them fail.
 
+    @priced
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         try:
             self._optimizer_mark = self.recorder.phase_mark()
@@ -174,6 +181,7 @@ class TorchHooks:
 
         return timed_closure
 
+    @priced
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             now = self._clock()
@@ -197,6 +205,7 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("optimizer_post", error)
 
+    @priced
     def _discover(self, module: Any, args: Any) -> None:
         try:
             if not (module.training and self._torch.is_grad_enabled()):
@@ -269,6 +278,7 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("layer_sampling", error)
 
+    @priced
     def _root_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         try:
             if not (module.training and self._torch.is_grad_enabled()):
@@ -289,6 +299,7 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("model_forward", error)
 
+    @priced
     def _root_post(self, module: Any, args: Any, output: Any) -> None:
         """The model's forward ended: its time, and a hook where backward will begin."""
         try:
@@ -303,6 +314,7 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("model_forward", error)
 
+    @priced
     def _backward_started_hook(self, grad_outputs: Any) -> None:
         try:
             if self._backward_started:
@@ -314,6 +326,7 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("model_backward", error)
 
+    @priced
     def _backward_ended(self) -> None:
         try:
             started, self._backward_started = self._backward_started, 0.0
