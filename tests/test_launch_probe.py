@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
