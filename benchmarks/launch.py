@@ -114,7 +114,8 @@ def _condition(pythons: dict[str, Path], name: str) -> tuple[Path, bool]:
 def _rounds(pythons: dict[str, Path], code: str, a: str, b: str, rounds: int
             ) -> tuple[list[float], list[float]]:
     """Per round, B's mean less A's, and every A time."""
-    differences, a_times = [], []
+    differences: list[float] = []
+    a_times: list[float] = []
     first, second = _condition(pythons, a), _condition(pythons, b)
     _start_seconds(first[0], code, first[1])  # warm the file cache for both
     _start_seconds(second[0], code, second[1])
