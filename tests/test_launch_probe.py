@@ -15,10 +15,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.procfs import read_status
 from tests.conftest import OWN_JOBS, REPO, agent_env, free_port, http_get, wait_for
 
 pytestmark = pytest.mark.slow
@@ -166,3 +168,31 @@ def test_a_job_without_the_variable_is_left_alone_by_a_daemon_that_never_injects
     job.stdin.write("\n")
     job.stdin.flush()
     assert job.stdout.readline().strip() == "['MainThread']"
+
+
+def test_a_probe_no_agent_reaches_stays_asleep(launch_python: Path) -> None:
+    """A process that is no training job pays one thread that does not wake:
+    over a few seconds its probe thread is not scheduled again."""
+    job = subprocess.Popen(
+        [str(launch_python), "-c", "import sys, threading\n"
+         "print(*[t.native_id for t in threading.enumerate() if t.name == 'dlprof-probe'], "
+         "flush=True)\nsys.stdin.read()\n"],
+        env=bare_env(DLPROF_PROBE="1"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert job.stdout is not None
+        tid = int(job.stdout.readline())
+
+        def switches() -> int:
+            status = read_status(job.pid, tid=tid)
+            assert status is not None and status.voluntary_context_switches is not None
+            return status.voluntary_context_switches
+
+        wait_for(lambda: read_status(job.pid, tid=tid) is not None, "the probe thread")
+        first, since = switches(), time.monotonic()
+        while time.monotonic() - since < 3.0:  # a window, not a deadline: more is fine
+            time.sleep(0.5)
+        assert switches() - first <= 1  # it woke at most once in the window
+    finally:
+        job.kill()
+        job.wait(10)

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 HANDSHAKE_SECONDS = 5.0  # a new connection's first frame must arrive whole within this
 FRAME_SECONDS = 2.0  # a frame, once begun, must arrive whole within this
 ORPHAN_SECONDS = 60.0  # an injected probe no agent connects to closes after this
+# A probe started with the job and no agent attached wakes only this often (to
+# see a close() from another thread): every Python process may have one.
+DORMANT_WAKE_SECONDS = 30.0
 MAX_PENDING = 8  # connections not yet past their first frame; the oldest goes first
 # Past this, a wake-up of the probe's thread is late because the job kept it off
 # the GIL (or the process was stopped): that time does not count against a lease.
@@ -218,6 +221,8 @@ class Probe:
             return
         watched = [listener] if session is None else [listener, session.connection]
         timeout = 1.0 if session is None else min(1.0, session.interval)
+        if session is None and self.persistent:
+            timeout = DORMANT_WAKE_SECONDS  # nothing to do until a connection comes
         if session is not None:
             timeout = min(timeout, session.tracer.tick_seconds or timeout)
         side = self._side
