@@ -115,15 +115,22 @@ def scrape(port: int) -> str:
     return http_get(f"http://127.0.0.1:{port}/metrics").decode()
 
 
-def test_a_job_launched_with_the_variable_is_read_by_a_daemon_that_never_injects(
-        launch_python: Path, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
-        ) -> None:
+def start_daemon(processes: list[subprocess.Popen[bytes]]) -> int:
     port = free_port()
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "dlprof_agent", "daemon", "--port", str(port), "--quiet",
          "--no-gpu", "--no-inject", "--interval", "0.5", "--scan-interval", "0.5",
          *OWN_JOBS],
         cwd=REPO, env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    return port
+
+
+def test_a_job_launched_with_the_variable_is_read_by_a_daemon_that_never_injects(
+        launch_python: Path, tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+        ) -> None:
+    """And when that daemon stops, the probe goes back to sleep: the next daemon
+    reads the job as the first did."""
+    port = start_daemon(processes)
     env = {**agent_env(), "DLPROF_PROBE": "1", "OMP_NUM_THREADS": "1"}
     processes.append(subprocess.Popen(
         [str(launch_python), "-m", "torch.distributed.run", "--nnodes", "1",
@@ -136,13 +143,18 @@ def test_a_job_launched_with_the_variable_is_read_by_a_daemon_that_never_injects
     split = re.compile(r'dlprof_step_phase_seconds_total\{[^}]*job_id="' + JOB_ID
                        + r'"[^}]*phase="forward"[^}]*\} [1-9e.]')
 
-    def read() -> str | None:
+    def read(port: int) -> str | None:
         text = scrape(port)
         steps = re.search(r'dlprof_steps_total\{[^}]*job_id="' + JOB_ID
                           + r'"[^}]*rank="0"[^}]*\} ([0-9.e+]+)', text)
         return text if steps and float(steps.group(1)) > 0 and split.search(text) else None
 
-    wait_for(read, "the rank's steps and their split on the daemon's /metrics", 240)
+    wait_for(lambda: read(port), "the rank's steps and their split on /metrics", 240)
+    first = processes[0]
+    first.terminate()
+    first.wait(30)
+    second = start_daemon(processes)
+    wait_for(lambda: read(second), "the next daemon to read the same rank", 120)
     (tmp_path / "stop").touch()
 
 
