@@ -38,6 +38,7 @@ POSITIVE = {
     "scrape": (".payload_bytes", ".render_seconds", "_seconds"),
     "probe": ("recorder.", "poll."),
     "scaling": (".per_interval_seconds",),
+    "launch": (".start_seconds",),
 }
 
 

@@ -41,7 +41,9 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 UNIT = DEPLOY / "systemd" / "dlprof-agent.service"
 PROLOG = DEPLOY / "slurm" / "prolog.sh"
 EPILOG = DEPLOY / "slurm" / "epilog.sh"
-SHELL_SCRIPTS = (PROLOG, EPILOG)
+TASK_PROLOG = DEPLOY / "slurm" / "task-prolog.sh"
+SHELL_SCRIPTS = (PROLOG, EPILOG)  # the job's agent's, which share their conventions
+LINTED_SCRIPTS = (*SHELL_SCRIPTS, TASK_PROLOG)
 BASH = shutil.which("bash") or "/bin/bash"
 PORT = 9945
 # What the SLURM scripts call; they do without setsid and hostname, and logger
@@ -282,6 +284,61 @@ def test_image_placeholder_is_the_same_everywhere(k8s: dict[str, dict[str, Any]]
     assert images == {f"{image['name']}:{image['newTag']}"}
 
 
+def test_the_training_example_starts_its_probe_at_launch_from_the_init_containers_copy(
+        ) -> None:
+    job = load(KUBERNETES / "examples" / "training-job.yaml")["spec"]["template"]["spec"]
+    (train,) = job["containers"]
+    (copier,) = job["initContainers"]
+    env = {e["name"]: e.get("value") for e in train["env"]}
+    assert env["DLPROF_PROBE"] == "1"
+    (copied_to,) = [a for a in copier["command"] if a.startswith("/")]
+    assert copier["command"][:2] == ["dlprof-agent", "probe-copy"]
+    cli.build_parser().parse_args(copier["command"][1:])
+    volume = {m["mountPath"]: m["name"] for m in copier["volumeMounts"]}[copied_to]
+    assert {m["name"]: m["mountPath"] for m in train["volumeMounts"]}[volume] == copied_to
+    assert env["PYTHONPATH"] == copied_to
+
+
+def test_the_no_ptrace_component_never_injects_and_keeps_no_ptrace(tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, copy)
+    kustomization = load(copy / "kustomization.yaml")
+    kustomization["components"] = ["no-ptrace"]
+    (copy / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    result = subprocess.run([kubectl, "kustomize", str(copy)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    (daemonset,) = [doc for doc in yaml.safe_load_all(result.stdout)
+                    if doc and doc["kind"] == "DaemonSet"]
+    (agent,) = [c for c in daemonset["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "agent"]
+    assert "--no-inject" in agent["command"]
+    assert not assert_agent_accepts(agent["command"][1:]).inject
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                        "add": ["DAC_OVERRIDE"]}
+
+
+def test_the_compose_example_job_starts_its_probe_at_launch(compose: dict[str, Any]) -> None:
+    assert compose["services"]["train"]["environment"]["DLPROF_PROBE"] == "1"
+
+
+@pytest.mark.parametrize(("environment", "exported"), [
+    ({}, ["export DLPROF_PROBE=1"]),
+    ({"DLPROF_PROBE": "0"}, []),
+    ({"DLPROF_PROBE_PATH": "/", "PYTHONPATH": "/job"},
+     ["export DLPROF_PROBE=1", "export PYTHONPATH=/:/job"]),
+])
+def test_the_task_prolog_exports_the_variable_unless_the_job_set_it(
+        environment: dict[str, str], exported: list[str]) -> None:
+    env = {"PATH": os.environ["PATH"], **environment}
+    result = subprocess.run([BASH, str(TASK_PROLOG)], env=env, capture_output=True,
+                            text=True, timeout=30, check=True)
+    assert result.stdout.splitlines() == exported
+
+
 def test_kustomize_renders() -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -473,7 +530,7 @@ def test_environment_file_example_is_shell_syntax() -> None:
 
 # Shell scripts.
 
-@pytest.mark.parametrize("path", [*SHELL_SCRIPTS, DEPLOY / "slurm" / "slurm.conf.example"],
+@pytest.mark.parametrize("path", [*LINTED_SCRIPTS, DEPLOY / "slurm" / "slurm.conf.example"],
                          ids=lambda p: p.name)
 def test_bash_syntax(path: Path) -> None:
     result = subprocess.run([BASH, "-n", str(path)], capture_output=True, text=True,
@@ -485,7 +542,7 @@ def test_shellcheck() -> None:
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (apt install shellcheck)")
-    result = subprocess.run([shellcheck, *map(str, SHELL_SCRIPTS)], capture_output=True,
+    result = subprocess.run([shellcheck, *map(str, LINTED_SCRIPTS)], capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout
 

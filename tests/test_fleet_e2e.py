@@ -1,8 +1,9 @@
 """One data-parallel job on two "nodes", end to end: two torchrun launchers
 (--nnodes 2, rendezvous on 127.0.0.1, gloo, one thread per rank), one
-`dlprof-agent daemon` per node (told apart by GROUP_RANK, each with its own
---node-name; without --layers, as deploy/ starts them: the step split is on by
-default), and a real Prometheus evaluating `dlprof-agent rules --rate-window
+`dlprof-agent daemon --no-inject` per node (told apart by GROUP_RANK, each with
+its own --node-name; the ranks launched with DLPROF_PROBE=1; without --layers,
+as deploy/ starts them: the step split is on by default), and a real Prometheus
+evaluating `dlprof-agent rules --rate-window
 10s --for 10s`. Rank 1 sleeps in its input before each step, so rank 0 waits for
 it in the gradient all-reduce and both report the same step time: only each
 rank's own time (step minus exchange) tells them apart.
@@ -71,15 +72,23 @@ def rules_config(tmp_path: Path, agent_ports: list[int], rate_window: str = "10s
 
 def start_node(processes: list[subprocess.Popen[bytes]], tmp_path: Path, node: int,
                master_port: int, *job_args: str) -> None:
-    """One node's torchrun launcher, one rank under it."""
+    """One node's torchrun launcher, one rank under it, launched with DLPROF_PROBE=1
+    and the probe copied as an init container copies it: no rank calls enable(),
+    and the daemons never inject."""
+    copy = tmp_path / "probe"
+    if not copy.exists():
+        subprocess.run([sys.executable, "-m", "dlprof_agent", "probe-copy", str(copy)],
+                       env=agent_env(), check=True, capture_output=True, timeout=60)
+    env = agent_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), env.get("PYTHONPATH")]))
     processes.append(subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
          str(master_port), "--rdzv-id", JOB_ID, "tests/jobs/torch_ddp.py",
          "--step-log", str(tmp_path / f"steps-{node}"), "--until", str(tmp_path / "stop"),
          *(job_args or ("--slow-rank", SLOW_RANK, "--input-sleep-ms", str(INPUT_SLEEP_MS)))],
-        cwd=REPO, env={**agent_env(), "OMP_NUM_THREADS": "1"}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        cwd=REPO, env={**env, "DLPROF_PROBE": "1", "OMP_NUM_THREADS": "1"},
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
 
 
 def start_daemon(processes: list[subprocess.Popen[bytes]], node: int) -> int:

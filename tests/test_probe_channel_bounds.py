@@ -255,7 +255,7 @@ def test_a_kernel_reply_with_any_one_field_replaced_is_a_sample_or_a_protocol_er
 
 
 def test_stale_sockets_of_dead_processes_are_removed_and_nothing_else(tmp_path: Path) -> None:
-    from dlprof_agent.probe.server import remove_stale_sockets
+    from dlprof_agent.probe.protocol import remove_stale_sockets
 
     dead = os.fork()
     if dead == 0:

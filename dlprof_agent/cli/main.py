@@ -16,7 +16,17 @@ from typing import Any, NoReturn, Protocol
 from dlprof_agent import __version__
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT
 from dlprof_agent.agent.loop import StopRequested, sigterm_stops
-from dlprof_agent.cli import attach, daemon, demo, grafana, run, snapshot, trace, workload
+from dlprof_agent.cli import (
+    attach,
+    daemon,
+    demo,
+    grafana,
+    probe_copy,
+    run,
+    snapshot,
+    trace,
+    workload,
+)
 from dlprof_agent.cli import rules as rules_command
 from dlprof_agent.cli.arguments import OneLineErrorParser, paragraph
 from dlprof_agent.errors import EXIT_CODES_HELP, DlprofError, ExitCode
@@ -37,7 +47,7 @@ class Command(Protocol):
 COMMANDS: dict[str, Command] = {
     "attach": attach, "run": run, "snapshot": snapshot, "demo": demo, "daemon": daemon,
     "trace": trace, "workload": workload, "grafana": grafana,
-    "rules": rules_command,
+    "rules": rules_command, "probe-copy": probe_copy,
 }
 
 

@@ -7,6 +7,7 @@ library only: this module loads inside the training process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,9 +16,12 @@ import stat
 import struct
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from dlprof_agent.errors import ConnectionClosed, ProtocolError
-from dlprof_agent.probe.messages import Frame
+
+if TYPE_CHECKING:
+    from dlprof_agent.probe.messages import Frame
 
 MAGIC = b"DLPR"
 VERSION = 1
@@ -208,3 +212,28 @@ def private_dir(path: str) -> bool:
     # Refuse a directory someone else planted, or one others can write into.
     return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
             and not info.st_mode & 0o022)
+
+
+def remove_stale_sockets(directory: str) -> None:
+    """Remove probe sockets of processes that no longer exist (a job ended by
+    SIGTERM or kill -9 never ran its atexit). Only in our own private directory,
+    and only sockets: a pid that is alive, or another user's, is left alone."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not (name.startswith("probe-") and name.endswith(".sock")):
+                continue
+            pid_text = name[len("probe-"):-len(".sock")]
+            if not pid_text.isdigit() or int(pid_text) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid_text), 0)
+                continue  # alive
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue  # alive, someone else's
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                info = os.lstat(path)
+                if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.geteuid():
+                    os.unlink(path)

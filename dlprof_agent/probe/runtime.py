@@ -1,12 +1,15 @@
 """The one probe of this process: started by ``dlprof_agent.probe.enable()``, the
-injected bootstrap or the `run` preload (``preload/``), and forgotten in a
-forked child. The probe itself is ``server.Probe``."""
+injected bootstrap, the `run` preload (``preload/``) or, at interpreter start,
+DLPROF_PROBE=1 (``enable_at_launch``), and forgotten in a forked child. The probe
+itself is ``server.Probe``."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
+from collections.abc import Mapping
 
 from dlprof_agent.probe.server import Probe
 
@@ -26,6 +29,26 @@ def enable(*, persistent: bool = True) -> Probe | None:
         _probe = probe
         atexit.register(probe.close_at_exit)
         return probe
+
+
+LAUNCH_ENV = "DLPROF_PROBE"
+
+
+def launch_requested(environ: Mapping[str, str]) -> bool:
+    """Whether the environment asks for the probe at launch: DLPROF_PROBE set,
+    and not to 0 or empty (so that a job can turn it off for one command)."""
+    return environ.get(LAUNCH_ENV, "") not in ("", "0")
+
+
+def enable_at_launch() -> None:
+    """Called at interpreter start (by ``dlprof_agent_probe.pth`` in site-packages,
+    or the preload sitecustomize on PYTHONPATH) when DLPROF_PROBE asks for it: the
+    probe sleeps until an agent connects, and it goes back to sleep when the
+    agent leaves. Nothing raises into the job's start."""
+    if not launch_requested(os.environ):
+        return
+    with contextlib.suppress(Exception):
+        enable(persistent=True)
 
 
 def current() -> Probe | None:

@@ -1,6 +1,7 @@
 """The probe's socket server: one daemon thread that sleeps on a Unix socket
 until an agent connects, reads frames as they come, and hands each to the
-command handlers (``handlers.py``).
+command handlers (``handlers.py``), imported when the first connection comes:
+until then the probe is a thread and a socket, cheap to start in every process.
 
 Safety outranks everything here. Every failure is caught and counted, and when
 the agent goes away (closed socket, or silence longer than the lease) the hooks
@@ -14,15 +15,12 @@ import contextlib
 import os
 import select
 import socket
-import stat
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from dlprof_agent.errors import ConnectionClosed, ProtocolError
-from dlprof_agent.probe import handlers
-from dlprof_agent.probe.handlers import Reply
-from dlprof_agent.probe.messages import Frame
 from dlprof_agent.probe.protocol import (
     MAX_REQUEST_BYTES,
     bytes_wanted,
@@ -30,15 +28,23 @@ from dlprof_agent.probe.protocol import (
     own_private_dir,
     private_dir,
     read_frame,
+    remove_stale_sockets,
     runtime_dir_candidates,
     socket_name,
     take_frame,
 )
-from dlprof_agent.probe.session import Session
+
+if TYPE_CHECKING:
+    from dlprof_agent.probe.handlers import Reply
+    from dlprof_agent.probe.messages import Frame
+    from dlprof_agent.probe.session import Session
 
 HANDSHAKE_SECONDS = 5.0  # a new connection's first frame must arrive whole within this
 FRAME_SECONDS = 2.0  # a frame, once begun, must arrive whole within this
 ORPHAN_SECONDS = 60.0  # an injected probe no agent connects to closes after this
+# A probe started with the job and no agent attached wakes only this often (to
+# see a close() from another thread): every Python process may have one.
+DORMANT_WAKE_SECONDS = 30.0
 MAX_PENDING = 8  # connections not yet past their first frame; the oldest goes first
 # Past this, a wake-up of the probe's thread is late because the job kept it off
 # the GIL (or the process was stopped): that time does not count against a lease.
@@ -61,6 +67,13 @@ def _readable(sockets: list[socket.socket], timeout: float) -> list[socket.socke
         poller.register(each, select.POLLIN)
     ready = {fd for fd, _ in poller.poll(max(0, int(timeout * 1000)))}
     return [each for each in sockets if each.fileno() in ready]
+
+
+def _follow_main_thread_cpus() -> None:
+    """A probe started at launch was made before the job pinned its main thread
+    (a rank bound to its cores): once it has work, it runs on those cores too."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, os.sched_getaffinity(os.getpid()))  # the main thread's tid
 
 
 class _Pending:
@@ -208,6 +221,8 @@ class Probe:
             return
         watched = [listener] if session is None else [listener, session.connection]
         timeout = 1.0 if session is None else min(1.0, session.interval)
+        if session is None and self.persistent:
+            timeout = DORMANT_WAKE_SECONDS  # nothing to do until a connection comes
         if session is not None:
             timeout = min(timeout, session.tracer.tick_seconds or timeout)
         side = self._side
@@ -331,6 +346,7 @@ class Probe:
     def _second_connection(self, connection: socket.socket, peer_uid: int,
                            message: Frame, session: Session) -> None:
         """An agent is attached: a trace client may work beside it (handlers.answer_second)."""
+        from dlprof_agent.probe import handlers
         reply, beside = handlers.answer_second(session, message, peer_uid,
                                                self._side is not None, self.dropped)
         self._reply(connection, reply)
@@ -340,6 +356,7 @@ class Probe:
         connection.close()
 
     def _receive_side(self, connection: socket.socket) -> None:
+        from dlprof_agent.probe import handlers
         session = self.session
         try:
             message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES,
@@ -367,6 +384,7 @@ class Probe:
 
     def _handshake(self, connection: socket.socket, peer_pid: int, peer_uid: int,
                    message: Frame) -> None:
+        from dlprof_agent.probe import handlers
         session, refusal = handlers.open_session(connection, peer_pid, peer_uid, message,
                                                  self.dropped)
         if session is None:
@@ -375,12 +393,14 @@ class Probe:
             connection.close()
             return
         connection.settimeout(FRAME_SECONDS)
+        _follow_main_thread_cpus()
         self.session = session
         self._had_session = True
         self._reply(connection, handlers.hello(session, self.dropped, pid=self.pid,
                                                persistent=self.persistent))
 
     def _receive(self, session: Session) -> None:
+        from dlprof_agent.probe import handlers
         try:
             message = read_frame(session.connection, max_bytes=MAX_REQUEST_BYTES,
                                  seconds=FRAME_SECONDS)
@@ -418,29 +438,6 @@ class Probe:
             self.close()  # injected: leave nothing listening behind
 
     def _count(self, reason: str) -> None:
+        from dlprof_agent.probe import handlers
         handlers.count(self.dropped, reason)
 
-
-def remove_stale_sockets(directory: str) -> None:
-    """Remove probe sockets of processes that no longer exist (a job ended by
-    SIGTERM or kill -9 never ran its atexit). Only in our own private directory,
-    and only sockets: a pid that is alive, or another user's, is left alone."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            if not (name.startswith("probe-") and name.endswith(".sock")):
-                continue
-            pid_text = name[len("probe-"):-len(".sock")]
-            if not pid_text.isdigit() or int(pid_text) == os.getpid():
-                continue
-            try:
-                os.kill(int(pid_text), 0)
-                continue  # alive
-            except ProcessLookupError:
-                pass
-            except OSError:
-                continue  # alive, someone else's
-            path = os.path.join(directory, name)
-            with contextlib.suppress(OSError):
-                info = os.lstat(path)
-                if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.geteuid():
-                    os.unlink(path)

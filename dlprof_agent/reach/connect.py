@@ -146,7 +146,8 @@ def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
         if refused:
             raise NoProbe("; ".join(refused.values()))
         raise NoProbe("it has no probe and --no-inject was given; start the job with "
-                       "`dlprof-agent run -- ...` or call dlprof_agent.probe.enable() in it")
+                       "DLPROF_PROBE=1 in its environment, with `dlprof-agent run -- ...`, "
+                       "or call dlprof_agent.probe.enable() in it")
     from dlprof_agent.probe.bootstrap import injection_code
     from dlprof_agent.reach import inject
 

@@ -27,7 +27,10 @@ def enable_probe() -> None:
     """The probe, dormant until an agent attaches (what the tier measures is the
     probe's timing, not how it was loaded: injection has its own tests)."""
     import dlprof_agent.probe
+    from dlprof_agent.probe import runtime
 
+    if runtime.launch_requested(os.environ):
+        return  # DLPROF_PROBE=1: started at launch, before this script, or not at all
     dlprof_agent.probe.enable()
 
 

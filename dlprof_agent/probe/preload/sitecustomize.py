@@ -1,16 +1,23 @@
-"""Loaded by Python at start-up in commands started with `dlprof-agent run`:
-starts the dormant probe, then runs the sitecustomize this one shadows."""
+"""Loaded by Python at start-up in commands started with `dlprof-agent run`, and
+in jobs whose PYTHONPATH holds a copy of the probe (`dlprof-agent probe-copy`)
+and that set DLPROF_PROBE=1: starts the dormant probe, then runs the
+sitecustomize this one shadows."""
 
 import os
 import sys
 
 
 def _start_probe() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
     parent = os.environ.get("DLPROF_AGENT_PACKAGE_PARENT")
     if not parent:
-        return
+        if os.environ.get("DLPROF_PROBE", "") in ("", "0"):
+            return
+        # A copy made by probe-copy holds the package beside this file; in the
+        # installed package this file is three folders down.
+        parent = here if os.path.isdir(os.path.join(here, "dlprof_agent")) else (
+            os.path.dirname(os.path.dirname(os.path.dirname(here))))
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
         namespace: dict[str, object] = {"__name__": "dlprof_agent_bootstrap"}
         with open(os.path.join(here, "_dlprof_agent_loader.py")) as source:
             exec(source.read(), namespace)
