@@ -247,7 +247,8 @@ class Daemon:
 
     def _add(self, pid: int, reason: str) -> None:
         try:
-            processes = ProcessCollector(pid, children=True, errors=self._errors)
+            processes = ProcessCollector(pid, children=True, errors=self._errors,
+                                         table=self._discovery.table)
         except (TargetGone, TargetAccessDenied):
             return  # gone, or not ours to read
         target = Target(pid, reason, processes, limits=LimitsCollector(pid),

@@ -523,6 +523,43 @@ def read_cmdline_args(pid: int, *, root: str = PROC_ROOT, limit_bytes: int = 409
     return args
 
 
+# The host's CPU modes in /proc/stat's order, as psutil names them.
+CPU_TIME_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal",
+                   "guest", "guest_nice")
+
+
+def read_cpu_times(*, root: str = PROC_ROOT) -> tuple[tuple[str, float], ...]:
+    """The host's CPU time by mode, in seconds summed over all CPUs (stat's cpu line);
+    the modes this kernel has."""
+    line = read_file_bytes(proc_path("stat", root=root), 1024).split(b"\n", 1)[0]
+    values = line.split()[1:len(CPU_TIME_FIELDS) + 1]
+    return tuple((mode, int(value) / CLOCK_TICKS_PER_SECOND)
+                 for mode, value in zip(CPU_TIME_FIELDS, values, strict=False))
+
+
+def read_meminfo(*, root: str = PROC_ROOT) -> dict[str, int]:
+    """meminfo's lines, name -> bytes (its kB are KiB)."""
+    found = {}
+    for line in read_file_bytes(proc_path("meminfo", root=root)).decode().splitlines():
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if fields:
+            found[name] = int(fields[0]) * (1024 if len(fields) > 1 else 1)
+    return found
+
+
+def read_swap_pages(*, root: str = PROC_ROOT) -> tuple[int, int] | None:
+    """vmstat's pages swapped in and out since boot; None where it lacks them."""
+    found: dict[bytes, int] = {}
+    for line in read_file_bytes(proc_path("vmstat", root=root)).splitlines():
+        if line.startswith((b"pswpin ", b"pswpout ")):
+            name, _, value = line.partition(b" ")
+            found[name] = int(value)
+            if len(found) == 2:
+                return found[b"pswpin"], found[b"pswpout"]
+    return None
+
+
 def read_comm(pid: int, *, root: str = PROC_ROOT) -> str | None:
     text = _read_text(pid, "comm", root=root)
     return None if text is None else text.strip()
