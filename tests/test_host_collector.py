@@ -1,4 +1,4 @@
-"""HostCollector maps psutil's host readings onto HostSample."""
+"""HostCollector reads the host from procfs, as psutil would, onto HostSample."""
 
 from __future__ import annotations
 
@@ -125,3 +125,21 @@ def test_real_cpu_counters_do_not_go_backwards() -> None:
     second = dict(collector.sample().cpu_seconds)
     for mode, seconds in first.items():
         assert second[mode] >= seconds, mode
+
+
+def test_procfs_readings_are_psutils() -> None:
+    # The default reads procfs itself; psutil reading the same files must agree
+    # on what does not move between two reads.
+    import psutil
+
+    sample = HostCollector().sample()
+    from_psutil = HostCollector(source=psutil).sample()
+    assert [mode for mode, _ in sample.cpu_seconds] == [
+        mode for mode, _ in from_psutil.cpu_seconds]
+    assert sample.memory_total_bytes == from_psutil.memory_total_bytes
+    assert sample.swap_total_bytes == from_psutil.swap_total_bytes
+    assert sample.swap_in_bytes <= from_psutil.swap_in_bytes
+    assert sample.swap_out_bytes <= from_psutil.swap_out_bytes
+    for (_, seconds), (_, later) in zip(sample.cpu_seconds, from_psutil.cpu_seconds,
+                                        strict=True):
+        assert seconds <= later

@@ -229,17 +229,18 @@ def test_no_such_process_fails_at_construction_in_our_own_terms() -> None:
     assert raised.value.pid == pid and not isinstance(raised.value, psutil.Error)
 
 
-def test_target_exiting_between_checks_is_target_gone_not_an_error() -> None:
-    class ExitsMidCheck:
-        pid = 4242
-
-        def is_running(self) -> bool:
-            return True
-
-        def status(self) -> str:
-            raise psutil.NoSuchProcess(self.pid)
-
-    collector = ProcessCollector(4242, errors=ErrorLog(),
-                                 process_factory=lambda pid: ExitsMidCheck())  # type: ignore[arg-type,return-value]
+def test_target_exiting_between_checks_is_target_gone_not_an_error(tmp_path: Path) -> None:
+    # A procfs tree whose process is there when the collector starts and gone at
+    # its next read: its folder removed, as the kernel removes an exited one's.
+    process = tmp_path / "4242"
+    process.mkdir()
+    (process / "status").write_text("Name:\tsleep\nVmHWM:\t1024 kB\n")
+    (process / "stat").write_text("4242 (sleep) S 1 4242 4242 0 -1 0 0 0 0 0 1 2 0 0 20 0 1 0 "
+                                  "777 1000 10 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n")
+    (tmp_path / "stat").write_text("cpu 1 2 3 4\nbtime 1700000000\n")
+    collector = ProcessCollector(4242, errors=ErrorLog(), procfs=str(tmp_path))
+    for name in ("stat", "status"):
+        (process / name).unlink()
+    process.rmdir()
     with pytest.raises(TargetGone):
         collector.sample()

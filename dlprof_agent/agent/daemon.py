@@ -52,7 +52,7 @@ from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.collectors.procfs import read_environ
+from dlprof_agent.collectors.process_table import ProcessTable
 from dlprof_agent.collectors.series_budget import (
     DEFAULT_AGENT_SERIES,
     DEFAULT_TARGET_SERIES,
@@ -94,14 +94,6 @@ class DaemonOptions:
     node_name: str = ""  # dlprof_target_info's node (--node-name, resolved)
 
 
-def _read_environment(pid: int) -> dict[str, str] | None:
-    """None when it cannot be read: another user's process without root, or gone."""
-    try:
-        return read_environ(pid)
-    except TargetGone:
-        return None
-
-
 def _same_rank(child: dict[str, str] | None, parent: dict[str, str] | None) -> bool:
     """Whether ``child`` has the rank of ``parent`` (a worker of that rank, which
     inherited its environment), rather than one of its own."""
@@ -121,9 +113,16 @@ class Discovery:
         # The daemon and the processes that started it (a shell, sudo, a prolog)
         # are never jobs, whatever --match says.
         self._excluded = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+        # Every process, kept between scans: a known one's command line and
+        # environment are not read again.
+        self.table = ProcessTable(matches=self._matches)
+
+    def _matches(self, command: str) -> bool:
+        return any(pattern.search(command) for pattern in self._options.matches)
 
     def candidates(self, gpu_pids: Iterable[int]) -> dict[int, str]:
         """pid -> why it is a job: "gpu", "probe" or "match"."""
+        self.table.refresh()
         found = dict.fromkeys(gpu_pids, "gpu")
         for pid in probe_socket_pids(self._socket_dirs):
             # A socket's name carries the pid its process sees; in a container that
@@ -132,17 +131,15 @@ class Discovery:
             if pid not in found and find_probe_socket(pid) is not None:
                 found[pid] = "probe"
         if self._options.matches:
-            for process in psutil.process_iter(["pid", "cmdline"]):
-                command = " ".join(process.info["cmdline"] or ())
-                if command and any(p.search(command) for p in self._options.matches):
-                    found.setdefault(process.info["pid"], "match")
+            for pid in self.table.matching():
+                found.setdefault(pid, "match")
         return {pid: why for pid, why in found.items()
                 if pid not in self._excluded and self._environment_matches(pid)}
 
     def _environment_matches(self, pid: int) -> bool:
         if not self._options.environment:
             return True
-        environment = _read_environment(pid)
+        environment = self.table.environ(pid)
         return environment is not None and all(
             environment.get(name) == value for name, value in self._options.environment)
 
@@ -223,43 +220,39 @@ class Daemon:
         that target is not: a launcher's ranks are targets, each with its probe.
         A rank's own children (data-loader workers) inherit its environment and
         stay with it."""
-        try:
-            parents = [parent.pid for parent in psutil.Process(pid).parents()
-                       if parent.pid in self.targets]
-        except psutil.Error:
+        table = self._discovery.table
+        if pid not in table.entries:
             return True  # gone already
+        parents = [parent for parent in table.ancestors(pid) if parent in self.targets]
         if not parents:
             return False
-        environment = _read_environment(pid)
+        environment = table.environ(pid)
         if not carries_rank(environment):
             return True
-        return any(_same_rank(environment, _read_environment(parent)) for parent in parents)
+        return any(_same_rank(environment, table.environ(parent)) for parent in parents)
 
     def _ranks_under_targets(self) -> list[int]:
         """The ranks (by their environment) under targets that are no rank
         themselves: a launcher's (torchrun's, srun's) children, found whether or not
         they use a GPU yet or match --match."""
         ranks = []
+        table = self._discovery.table
         for target in list(self.targets.values()):
             if target.rank:
                 continue
-            try:
-                children = psutil.Process(target.pid).children()
-            except psutil.Error:
-                continue
-            for child in children:
-                if (child.pid not in self.targets
-                        and carries_rank(_read_environment(child.pid))):
-                    ranks.append(child.pid)
+            for child in table.children(target.pid):
+                if child not in self.targets and carries_rank(table.environ(child)):
+                    ranks.append(child)
         return ranks
 
     def _add(self, pid: int, reason: str) -> None:
         try:
-            processes = ProcessCollector(pid, children=True, errors=self._errors)
+            processes = ProcessCollector(pid, children=True, errors=self._errors,
+                                         table=self._discovery.table)
         except (TargetGone, TargetAccessDenied):
             return  # gone, or not ours to read
         target = Target(pid, reason, processes, limits=LimitsCollector(pid),
-                        rank=carries_rank(_read_environment(pid)))
+                        rank=carries_rank(self._discovery.table.environ(pid)))
         self.targets[pid] = target
         self.exited.forget(pid)
         log.info("watching pid %d (%s; %s)", pid, _name(pid), {

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dlprof_agent.collectors.procfs import PROC_ROOT, mounts_path, read_cgroups
+from dlprof_agent.collectors.procfs import PROC_ROOT, mounts_path, read_cgroups, read_file_bytes
 from dlprof_agent.errors import TargetGone
 
+# A job's cgroup, affinity and limits change only when someone changes them.
+LIMITS_REFRESH_SECONDS = 5.0
 # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number.
 _V1_UNLIMITED = 1 << 62
 
@@ -39,8 +42,7 @@ class LimitsSample:
 
 def _read(path: str) -> str | None:
     try:
-        with open(path) as file:
-            return file.read().strip()
+        return read_file_bytes(path).decode().strip()
     except (OSError, ValueError):
         return None
 
@@ -138,49 +140,84 @@ def _int_or_none(text: str | None) -> int | None:
     return None if text is None else int(text)
 
 
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """What changes only when someone changes it (a move to another cgroup, a new
+    limit): read again every ``refresh_seconds``, not every pass."""
+
+    read_at: float
+    affinity: int | None
+    paths: dict[str, str]
+    quota: float | None
+    limit: float | None
+
+
 class LimitsCollector:
-    """Reads the limits of one process each pass: a few small files.
+    """Reads the limits of one process: its cgroup's usage each pass, its affinity,
+    cgroup and limits every ``refresh_seconds`` (each a few small files, times
+    every level of the cgroup tree).
 
     ``procfs``, ``mounts_file`` and ``affinity`` are the data sources; tests pass
     their own."""
 
     def __init__(self, pid: int, *, procfs: str = PROC_ROOT,
                  mounts_file: str | None = None,
-                 affinity: Callable[[int], set[int]] = os.sched_getaffinity) -> None:
+                 affinity: Callable[[int], set[int]] = os.sched_getaffinity,
+                 refresh_seconds: float = LIMITS_REFRESH_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pid = pid
         self._procfs = procfs
         self._mounts = _Mounts.read(mounts_path() if mounts_file is None else mounts_file)
         self._affinity = affinity
+        self._refresh_seconds = refresh_seconds
+        self._clock = clock
+        self._settled: _Settled | None = None
 
     def sample(self) -> LimitsSample:
+        now = self._clock()
+        settled = self._settled
+        if settled is None or now - settled.read_at >= self._refresh_seconds:
+            settled = self._settled = self._settle(now)
+        usage, hits, stall = self._usage(settled.paths)
+        limit = settled.limit
+        return LimitsSample(
+            affinity_cpus=settled.affinity, cpu_quota_cores=settled.quota,
+            memory_limit_bytes=None if limit is None or math.isinf(limit) else int(limit),
+            memory_usage_bytes=usage, memory_limit_hits=hits, memory_stall_ratio=stall)
+
+    def _usage(self, paths: dict[str, str]) -> tuple[int | None, int | None, float | None]:
+        usage = hits = None
+        stall = None
+        v2_path = paths.get("")
+        if self._mounts.v2 is not None and v2_path is not None:
+            leaf = _levels(self._mounts.v2, v2_path)[0]
+            usage = _int_or_none(_read(f"{leaf}/memory.current"))
+            hits = _events_max(_read(f"{leaf}/memory.events"))
+            stall = _psi_some_avg10(_read(f"{leaf}/memory.pressure"))
+        memory_mount, memory_path = self._mounts.v1.get("memory"), paths.get("memory")
+        if memory_mount is not None and memory_path is not None and usage is None:
+            leaf = _levels(memory_mount, memory_path)[0]
+            usage = _int_or_none(_read(f"{leaf}/memory.usage_in_bytes"))
+            hits = _int_or_none(_read(f"{leaf}/memory.failcnt"))
+        return usage, hits, stall
+
+    def _settle(self, now: float) -> _Settled:
         try:
             affinity: int | None = len(self._affinity(self.pid))
         except OSError:
             affinity = None
         paths = _cgroup_paths(self.pid, self._procfs)
         quota = limit = None
-        usage = hits = None
-        stall = None
         v2_path = paths.get("")
         if self._mounts.v2 is not None and v2_path is not None:
             levels = _levels(self._mounts.v2, v2_path)
             quota = _tightest([_v2_cpu_max(_read(f"{d}/cpu.max")) for d in levels])
             limit = _tightest([_v2_memory_max(_read(f"{d}/memory.max")) for d in levels])
-            leaf = levels[0]
-            usage = _int_or_none(_read(f"{leaf}/memory.current"))
-            hits = _events_max(_read(f"{leaf}/memory.events"))
-            stall = _psi_some_avg10(_read(f"{leaf}/memory.pressure"))
         memory_mount, memory_path = self._mounts.v1.get("memory"), paths.get("memory")
         if memory_mount is not None and memory_path is not None:
             levels = _levels(memory_mount, memory_path)
             limit = _tightest([limit, *(_v1_memory_limit(d) for d in levels)])
-            if usage is None:
-                usage = _int_or_none(_read(f"{levels[0]}/memory.usage_in_bytes"))
-                hits = _int_or_none(_read(f"{levels[0]}/memory.failcnt"))
         cpu_mount, cpu_path = self._mounts.v1.get("cpu"), paths.get("cpu")
         if cpu_mount is not None and cpu_path is not None:
             quota = _tightest([quota, *(_v1_cpu_quota(d) for d in _levels(cpu_mount, cpu_path))])
-        return LimitsSample(
-            affinity_cpus=affinity, cpu_quota_cores=quota,
-            memory_limit_bytes=None if limit is None or math.isinf(limit) else int(limit),
-            memory_usage_bytes=usage, memory_limit_hits=hits, memory_stall_ratio=stall)
+        return _Settled(now, affinity, paths, quota, limit)

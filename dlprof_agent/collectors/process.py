@@ -1,6 +1,7 @@
-"""The target process and, optionally, its descendants, read through psutil.
+"""The target process and, optionally, its descendants, read from procfs.
 
-Each process is read in one ``oneshot()`` pass per interval. Descendants
+Each process's files are read once per interval (``ProcessFiles``), with the
+values psutil gave for the same fields (its name, start time and counters). Descendants
 (launcher ranks, data-loader workers) are reported each under its own pid, so
 every counter stays monotonic: summing them here would make the total drop
 whenever a worker exits.
@@ -8,25 +9,33 @@ whenever a worker exits.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
-
-import psutil
 
 from dlprof_agent.collectors.error_log import ErrorLog
+from dlprof_agent.collectors.process_table import ProcessTable
 from dlprof_agent.collectors.procfs import (
+    CLOCK_TICKS_PER_SECOND,
     PROC_ROOT,
     ProcessFiles,
+    Stat,
+    Status,
     may_read_io,
+    read_boot_time,
+    read_cmdline_args,
+    read_stat,
     read_status,
 )
 from dlprof_agent.collectors.threads import ThreadGrouper, ThreadGroupSample
 from dlprof_agent.errors import TargetAccessDenied, TargetGone
 
 COLLECTOR = "process"
-_T = TypeVar("_T")
+# Zombie and dead: the process has exited, whether or not it was reaped.
+_EXITED = frozenset("ZX")
+# psutil reads a whole command line for a long name; its first argument is enough.
+CMDLINE_NAME_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,18 +99,54 @@ class _PeakTracker:
 
 
 class _Tracked:
-    """State kept per process between samples."""
+    """State kept per process between samples; a process is its pid and start."""
 
-    def __init__(self, process: psutil.Process, procfs: str) -> None:
-        self.process = process
-        self.peak = _PeakTracker(read_peak_rss_bytes(process.pid, procfs=procfs))
+    def __init__(self, pid: int, start_ticks: int, procfs: str) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.start_time_seconds = start_ticks / CLOCK_TICKS_PER_SECOND + _boot_time(procfs)
+        self.peak = _PeakTracker(read_peak_rss_bytes(pid, procfs=procfs))
         self.threads = ThreadGrouper()
+        self.comm = ""
+        self.name = ""
+
+
+_BOOT_TIMES: dict[str, float] = {}
+
+
+def _boot_time(procfs: str) -> float:
+    # Read each time a process is first seen, as psutil reads it for its start
+    # time; a process's start stays what it was then.
+    _BOOT_TIMES[procfs] = read_boot_time(root=procfs)
+    return _BOOT_TIMES[procfs]
+
+
+def _name(state: _Tracked, comm: str, procfs: str) -> str:
+    """psutil's name(): the kernel cuts a name at 15 characters, so a name that long
+    is taken from the command line when that starts with it. Read again only when
+    the process renames itself."""
+    if comm == state.comm:
+        return state.name
+    name = comm
+    if len(comm) >= 15:
+        try:
+            args = read_cmdline_args(state.pid, root=procfs, limit_bytes=CMDLINE_NAME_BYTES)
+        except TargetGone:
+            args = None
+        if args:
+            extended = os.path.basename(args[0])
+            if extended.startswith(comm):
+                name = extended
+    state.comm, state.name = comm, name
+    return name
 
 
 class ProcessCollector:
-    """Samples one process tree.
+    """Samples one process tree, from procfs (``procfs``: a captured tree in tests).
 
-    ``process_factory`` and ``procfs`` are the data sources; tests pass fakes.
+    ``table``: a ProcessTable its owner refreshes (the daemon's, shared by its
+    targets), where the descendants are looked up; by default its own, refreshed
+    at each lookup.
     """
 
     def __init__(
@@ -111,7 +156,7 @@ class ProcessCollector:
         children: bool = True,
         errors: ErrorLog,
         procfs: str = PROC_ROOT,
-        process_factory: Callable[[int], psutil.Process] = psutil.Process,
+        table: ProcessTable | None = None,
         rescan_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -119,17 +164,15 @@ class ProcessCollector:
         self.children = children
         self._errors = errors
         self._procfs = procfs
-        try:
-            self._root = process_factory(pid)
-            self._tracked: dict[int, _Tracked] = {pid: _Tracked(self._root, procfs)}
-        except psutil.NoSuchProcess:
-            raise TargetGone(pid) from None
-        except psutil.AccessDenied:
-            raise TargetAccessDenied(f"no permission to read process {pid}", pid=pid) from None
+        stat = _stat_or_denied(pid, procfs)
+        self._root = _Tracked(pid, stat.start_ticks, procfs)
+        self._tracked: dict[int, _Tracked] = {pid: self._root}
+        self._own_table = table is None
+        self._table = ProcessTable(root=procfs) if table is None else table
         self._rescan_seconds = rescan_seconds
         self._clock = clock
         self._last_scan: float | None = None
-        self._descendants_seen: list[psutil.Process] = []
+        self._descendants_seen: list[tuple[int, int]] = []  # (pid, start ticks)
         self._excluded: frozenset[int] = frozenset()
 
     def set_excluded(self, pids: frozenset[int]) -> None:
@@ -139,7 +182,7 @@ class ProcessCollector:
             self._excluded = pids
             self._last_scan = None  # look again now
 
-    def _descendants(self) -> list[psutil.Process]:
+    def _descendants(self) -> list[tuple[int, int]]:
         """The target's descendants, looked up afresh every ``rescan_seconds``.
 
         Finding them means reading the stat file of every process on the host,
@@ -151,120 +194,121 @@ class ProcessCollector:
             return self._descendants_seen
         self._last_scan = now
         try:
-            self._descendants_seen = self._without_excluded(self._root.children(recursive=True))
-        except psutil.Error as error:
+            if self._own_table:
+                self._table.refresh()
+        except OSError as error:
             self._errors.record(COLLECTOR, error)
-        return self._descendants_seen
-
-    def _without_excluded(self, found: list[psutil.Process]) -> list[psutil.Process]:
-        if not self._excluded:
-            return found
+            return self._descendants_seen
+        table = self._table
         left_out = set(self._excluded)
         kept = []
-        for process in found:  # psutil lists each parent before its children
-            try:
-                parent = process.ppid()
-            except psutil.Error:
-                continue
-            if process.pid in left_out or parent in left_out:
-                left_out.add(process.pid)
+        for pid in table.descendants(self.pid):  # each parent before its children
+            entry = table.entries[pid]
+            if pid in left_out or entry.ppid in left_out:
+                left_out.add(pid)
             else:
-                kept.append(process)
+                kept.append((pid, entry.start_ticks))
+        self._descendants_seen = kept
         return kept
 
     def sample(self) -> tuple[ProcessSample, ...]:
         """Read the tree once. Raises ``TargetGone`` when the target has exited."""
+        root = ProcessFiles(self.pid, root=self._procfs)
         try:
-            if not self._root.is_running() or self._root.status() == psutil.STATUS_ZOMBIE:
-                raise TargetGone(self.pid)
-        except psutil.NoSuchProcess:
+            stat = root.stat()
+        except (TargetGone, ValueError, IndexError):
             raise TargetGone(self.pid) from None
-        processes = [self._root]
+        if (stat is None or stat.start_ticks != self._root.start_ticks
+                or stat.state in _EXITED):
+            raise TargetGone(self.pid)
+        processes: list[tuple[ProcessFiles, int]] = [(root, self._root.start_ticks)]
         if self.children:
-            processes += self._descendants()
+            processes += [(ProcessFiles(pid, root=self._procfs), start)
+                          for pid, start in self._descendants()]
 
         tracked: dict[int, _Tracked] = {}
         samples: list[ProcessSample] = []
-        for process in processes:
-            if process is not self._root and not process.is_running():
-                continue  # exited, or its pid reused since the last lookup
-            # A pid can be reused; psutil's identity check includes the start time.
-            known = self._tracked.get(process.pid)
-            state = known if known is not None and known.process == process else None
-            if state is None:
-                state = _Tracked(process, self._procfs)
+        for files, start_ticks in processes:
+            pid = files.pid
             try:
-                samples.append(self._read(state))
-            except psutil.NoSuchProcess:
-                if process.pid == self.pid:
+                stat = files.stat()
+                if stat is None:
+                    raise PermissionError(f"no permission to read process {pid}")
+                if stat.start_ticks != start_ticks:
+                    continue  # its pid reused since the last lookup
+                # A pid can be reused: a process is its pid and its start.
+                known = self._tracked.get(pid)
+                state = (known if known is not None and known.start_ticks == start_ticks
+                         else _Tracked(pid, start_ticks, self._procfs))
+                samples.append(self._read(state, files, stat))
+            except (TargetGone, ValueError, IndexError):
+                if pid == self.pid:
                     raise TargetGone(self.pid) from None
                 continue  # a worker exited mid-read: normal churn, not an error
-            except (psutil.AccessDenied, OSError) as error:
-                if process.pid == self.pid:
-                    if isinstance(error, (psutil.AccessDenied, PermissionError)):
+            except OSError as error:
+                if pid == self.pid:
+                    if isinstance(error, PermissionError):
                         raise TargetAccessDenied(f"no permission to read process {self.pid}",
                                                  pid=self.pid) from None
                     raise
-                self._errors.record(COLLECTOR, f"pid {process.pid}: {error}")
+                self._errors.record(COLLECTOR, f"pid {pid}: {error}")
                 continue
-            tracked[process.pid] = state
+            tracked[pid] = state
         self._tracked = tracked
         return tuple(samples)
 
-    def _read(self, state: _Tracked) -> ProcessSample:
-        process = state.process
-        with process.oneshot():
-            cpu = process.cpu_times()
-            memory = process.memory_info()
-            switches = process.num_ctx_switches()
-            ppid = process.ppid()
-            name = process.name()
-            start_time = process.create_time()
-            threads = process.num_threads()
-            io = _optional(process.io_counters)
-            open_fds = _optional(process.num_fds)
-        files = ProcessFiles(process.pid, root=self._procfs)
-        try:
-            thread_stats = files.threads()
-            status = files.status()
-            schedstat = files.schedstat()
-        except TargetGone:
-            raise psutil.NoSuchProcess(process.pid) from None
-        thread_groups = state.threads.update(thread_stats)
+    def _read(self, state: _Tracked, files: ProcessFiles, stat: Stat) -> ProcessSample:
+        thread_stats = files.threads()
+        status = files.status()
+        schedstat = files.schedstat()
+        io = files.io()
         hwm = None if status is None else status.vm_hwm_bytes
+        threads = stat.threads if status is None or status.threads is None else status.threads
         return ProcessSample(
-            pid=process.pid,
-            ppid=ppid,
-            name=name,
-            is_target=process.pid == self.pid,
-            start_time_seconds=start_time,
-            user_seconds=cpu.user,
-            system_seconds=cpu.system,
-            iowait_seconds=getattr(cpu, "iowait", 0.0),
-            rss_bytes=memory.rss,
-            vms_bytes=memory.vms,
-            rss_peak_bytes=state.peak.update(memory.rss, hwm),
+            pid=state.pid,
+            ppid=stat.ppid,
+            name=_name(state, stat.comm, self._procfs),
+            is_target=state.pid == self.pid,
+            start_time_seconds=state.start_time_seconds,
+            user_seconds=stat.user_seconds,
+            system_seconds=stat.system_seconds,
+            iowait_seconds=stat.iowait_seconds,
+            rss_bytes=stat.rss_bytes,
+            vms_bytes=stat.vms_bytes,
+            rss_peak_bytes=state.peak.update(stat.rss_bytes, hwm),
             threads=threads,
-            thread_groups=thread_groups,
-            voluntary_context_switches=switches.voluntary,
-            involuntary_context_switches=switches.involuntary,
-            read_bytes=getattr(io, "read_bytes", None),
-            write_bytes=getattr(io, "write_bytes", None),
-            read_chars=getattr(io, "read_chars", None),
-            write_chars=getattr(io, "write_chars", None),
-            open_fds=open_fds,
-            runnable_threads=sum(1 for stat in thread_stats if stat.state == "R"),
+            thread_groups=state.threads.update(thread_stats),
+            voluntary_context_switches=_switches(status, voluntary=True),
+            involuntary_context_switches=_switches(status, voluntary=False),
+            read_bytes=None if io is None else io.read_bytes,
+            write_bytes=None if io is None else io.write_bytes,
+            read_chars=None if io is None else io.read_chars,
+            write_chars=None if io is None else io.write_chars,
+            open_fds=files.open_fds(),
+            runnable_threads=sum(1 for thread in thread_stats if thread.state == "R"),
             main_thread_wait_seconds=None if schedstat is None else schedstat.wait_seconds,
             main_thread_run_seconds=None if schedstat is None else schedstat.run_seconds,
         )
 
 
-def _optional(read: Callable[[], _T]) -> _T | None:
-    """A field the kernel may refuse or lack; the rest of the sample still counts."""
+def _switches(status: Status | None, *, voluntary: bool) -> int:
+    if status is None:
+        raise PermissionError("no permission to read the process's status")
+    value = (status.voluntary_context_switches if voluntary
+             else status.involuntary_context_switches)
+    return 0 if value is None else value
+
+
+def _stat_or_denied(pid: int, procfs: str) -> Stat:
     try:
-        return read()
-    except (psutil.AccessDenied, NotImplementedError, AttributeError):
-        return None
+        stat = read_stat(pid, root=procfs)
+    except (ValueError, IndexError):
+        raise TargetGone(pid) from None
+    if stat is None:
+        raise TargetAccessDenied(f"no permission to read process {pid}", pid=pid)
+    if stat.state in _EXITED:
+        raise TargetGone(pid)
+    return stat
 
 
 def check_access(pid: int, *, procfs: str = PROC_ROOT) -> None:

@@ -181,7 +181,7 @@ def executable_path(pid: int, *, root: str = PROC_ROOT) -> str:
 
 
 def _process_dir(pid: int | str, tid: int | None, root: str) -> str:
-    return proc_path(pid, root=root) if tid is None else proc_path(pid, "task", tid, root=root)
+    return f"{root}/{pid}" if tid is None else f"{root}/{pid}/task/{tid}"
 
 
 def _translate(error: OSError, pid: int | str, tid: int | None, root: str) -> None:
@@ -196,19 +196,51 @@ def _translate(error: OSError, pid: int | str, tid: int | None, root: str) -> No
     raise error
 
 
-def _read_bytes(pid: int | str, name: str, *, tid: int | None = None,
-                root: str = PROC_ROOT, limit: int = -1) -> bytes | None:
+# Most of these files fit one read; a larger one (maps, a long status) is read on.
+_READ_CHUNK_BYTES = 4096
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_file_bytes(path: str, limit: int = -1, *, records: bool = False) -> bytes:
+    """A whole file (or its first ``limit`` bytes) through plain os.open and os.read:
+    a file object's buffer and wrapper cost more than the read itself on these
+    small files, read thousands of times a minute. The kernel writes most of them
+    in one go, so a read shorter than asked for is their end; ``records``: a file
+    it writes a record at a time (maps), whose reads can end short before its end,
+    is read until a read returns nothing. Raises OSError as open() does."""
+    fd = os.open(path, _OPEN_FLAGS)
     try:
-        with open(f"{_process_dir(pid, tid, root)}/{name}", "rb") as file:
-            return file.read(limit)
+        chunks: list[bytes] = []
+        total = 0
+        while limit < 0 or total < limit:
+            want = _READ_CHUNK_BYTES if limit < 0 else min(limit - total, _READ_CHUNK_BYTES)
+            chunk = os.read(fd, want)
+            if not chunks and ((len(chunk) < want and not records) or len(chunk) == limit):
+                return chunk  # the common case: one read, no join
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if len(chunk) < want and not records:
+                break
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read_bytes(pid: int | str, name: str, *, tid: int | None = None,
+                root: str = PROC_ROOT, limit: int = -1, records: bool = False) -> bytes | None:
+    try:
+        return read_file_bytes(f"{_process_dir(pid, tid, root)}/{name}", limit,
+                               records=records)
     except OSError as error:
         _translate(error, pid, tid, root)
         return None
 
 
 def _read_text(pid: int | str, name: str, *, tid: int | None = None,
-               root: str = PROC_ROOT) -> str | None:
-    raw = _read_bytes(pid, name, tid=tid, root=root)
+               root: str = PROC_ROOT, records: bool = False) -> str | None:
+    raw = _read_bytes(pid, name, tid=tid, root=root, records=records)
     return None if raw is None else raw.decode(errors="replace")
 
 
@@ -459,6 +491,75 @@ def socket_inodes(pid: int, *, root: str = PROC_ROOT) -> set[str]:
     return inodes
 
 
+def list_pids(*, root: str = PROC_ROOT) -> list[int]:
+    """Every process's pid (the numbered folders of the procfs root)."""
+    return [int(name) for name in os.listdir(root) if name.isdigit()]
+
+
+def read_boot_time(*, root: str = PROC_ROOT) -> float:
+    """When the machine booted, in unix seconds (the btime line of stat): a start in
+    clock ticks since boot plus this is a start in unix time, as psutil gives it."""
+    for line in read_file_bytes(proc_path("stat", root=root)).splitlines():
+        if line.startswith(b"btime"):
+            return float(line.split()[1])
+    raise OSError(errno.ENODATA, "no btime line", proc_path("stat", root=root))
+
+
+def read_cmdline_args(pid: int, *, root: str = PROC_ROOT, limit_bytes: int = 4096
+                      ) -> list[str] | None:
+    """The command line's arguments as psutil splits them (by NUL, or by space when a
+    process rewrote its title without one), cut at ``limit_bytes``; None without
+    permission."""
+    raw = _read_bytes(pid, "cmdline", root=root, limit=limit_bytes)
+    if raw is None:
+        return None
+    text = raw.decode(errors="replace")
+    if not text:
+        return []
+    separator = "\0" if text.endswith("\0") else " "
+    args = text.removesuffix(separator).split(separator)
+    if separator == "\0" and len(args) == 1 and " " in args[0]:
+        return args[0].split(" ")  # a NUL at the end only: a rewritten title
+    return args
+
+
+# The host's CPU modes in /proc/stat's order, as psutil names them.
+CPU_TIME_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal",
+                   "guest", "guest_nice")
+
+
+def read_cpu_times(*, root: str = PROC_ROOT) -> tuple[tuple[str, float], ...]:
+    """The host's CPU time by mode, in seconds summed over all CPUs (stat's cpu line);
+    the modes this kernel has."""
+    line = read_file_bytes(proc_path("stat", root=root), 1024).split(b"\n", 1)[0]
+    values = line.split()[1:len(CPU_TIME_FIELDS) + 1]
+    return tuple((mode, int(value) / CLOCK_TICKS_PER_SECOND)
+                 for mode, value in zip(CPU_TIME_FIELDS, values, strict=False))
+
+
+def read_meminfo(*, root: str = PROC_ROOT) -> dict[str, int]:
+    """meminfo's lines, name -> bytes (its kB are KiB)."""
+    found = {}
+    for line in read_file_bytes(proc_path("meminfo", root=root)).decode().splitlines():
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if fields:
+            found[name] = int(fields[0]) * (1024 if len(fields) > 1 else 1)
+    return found
+
+
+def read_swap_pages(*, root: str = PROC_ROOT) -> tuple[int, int] | None:
+    """vmstat's pages swapped in and out since boot; None where it lacks them."""
+    found: dict[bytes, int] = {}
+    for line in read_file_bytes(proc_path("vmstat", root=root)).splitlines():
+        if line.startswith((b"pswpin ", b"pswpout ")):
+            name, _, value = line.partition(b" ")
+            found[name] = int(value)
+            if len(found) == 2:
+                return found[b"pswpin"], found[b"pswpout"]
+    return None
+
+
 def read_comm(pid: int, *, root: str = PROC_ROOT) -> str | None:
     text = _read_text(pid, "comm", root=root)
     return None if text is None else text.strip()
@@ -505,7 +606,7 @@ def parse_maps(text: str) -> list[Mapping]:
 
 def read_memory_map(pid: int, *, root: str = PROC_ROOT) -> list[Mapping] | None:
     """Each mapping of ``pid``; None when the agent may not read them."""
-    text = _read_text(pid, "maps", root=root)
+    text = _read_text(pid, "maps", root=root, records=True)
     return None if text is None else parse_maps(text)
 
 

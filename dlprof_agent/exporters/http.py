@@ -229,8 +229,10 @@ class MetricsServer:
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
-                timeout = min((c.deadline for c in open_connections.values()), default=now + 1)
-                for key, _ in selector.select(max(0.0, min(1.0, timeout - now))):
+                # Idle, it sleeps until a connection or stop() (the wake socket) comes.
+                deadline = min((c.deadline for c in open_connections.values()), default=None)
+                for key, _ in selector.select(None if deadline is None
+                                              else max(0.0, deadline - now)):
                     if key.fileobj is self._listener:
                         self._accept(selector, open_connections)
                     elif key.fileobj is self._wake_read:

@@ -19,9 +19,11 @@ parses, and a reader sees that something was there.
 from __future__ import annotations
 
 from collections.abc import Callable
+from math import copysign
 
 from prometheus_client import utils
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
@@ -42,12 +44,18 @@ def _escape_value(value: str) -> str:
     return value.translate(_ESCAPES)
 
 
-# The lines of the last exposition, by sample: a sample kept from one scrape to
-# the next (exporters.prometheus.ProbeFamilies) is written once. Keyed by id,
-# holding the sample so that its id stays its own; replaced whole each time.
+# What the last exposition wrote, kept for the next: the lines by sample (a sample
+# kept from one scrape to the next, exporters.prometheus.ProbeFamilies, is written
+# once; keyed by id, holding the sample so that its id stays its own), the lines by
+# series (a series whose value has not changed since, most of a pass's, is not
+# formatted again) and the families' headers. Replaced whole each time, so
+# that what has gone is not kept.
 class _Written:
     def __init__(self) -> None:
         self.by_sample: dict[int, tuple[Sample, str]] = {}
+        self.by_series: dict[tuple[str, tuple[str, ...], tuple[str, ...]],
+                             tuple[float, str]] = {}
+        self.headers: dict[tuple[str, str, str], str] = {}
 
 
 _WRITTEN = _Written()
@@ -61,16 +69,25 @@ def _line(sample: Sample) -> str:
     return f"{sample.name} {_format_value(sample.value)}\n"
 
 
+def _header(family: Metric) -> str:
+    name = family.name + "_total" if family.type == "counter" else family.name
+    documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n"
+
+
 def render_text(registry: Collector) -> bytes:
     families = list(registry.collect())
     if any(family.type not in _WRITTEN_TYPES for family in families):
         return generate_latest(registry)
     lines: list[str] = []
     before, written = _WRITTEN.by_sample, {}
+    series_before, series_written = _WRITTEN.by_series, {}
+    headers_before, headers = _WRITTEN.headers, {}
     for family in families:
-        name = family.name + "_total" if family.type == "counter" else family.name
-        documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        lines.append(f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n")
+        header_key = (family.name, family.type, family.documentation)
+        header = headers_before.get(header_key) or _header(family)
+        headers[header_key] = header
+        lines.append(header)
         for sample in family.samples:
             known = before.get(id(sample))
             if known is not None and known[0] is sample:
@@ -78,8 +95,16 @@ def render_text(registry: Collector) -> bytes:
             elif sample.name.endswith("_created") or sample.timestamp is not None:
                 return generate_latest(registry)  # not what the agent writes
             else:
-                line = _line(sample)
+                labels = sample.labels
+                value = sample.value
+                series = (sample.name, tuple(labels), tuple(labels.values()))
+                kept = series_before.get(series)
+                # 0.0 and -0.0 are equal but written apart; NaN equals nothing.
+                line = (kept[1] if kept is not None and kept[0] == value and (
+                    value != 0 or copysign(1, value) == copysign(1, kept[0]))
+                    else _line(sample))
+                series_written[series] = (value, line)
             written[id(sample)] = (sample, line)
             lines.append(line)
-    _WRITTEN.by_sample = written
+    _WRITTEN.by_sample, _WRITTEN.by_series, _WRITTEN.headers = written, series_written, headers
     return "".join(lines).encode()
