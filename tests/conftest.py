@@ -298,6 +298,21 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True
 
 
+def gdb_refusal() -> str | None:
+    """Why the agent will not inject with gdb on this machine (a skip's reason), or
+    None: gdb missing, or one that cannot restore this CPU's register state (AMX)."""
+    from dlprof_agent.reach.gdb_versions import gdb_version, xstate_refusal
+    from dlprof_agent.reach.xsave_layout import LayoutUnknown, XsaveLayout, host_layout
+    gdb_path = shutil.which("gdb")
+    if gdb_path is None:
+        return "gdb is not installed"
+    try:
+        layout: XsaveLayout | None = host_layout()
+    except LayoutUnknown:
+        layout = None
+    return xstate_refusal(gdb_version(gdb_path), layout)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.procfs import start_ticks
 from dlprof_agent.reach.runtime import find_python_runtime
-from tests.conftest import agent_env
+from tests.conftest import agent_env, gdb_refusal
 from tests.helpers import without_eval_loop_stops
 
 pytestmark = pytest.mark.skipif(
@@ -244,6 +244,9 @@ def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The job ends after the agent looked at it and before gdb attaches: that is what
     the message says, not a refusal of ptrace."""
+    refused = gdb_refusal()
+    if refused is not None:
+        pytest.skip(refused)
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
     find_runtime: Callable[..., object] = find_python_runtime
 
@@ -376,6 +379,9 @@ def test_where_the_agent_cannot_inject_itself_gdb_queues_the_code(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Off x86-64 (forced here), gdb makes the same two calls; the job goes on, untraced,
     and a job with no thread waiting in the kernel is left alone."""
+    refused = gdb_refusal()
+    if refused is not None:
+        pytest.skip(refused)
     monkeypatch.setattr(inject_module, "plan_calls", lambda pid, runtime: None)
     out = tmp_path / "ran"
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)

@@ -32,9 +32,10 @@ import pytest
 from dlprof_agent.errors import InjectionUnsafe
 from dlprof_agent.reach import gdb as gdb_module
 from dlprof_agent.reach import inject as inject_module
-from dlprof_agent.reach.gdb_versions import gdb_version, parse_gdb_version, xstate_refusal
+from dlprof_agent.reach.gdb_versions import parse_gdb_version, xstate_refusal
 from dlprof_agent.reach.inject import inject
-from dlprof_agent.reach.xsave_layout import Component, LayoutUnknown, XsaveLayout, host_layout
+from dlprof_agent.reach.xsave_layout import Component, XsaveLayout
+from tests.conftest import gdb_refusal
 from tests.helpers import wait_until
 
 MACHINE = platform.machine()
@@ -219,15 +220,9 @@ def test_the_ptrace_injector_leaves_every_wait_its_result(kind: str, jobs: list[
 
 
 def _gdb_refused_here() -> str | None:
-    if GDB is None:
-        return "gdb is not installed"
     if not BEFORE_REMOTE_EXEC:
         return "from Python 3.14 the agent injects with sys.remote_exec, not gdb"
-    try:
-        layout: XsaveLayout | None = host_layout()
-    except LayoutUnknown:
-        layout = None
-    return xstate_refusal(gdb_version(GDB), layout)
+    return gdb_refusal()
 
 
 def _force_gdb(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,7 +36,7 @@ from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.mapped_files import read_memory
 from dlprof_agent.reach.runtime import find_python_runtime
 from dlprof_agent.reach.shutdown import shutting_down
-from tests.conftest import agent_env
+from tests.conftest import agent_env, gdb_refusal
 from tests.helpers import wait_until
 from tests.test_main_thread_waits import RESULTS, WAITS
 from tests.test_pure_python_loop import (
@@ -169,8 +169,9 @@ def test_the_ptrace_injector_calls_the_jobs_own_libc(job: Job) -> None:
 
 
 def _needs_gdb() -> None:
-    if shutil.which("gdb") is None:
-        pytest.skip("gdb is not installed")
+    refused = gdb_refusal()
+    if refused is not None:
+        pytest.skip(refused)
 
 
 def test_gdb_reads_the_jobs_own_files_and_the_job_lives(
