@@ -232,6 +232,9 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             # say) comes before this line, which is the last.
             if loop.is_alive():
                 loop.join(STOP_PASS_SECONDS)
+            # A pass slower than that (a loaded host) may still report its news:
+            # past the stop it is noise, and this line stays the last one.
+            logging.getLogger("dlprof_agent").setLevel(logging.WARNING)
             print(f"dlprof-agent: stopped by "
                   f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
                   file=sys.stderr)
