@@ -71,7 +71,8 @@ def _environments(root: Path) -> dict[str, Path]:
         ".ruff_cache", ".pytest_cache", "docs", "tests"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(root / "dist"), str(source)],
-                   check=True, timeout=600, cwd=root, stdout=subprocess.DEVNULL)
+                   check=True, timeout=600, cwd=root, stdout=subprocess.DEVNULL,
+                   env=_bare_env())
     (wheel,) = (root / "dist").glob("*.whl")
     pythons = {}
     for name in ("with", "without"):
@@ -80,10 +81,12 @@ def _environments(root: Path) -> dict[str, Path]:
                        check=True, timeout=120)
         python = venv / "bin" / "python"
         subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
-                        "-q", "--no-deps", "--no-index", str(wheel)], check=True, timeout=300)
+                        "-q", "--no-deps", "--no-index", str(wheel)], check=True, timeout=300,
+                       env=_bare_env())
         purelib = Path(subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True, timeout=60).stdout.strip())
+            check=True, capture_output=True, text=True, timeout=60,
+            env=_bare_env()).stdout.strip())
         # The benchmark's own packages (torch), seen the same way from both.
         (purelib / "benchmark_packages.pth").write_text(
             sysconfig.get_paths()["purelib"] + "\n")
@@ -95,9 +98,15 @@ def _environments(root: Path) -> dict[str, Path]:
     return pythons
 
 
+def _bare_env() -> dict[str, str]:
+    """The caller's environment less what would load a checkout or the probe: the
+    environments must see only their own wheel."""
+    return {name: value for name, value in os.environ.items()
+            if name not in ("DLPROF_PROBE", "PYTHONPATH")}
+
+
 def _start_seconds(python: Path, code: str, probe: bool) -> float:
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("DLPROF_PROBE", "PYTHONPATH")}
+    env = _bare_env()
     if probe:
         env["DLPROF_PROBE"] = "1"
     started = time.perf_counter()

@@ -42,9 +42,14 @@ os.environ[TEST_RUN_ENV] = uuid.uuid4().hex
 OWN_JOBS = ("--env", f"{TEST_RUN_ENV}={os.environ[TEST_RUN_ENV]}")
 
 
-@functools.cache
 def agent_env() -> dict[str, str]:
-    """The environment, plus this checkout on PYTHONPATH unless it is importable already."""
+    """The environment, plus this checkout on PYTHONPATH unless it is importable already:
+    a new dict each call, which the caller may change."""
+    return dict(_agent_env())
+
+
+@functools.cache
+def _agent_env() -> dict[str, str]:
     env = dict(os.environ)
     probe = subprocess.run(
         [sys.executable, "-c", "import dlprof_agent; print(dlprof_agent.__file__)"],

@@ -39,7 +39,12 @@ def test_wheel_holds_only_the_dlprof_agent_package(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("dlprof_agent-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}
-    assert {t for t in top_level if not t.endswith(".dist-info")} == {"dlprof_agent"}
+    # The package, and the one-line .pth that DLPROF_PROBE=1 needs at the top of
+    # site-packages (setup.py): nothing else that could shadow a user's module.
+    assert {t for t in top_level if not t.endswith(".dist-info")} == {
+        "dlprof_agent", "dlprof_agent_probe.pth"}
+    hook = zipfile.ZipFile(wheel).read("dlprof_agent_probe.pth")
+    assert hook == (REPO / "dlprof_agent/probe/preload/dlprof_agent_probe.pth").read_bytes()
     for module in ("cli/main.py", "collectors/process.py", "collectors/nvml.py",
                    "exporters/prometheus.py", "workloads/busy.py", "py.typed",
                    "grafana/dashboards/overview.json"):

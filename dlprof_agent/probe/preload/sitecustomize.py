@@ -28,15 +28,30 @@ def _start_probe() -> None:
         pass
 
 
+PRELOAD_MARK = b"dlprof-agent preload sitecustomize"
+
+
 def _chain() -> None:
     import importlib.machinery
     import importlib.util
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    others = [entry for entry in sys.path if os.path.abspath(entry or ".") != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
-    if spec is None or spec.loader is None:
-        return
+    # Another copy of this file further on (two probe copies on PYTHONPATH, or
+    # `run` around a job launched with one) is passed over: each would chain to
+    # the other for ever.
+    skipped = {os.path.dirname(os.path.abspath(__file__))}
+    while True:
+        others = [entry for entry in sys.path if os.path.abspath(entry or ".") not in skipped]
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
+        if spec is None or spec.loader is None or not spec.origin:
+            return
+        try:
+            with open(spec.origin, "rb") as found:
+                ours = PRELOAD_MARK in found.read()
+        except OSError:
+            ours = False
+        if not ours:
+            break
+        skipped.add(os.path.dirname(os.path.abspath(spec.origin)))
     module = importlib.util.module_from_spec(spec)
     sys.modules["sitecustomize"] = module
     spec.loader.exec_module(module)
