@@ -42,6 +42,7 @@ POLL_SECONDS = 1.0  # the agent's default interval
 class Block:
     seconds: list[float]  # each timed step
     cpu: float  # the job process's CPU over the timed steps, all its threads
+    busy: float = 0.0  # a planted busy-wait's seconds over the timed steps
 
     @property
     def mean(self) -> float:
@@ -100,7 +101,7 @@ class TrainingJob:
         if not line:
             raise RuntimeError(f"the training job exited ({self.process.poll()})")
         data = json.loads(line)
-        return Block(data["seconds"], data["cpu"])
+        return Block(data["seconds"], data["cpu"], data.get("busy", 0.0))
 
     def run_block(self, steps: int, *, profiler: bool = False) -> list[float]:
         """Every step's time, none untimed (the scrape benchmark's blocks)."""
@@ -235,6 +236,7 @@ class Pairs:
                 "cpu": cpu, "cpu_low": cpu_low, "cpu_high": cpu_high,
                 "added": added, "added_low": added_low, "added_high": added_high,
                 "cpu_per_step_off": statistics.median(b.cpu_per_step for b in self.off),
+                "busy_per_step": statistics.median(b.busy / len(b.seconds) for b in self.on),
                 "block_iqr": statistics.median(
                     (percentile(b.seconds, 75) - percentile(b.seconds, 25))
                     / statistics.median(b.seconds) for b in self.off)}

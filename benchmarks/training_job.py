@@ -8,7 +8,8 @@ own drift, allocator and caches hit them all alike).
 It enables the in-process probe (dormant until an agent connects), warms up,
 and prints ``ready SECONDS`` (a step's median time). Then, per line on stdin,
 ``SETTLE STEPS MODE`` runs SETTLE untimed steps and STEPS timed ones, and prints
-``{"seconds": [each timed step], "cpu": the process's CPU seconds over them}``.
+``{"seconds": [each timed step], "cpu": the process's CPU seconds over them,
+"busy": the planted busy-wait's seconds}``.
 MODE: ``plain``; ``profiler``, the framework's own profiler around the block;
 ``planted=F``, each step followed by a busy-wait of F times the ready median (a
 known slowdown, for the method's own check).
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         settle_text, steps_text, mode = line.split()
         planted = ready * float(mode.partition("=")[2]) if mode.startswith("planted=") else 0.0
         block: list[float] = []
+        busy = 0.0  # the plant, by the job's own clock: the method's ground truth
         with profiler() if mode == "profiler" else contextlib.nullcontext():
             for _ in range(int(settle_text)):
                 step()
@@ -169,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 step()
                 if planted:
-                    busy_until = time.perf_counter() + planted
-                    while time.perf_counter() < busy_until:
+                    waited_from = time.perf_counter()
+                    while (now := time.perf_counter()) < waited_from + planted:
                         pass
+                    busy += now - waited_from
                 block.append(time.perf_counter() - started)
             cpu = time.process_time() - cpu_started
-        print(json.dumps({"seconds": block, "cpu": cpu}), flush=True)
+        print(json.dumps({"seconds": block, "cpu": cpu, "busy": busy}), flush=True)
     return 0
 
 
