@@ -89,7 +89,7 @@ CONFIGS = (
     Config("steps-sessions", "probe: step timing, a session started and stopped every block",
            probe={"kernels": False}, first_only=True, compared=True),
     Config("kernels", "probe: step timing, split and CUDA kernels (the default)", probe={},
-           gpu_only=True),
+           keep=True, gpu_only=True),
     Config("layers", "probe: --layers (1% budget; on a GPU, with kernels)",
            probe={"layers": True}, keep=True,
            by_mean=True),

@@ -5,6 +5,7 @@ the fake binding (``tests.fake_cupti``), fed synthetic buffers."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -353,6 +354,33 @@ def test_with_kernels_switched_off_a_trace_starts_cupti_for_its_window_only() ->
     assert (tracer.state, tracer.reason) == ("unavailable", "switched off (--no-kernels)")
     world.tick(tracer, 60)
     assert len(world.bindings) == 1
+
+
+def test_a_paused_session_lets_go_of_cupti_and_takes_it_again_when_resumed() -> None:
+    from dlprof_agent.probe.session import DEFAULT_OPTIONS, Session, checked_options
+
+    world = World()
+    left, right = socket.socketpair()
+    with left, right:
+        session = Session(left, 1, 0, checked_options({"warmup_steps": 0}, DEFAULT_OPTIONS))
+        session.tracer = world.tracer()
+        world.tick(session.tracer)
+        assert session.tracer.state == "active"
+
+        errors: dict[str, int] = {}
+        session.reconfigure(checked_options({"paused": True}, session.options()), errors)
+        assert world.bindings[0].closed  # paused is off: the job runs as without an agent
+        assert (session.tracer.state, session.tracer.reason) == ("unavailable",
+                                                                 "paused by the agent")
+        assert session.options()["kernels"] is True  # what was asked for is kept
+        world.tick(session.tracer, 60)
+        assert len(world.bindings) == 1
+
+        session.reconfigure(checked_options({"paused": False}, session.options()), errors)
+        world.tick(session.tracer)
+        assert session.tracer.state == "active" and len(world.bindings) == 2
+        assert errors == {}
+        session.remove_hooks()  # resuming hooked the frameworks this process imported
 
 
 # --- on a faithful fake CUPTI: the real binding, Kineto beside it ----------------------

@@ -67,6 +67,8 @@ MAX_COLLECT_SECONDS = 10.0
 
 # CUpti_ActivityKind: what continuous tracing enables, and what attribution and
 # the trace window's launch times add.
+SWITCHED_OFF = "switched off (--no-kernels)"
+PAUSED = "paused by the agent"
 KINDS = (10, 1, 2, 17)  # CONCURRENT_KERNEL, MEMCPY, MEMSET, OVERHEAD
 API_KINDS = (5, 4)  # RUNTIME, DRIVER: external correlation records come with these
 ATTRIBUTION_KINDS = (39, *API_KINDS)  # EXTERNAL_CORRELATION
@@ -98,7 +100,8 @@ class KernelTracer:
         # The job's threads stand us aside (profiler_yield) while the probe thread ticks.
         self._lock = threading.RLock()
         self.state = UNAVAILABLE
-        self.reason = "switched off (--no-kernels)" if not continuous else "no CUDA in use"
+        self.off_reason = SWITCHED_OFF  # why, while not continuous
+        self.reason = SWITCHED_OFF if not continuous else "no CUDA in use"
         self.since = time.time()  # when the state last changed, Unix time
         self.holder = ""  # the other CUPTI client we stood aside for, while it runs
         self.errors = 0
@@ -318,10 +321,11 @@ class KernelTracer:
         elif not self.capture_open:  # a trace window keeps its launch times to its end
             binding.disable([kind for kind in ATTRIBUTION_KINDS if kind in binding.enabled])
 
-    def set_continuous(self, continuous: bool) -> None:
-        """Switch continuous tracing on or off (``configure``); a trace window
-        being taken finishes first."""
+    def set_continuous(self, continuous: bool, why: str = SWITCHED_OFF) -> None:
+        """Switch continuous tracing on or off (``configure``), ``why`` off; a
+        trace window being taken finishes first."""
         with self._lock:
+            self.off_reason = why
             self._set_continuous(continuous)
         self._settle_attribution()
 
@@ -343,7 +347,7 @@ class KernelTracer:
                 with contextlib.suppress(Exception):
                     self._drain_from(binding, self._clock(), final=True)
                 binding.close()
-            self._set(UNAVAILABLE, "switched off (--no-kernels)")
+            self._set(UNAVAILABLE, self.off_reason)
         except Exception as error:
             self._fail(error)
 
@@ -559,7 +563,7 @@ class KernelTracer:
             self.correlator = None
             with contextlib.suppress(Exception):
                 binding.close()
-            self._set(UNAVAILABLE, "switched off (--no-kernels)")
+            self._set(UNAVAILABLE, self.off_reason)
             self._next_attempt = float("inf") if not self.continuous else 0.0
 
     def capture_status(self, offset: int) -> TraceStatus:

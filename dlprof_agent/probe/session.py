@@ -11,7 +11,7 @@ from typing import Protocol, cast, runtime_checkable
 from dlprof_agent.probe.activity_binding import LayerIdSource
 from dlprof_agent.probe.distributed import process_group
 from dlprof_agent.probe.frameworks import FRAMEWORK_HOOKS, framework_imported
-from dlprof_agent.probe.kernel_tracer import KernelTracer
+from dlprof_agent.probe.kernel_tracer import PAUSED, SWITCHED_OFF, KernelTracer
 from dlprof_agent.probe.messages import ErrorReply, SessionOptions, TraceStarted, TraceStatus
 from dlprof_agent.probe.recorder import (
     DEFAULT_LAYER_BUDGET,
@@ -110,10 +110,12 @@ class Session:
         self.set_layers(self.layers)
         self.hooks: dict[str, FrameworkHooks] = {}
         self.last_message = time.monotonic()
-        self.tracer = KernelTracer(continuous=bool(options["kernels"]),
-                                   max_layers=int(options["max_layers"]))
-        self.tracer.recorder = self.recorder
+        self.kernels = bool(options["kernels"])  # asked for; the tracer's is off while paused
         self.paused = bool(options["paused"])
+        self.tracer = KernelTracer(continuous=self.kernels, max_layers=int(options["max_layers"]))
+        self.tracer.recorder = self.recorder
+        if self.paused:
+            self.tracer.set_continuous(False, PAUSED)
         # Made on the probe thread (Probe._handshake): its CPU from here is this session's.
         self.thread_cpu_started = time.thread_time()
 
@@ -129,7 +131,7 @@ class Session:
         return {"interval_seconds": self.interval, "layers": self.layers, "split": self.split,
                 "warmup_steps": self.recorder.warmup_steps,
                 "max_layers": self.recorder.max_layers, "agent_pid": 0,
-                "kernels": self.tracer.continuous,
+                "kernels": self.kernels,
                 "layers_budget": self.layer_sampling[0],
                 "layers_every": self.layer_sampling[1],
                 "lease_seconds": self.lease_override, "paused": self.paused}
@@ -154,7 +156,10 @@ class Session:
             else:
                 self.recorder.resume()
                 self.install_new_hooks(errors)
-        self.tracer.set_continuous(bool(options["kernels"]))
+        self.kernels = bool(options["kernels"])
+        # Paused is off: no hooks and no CUPTI, what the job runs without an agent.
+        self.tracer.set_continuous(self.kernels and not self.paused,
+                                   PAUSED if self.paused else SWITCHED_OFF)
 
     def set_layers(self, layers: bool) -> None:
         self.layers = layers
