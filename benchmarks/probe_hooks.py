@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import Progress
@@ -14,6 +15,20 @@ TINY_LAYERS = 10
 # Hooks configurations: (split, layers). "steps" is the default, with the split.
 HOOK_CONFIGS = {"no split": (False, False), "steps": (True, False), "layers": (True, True)}
 SWEEP_BYTES = 8 << 20  # more than a core's L2 here (2 MiB): the next phase starts cold
+
+
+def _median_step(model: Any, optimizer: Any, batch: Any, count: int, *,
+                 before_optimizer: Callable[[], object] | None = None) -> float:
+    durations = []
+    for _ in range(count):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        model(batch).sum().backward()
+        if before_optimizer is not None:
+            before_optimizer()
+        optimizer.step()
+        durations.append(time.perf_counter() - started)
+    return statistics.median(durations[5:])  # hooks find the model in the first steps
 
 
 def hook_costs(rounds: int, steps: int, progress: Progress) -> dict[str, list[float]]:
@@ -32,14 +47,7 @@ def hook_costs(rounds: int, steps: int, progress: Progress) -> dict[str, list[fl
     batch = torch.randn(2, 4)
 
     def median_step(count: int) -> float:
-        durations = []
-        for _ in range(count):
-            started = time.perf_counter()
-            optimizer.zero_grad()
-            model(batch).sum().backward()
-            optimizer.step()
-            durations.append(time.perf_counter() - started)
-        return statistics.median(durations[5:])  # hooks find the model in the first steps
+        return _median_step(model, optimizer, batch, count)
 
     median_step(max(steps, 100))
     costs: dict[str, list[float]] = {"off": [], **{config: [] for config in HOOK_CONFIGS},
@@ -105,15 +113,7 @@ def swept_split_costs(rounds: int, steps: int, progress: Progress) -> dict[str, 
     batch = torch.randn(2, 4)
 
     def median_step(count: int) -> float:
-        durations = []
-        for _ in range(count):
-            started = time.perf_counter()
-            optimizer.zero_grad()
-            model(batch).sum().backward()
-            buffer.sum()
-            optimizer.step()
-            durations.append(time.perf_counter() - started)
-        return statistics.median(durations[5:])
+        return _median_step(model, optimizer, batch, count, before_optimizer=buffer.sum)
 
     median_step(max(steps, 100))
     costs: dict[str, list[float]] = {"off": [], "no split": [], "steps": []}
