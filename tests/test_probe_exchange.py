@@ -11,12 +11,8 @@ from typing import Any
 
 import pytest
 
-from dlprof_agent.probe.recorder import (
-    EXCHANGE_PHASE,
-    FORWARD_NOT_SEEN,
-    SPLIT,
-    Recorder,
-)
+from dlprof_agent.probe.messages import EXCHANGE_PHASE, SPLIT
+from dlprof_agent.probe.recorder import FORWARD_NOT_SEEN, Recorder
 from dlprof_agent.probe.torch_exchange import COLLECTIVES, CollectiveTiming
 from tests.test_probe_recorder import Clock
 

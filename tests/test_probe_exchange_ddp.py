@@ -20,7 +20,8 @@ import pytest
 
 from dlprof_agent.model.findings import rules
 from dlprof_agent.model.findings.window import Window
-from dlprof_agent.probe.recorder import EXCHANGE_PHASE, Recorder
+from dlprof_agent.probe.messages import EXCHANGE_PHASE
+from dlprof_agent.probe.recorder import Recorder
 from dlprof_agent.probe.torch_exchange import COLLECTIVES, CollectiveTiming
 from tests.conftest import REPO, agent_env, free_port
 from tests.test_findings import point, probe, window

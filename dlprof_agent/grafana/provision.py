@@ -17,7 +17,6 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, TextIO
 
 from dlprof_agent.errors import DlprofError, GrafanaError, UsageError
@@ -73,6 +72,8 @@ class Dashboard:
 def shipped_dashboards() -> list[Dashboard]:
     """Every dashboard JSON the package ships, by file name; read now, not listed in
     code, so a new dashboard file is provisioned without a change here."""
+    from importlib import resources  # here: every command's parser imports this module
+
     folder = resources.files("dlprof_agent.grafana") / "dashboards"
     dashboards = []
     for entry in sorted(folder.iterdir(), key=lambda entry: entry.name):

@@ -23,6 +23,11 @@ from typing import Any, TypedDict
 # A frame's object as decoded, before anything in it is checked.
 Frame = dict[str, object]
 
+# Values a reply carries that the agent's rules read: a phase's name and a split's
+# state. Here and not in the recorder, whose import the agent does without.
+EXCHANGE_PHASE = "exchange"  # waiting for the other ranks in collectives
+SPLIT = "split"
+
 
 # --- requests: agent -> probe --------------------------------------------------------
 

@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dlprof_agent.probe.messages import RecorderSnapshot
+from dlprof_agent.probe.messages import SPLIT, RecorderSnapshot
 
 if TYPE_CHECKING:
     from dlprof_agent.probe.trace_window import Capture
@@ -53,8 +53,6 @@ DEFAULT_MAX_LAYERS = 512
 OTHER_LAYER = "other"
 OTHER_PHASE = "other"  # the step's rest, when forward and backward were seen
 UNSPLIT_PHASE = "unsplit"  # the step's rest, when they were not: not read as "other"
-EXCHANGE_PHASE = "exchange"  # waiting for the other ranks in collectives
-SPLIT = "split"
 FORWARD_NOT_SEEN = "forward not seen"
 BACKWARD_NOT_SEEN = "backward not seen"
 COMPILED_GRAPH = "not split: compiled graph"

@@ -37,8 +37,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from dlprof_agent.probe.messages import EXCHANGE_PHASE
 from dlprof_agent.probe.patching import Patch
-from dlprof_agent.probe.recorder import EXCHANGE_PHASE, Recorder
+from dlprof_agent.probe.recorder import Recorder
 
 # Collectives and blocking point-to-point calls whose caller waits for its peers.
 # Those a torch release lacks are left out; all_gather_single and

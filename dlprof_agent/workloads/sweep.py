@@ -11,11 +11,9 @@ are what the agent saw from outside the job over its steady steps (columns
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -83,6 +81,8 @@ def run_point(base_args: Sequence[str], point: dict[str, Any]) -> dict[str, Any]
 def combine_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row for a point run several times: the median of every figure, plus
     the spread of the time per mini-batch, which says how noisy the machine was."""
+    import statistics  # here: `workload`'s options are read by every command's parser
+
     row = dict(runs[0])
     for key, first in runs[0].items():
         values = [run.get(key) for run in runs]
@@ -234,6 +234,8 @@ def plot(rows: list[dict[str, Any]], swept: str, path: Path) -> bool:
 
 
 def write_results(rows: list[dict[str, Any]], swept: Sequence[str], out: Path) -> list[Path]:
+    import csv
+
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.csv", out / "table.md"]
     written[0].write_text(json.dumps(rows, indent=2) + "\n")

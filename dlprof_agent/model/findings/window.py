@@ -3,16 +3,22 @@ few seconds of them, with the rates and shares the rules read."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from math import fsum
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
-from dlprof_agent.probe.recorder import EXCHANGE_PHASE, SPLIT
+from dlprof_agent.probe.messages import EXCHANGE_PHASE, SPLIT
+
+
+def _mean(values: list[float]) -> float:
+    # statistics.fmean's value (fsum over the length) without its import, which
+    # brings fractions and decimal into the daemon.
+    return fsum(values) / len(values)
 
 # ---- Timing ------------------------------------------------------------------------
 # Rates come from the samples of the last WINDOW_SECONDS: long enough to span
@@ -87,8 +93,7 @@ class Window:
         runnable = [p.runnable_threads for p in self.points]
         if any(r is None for r in runnable):
             return None
-        # A list, not a generator: fmean then sums it in one C call (same value).
-        return statistics.fmean(runnable)  # type: ignore[arg-type]  # no None: checked
+        return _mean(runnable)  # type: ignore[arg-type]  # no None: checked
 
     def main_thread_waits(self) -> tuple[float, float] | None:
         """The target's main thread over the window: (seconds it waited in a run queue
@@ -204,14 +209,14 @@ class Window:
             mine = [p for p in gpu.processes if p.pid in point.pids]
             shares = [p.sm_utilization_ratio for p in mine if p.sm_utilization_ratio is not None]
             if shares:
-                values.append(statistics.fmean(shares))
+                values.append(_mean(shares))
                 continue
             indexes = {p.gpu_index for p in mine}
             devices = [d.utilization_ratio for d in gpu.devices
                        if d.index in indexes and d.utilization_ratio is not None]
             if devices:
-                values.append(statistics.fmean(devices))
-        return statistics.fmean(values) if values else None
+                values.append(_mean(devices))
+        return _mean(values) if values else None
 
     def job_gpus(self) -> list[tuple[str, int | None, int | None]]:
         """(name, memory used, memory total) of each device the job holds memory on."""
