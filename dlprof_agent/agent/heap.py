@@ -15,7 +15,6 @@ out of the heap. Elsewhere than glibc this does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -26,11 +25,10 @@ MMAP_THRESHOLD_BYTES = 256 * 1024  # above the buffers of a usual reply or scrap
 
 def return_large_buffers() -> bool:
     """Whether the threshold was set (glibc only)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
+    # The process's own symbols, libc's among them: ctypes.util.find_library would
+    # run ldconfig in a subprocess, and import subprocess and more to do it.
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
