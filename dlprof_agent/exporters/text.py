@@ -52,34 +52,36 @@ def _escape_value(value: str) -> str:
 # that what has gone is not kept.
 class _Written:
     def __init__(self) -> None:
-        self.by_sample: dict[int, tuple[Sample, str]] = {}
+        self.by_sample: dict[int, tuple[Sample, bytes]] = {}
         self.by_series: dict[tuple[str, tuple[str, ...], tuple[str, ...]],
-                             tuple[float, str]] = {}
-        self.headers: dict[tuple[str, str, str], str] = {}
+                             tuple[float, bytes]] = {}
+        self.headers: dict[tuple[str, str, str], bytes] = {}
 
 
 _WRITTEN = _Written()
 
 
-def _line(sample: Sample) -> str:
+# Lines are kept as bytes and joined as bytes: a scrape of thousands of series
+# then makes one copy of the exposition, not a str and its encoded bytes at once.
+def _line(sample: Sample) -> bytes:
     labels = sample.labels
     if labels:
         pairs = ",".join(f'{key}="{_escape_value(labels[key])}"' for key in sorted(labels))
-        return f"{sample.name}{{{pairs}}} {_format_value(sample.value)}\n"
-    return f"{sample.name} {_format_value(sample.value)}\n"
+        return f"{sample.name}{{{pairs}}} {_format_value(sample.value)}\n".encode()
+    return f"{sample.name} {_format_value(sample.value)}\n".encode()
 
 
-def _header(family: Metric) -> str:
+def _header(family: Metric) -> bytes:
     name = family.name + "_total" if family.type == "counter" else family.name
     documentation = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-    return f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n"
+    return f"# HELP {name} {documentation}\n# TYPE {name} {family.type}\n".encode()
 
 
 def render_text(registry: Collector) -> bytes:
     families = list(registry.collect())
     if any(family.type not in _WRITTEN_TYPES for family in families):
         return generate_latest(registry)
-    lines: list[str] = []
+    lines: list[bytes] = []
     before, written = _WRITTEN.by_sample, {}
     series_before, series_written = _WRITTEN.by_series, {}
     headers_before, headers = _WRITTEN.headers, {}
@@ -107,4 +109,4 @@ def render_text(registry: Collector) -> bytes:
             written[id(sample)] = (sample, line)
             lines.append(line)
     _WRITTEN.by_sample, _WRITTEN.by_series, _WRITTEN.headers = written, series_written, headers
-    return "".join(lines).encode()
+    return b"".join(lines)
