@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from dlprof_agent.collectors.probe_samples import LayerSample
+from dlprof_agent.exporters import text
 from dlprof_agent.exporters.prometheus import NodeCollector, SnapshotCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.model.snapshot import NodeSnapshot
@@ -49,3 +50,24 @@ def test_families_it_does_not_write_itself_fall_back_to_prometheus_client() -> N
     registry = CollectorRegistry()
     registry.register(Mixed())
     assert render_text(registry) == generate_latest(registry)
+
+
+def test_lines_kept_by_series_are_bounded_and_the_output_stays_the_same() -> None:
+    """More series than the writer keeps by value: the first MAX_KEPT_SERIES are
+    kept, the rest are formatted anew, and every scrape reads as prometheus_client's."""
+    count = text.MAX_KEPT_SERIES + 500
+    values = [0.0] * count
+
+    class Wide:
+        def collect(self) -> list[GaugeMetricFamily]:
+            gauge = GaugeMetricFamily("dlprof_test_wide", "Many series.", labels=["i"])
+            for i, value in enumerate(values):
+                gauge.add_metric([str(i)], value)
+            return [gauge]
+
+    registry = CollectorRegistry()
+    registry.register(Wide())
+    for scrape in range(3):
+        values[-1] = values[0] = float(scrape)  # one kept series changes, one not kept
+        assert render_text(registry) == generate_latest(registry)
+        assert len(text._WRITTEN.by_series) == text.MAX_KEPT_SERIES
