@@ -143,6 +143,26 @@ def unavailable(reason: str = "cupti-python not installed in the job's environme
     return FakeBinding(refuse=CuptiUnavailable(reason))
 
 
+class SteppedTime:
+    """perf_counter and the fake CUPTI's clock, moved only by the test (``sleep``):
+    a rate measured on them comes out exact however loaded the machine is."""
+
+    def __init__(self, perf_seconds: float = 5_000.0) -> None:
+        self.perf = round(perf_seconds * 1e9)
+
+    def perf_ns(self) -> int:
+        return self.perf
+
+    def perf_seconds(self) -> float:
+        return self.perf / 1e9
+
+    def cupti_ns(self) -> int:
+        return self.perf + CUPTI_MINUS_PERF_NS
+
+    def sleep(self, seconds: float) -> None:
+        self.perf += round(seconds * 1e9)
+
+
 def now_on_cupti_clock(perf_seconds: float | None = None) -> int:
     seconds = time.perf_counter() if perf_seconds is None else perf_seconds
     return round(seconds * 1e9) + CUPTI_MINUS_PERF_NS
@@ -262,6 +282,7 @@ class FakeCupti:
 
     def __init__(self, *, version: str = "13.4", buffer_records: int | None = None,
                  now_ns: Callable[[], int] | None = None,
+                 time_source: SteppedTime | None = None,
                  timestamp_follows_callback: bool = True) -> None:
         self.version = version
         self.layouts = LAYOUTS[version]
@@ -273,7 +294,10 @@ class FakeCupti:
         self.subscribers: list[str] = []
         self.dropped = 0
         self.calls: list[str] = []
-        self._now_ns = now_ns or (lambda: time.perf_counter_ns() + CUPTI_MINUS_PERF_NS)
+        # The time the probe beside it must read too (its perf_ns and sleep), if given.
+        self.time_source = time_source
+        self._now_ns = now_ns or (time_source.cupti_ns if time_source is not None else
+                                  lambda: time.perf_counter_ns() + CUPTI_MINUS_PERF_NS)
         self._open: list[_Buffer] = []
         self._strings: dict[str, Any] = {}
         self._external: dict[int, list[tuple[int, int]]] = {}  # thread -> (kind, id)

@@ -23,6 +23,7 @@ from tests.fake_cupti import (
     FakeBinding,
     FakeCupti,
     FakeKineto,
+    SteppedTime,
     busy,
     now_on_cupti_clock,
     unavailable,
@@ -393,7 +394,9 @@ def cupti(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupti]:
     monkeypatch.setattr(cb, "_callbacks", None)
     # The records' clock is measured over a short baseline here (record_clock).
     monkeypatch.setattr(record_clock, "CALIBRATION_SECONDS", 0.2)
-    fake = FakeCupti()
+    # Its clock and the probe's perf_counter move only when the test moves them:
+    # measured rates and durations are exact under any load.
+    fake = FakeCupti(time_source=SteppedTime())
     yield fake
     with profiler_yield._lock:
         profiler_yield._tracers.clear()
@@ -412,22 +415,26 @@ def kineto_ran(fake: FakeCupti) -> None:
 def settle_clock(world: World, tracer: kt.KernelTracer, fake: FakeCupti) -> float:
     """Kernels of a busy GPU until the tracer knows its records' clock; its
     ticks per ns. Their name, "calibration", is left out of ``kernels``."""
-    deadline = time.monotonic() + 30
-    while tracer._record_clock is None or tracer._record_clock.state == "unknown":
-        assert time.monotonic() < deadline, "the records' clock was never measured"
+    assert fake.time_source is not None
+    for _ in range(100_000):
+        if tracer._record_clock is not None and tracer._record_clock.state != "unknown":
+            return tracer._record_clock.ticks_per_ns
         fake.kernel("calibration", 1_000)
         world.tick(tracer)
-        time.sleep(0.002)  # a busy GPU's pace: the baseline is real time
-    return tracer._record_clock.ticks_per_ns
+        fake.time_source.sleep(0.002)  # a busy GPU's pace
+    raise AssertionError("the records' clock was never measured")
 
 
 def real_tracer(world: World, fake: FakeCupti, **options: Any) -> kt.KernelTracer:
-    """The tracer, on the real binding, on ``fake``."""
+    """The tracer, on the real binding, on ``fake`` and its time."""
+    assert fake.time_source is not None
     tracer = kt.KernelTracer(continuous=True, max_layers=512,
                              binding_factory=lambda: cb.CuptiBinding(load=fake.load),
                              cuda_check=lambda: world.cuda,
                              profiler_check=lambda: world.profiler, clock=world.clock,
-                             environ=options.get("environ", {}))
+                             environ=options.get("environ", {}),
+                             perf_ns=fake.time_source.perf_ns,
+                             sleep=fake.time_source.sleep)
     tracer.recorder = Recorder(warmup_steps=0)
     return tracer
 
@@ -524,7 +531,8 @@ def test_a_trace_after_kineto_ran_has_right_times_and_durations(cupti: FakeCupti
     world.tick(tracer)
     settle_clock(world, tracer, cupti)
     assert tracer.start_capture(1, 60) == ""
-    t0 = time.perf_counter()
+    assert cupti.time_source is not None
+    t0 = cupti.time_source.perf_seconds()
     step_at(tracer, t0)
     cupti.kernel("conv_kernel", 3_000_000, start_ns=now_on_cupti_clock(t0 + 0.012))
     step_at(tracer, t0 + 0.1)

@@ -96,6 +96,7 @@ class Trickling:
 
     pid = 4242
     closed = stopped = False
+    requests_sent = replies_taken = 0
 
     def __init__(self) -> None:
         self.hello: dict[str, object] = {}

@@ -18,24 +18,25 @@ from dlprof_agent.reach.channel import ChannelTimeouts, ProbeSource
 from dlprof_agent.reach.connect import ProbeOptions, connect_probe
 from tests.conftest import agent_env
 
-# Steps, then a few seconds in one C call that keeps the GIL (sum over a range
-# never returns to the interpreter loop), sized on this machine's speed, then
-# steps again. The hold outlasts the probe's lease at 0.1 s (1.3 s).
+# Once told to go (a line on stdin), steps, then a few seconds in one C call that
+# keeps the GIL (libc's usleep through ctypes.PyDLL, which does not release it:
+# wall time, whatever the load), then steps again. The hold outlasts the probe's
+# lease at 0.1 s (1.3 s). The probe counts steps from the agent's start: a job
+# that stepped before it would have marks no agent was there to count.
 JOB = textwrap.dedent("""
-    import sys, time
+    import ctypes, sys, time
     from dlprof_agent import probe
     probe.enable()
+    libc = ctypes.PyDLL(None)
     print("ready", flush=True)
+    sys.stdin.readline()
     def steps(n):
         for _ in range(n):
             time.sleep(0.01)
             probe.step(samples=1)
     steps(50)
     started = time.perf_counter()
-    sum(range(10_000_000))  # a tenth of a second or so: enough to time the machine
-    terms = int(10_000_000 * HOLD_SECONDS / (time.perf_counter() - started))
-    started = time.perf_counter()
-    sum(range(terms))
+    libc.usleep(int(HOLD_SECONDS * 1e6))
     print(f"held {time.perf_counter() - started:.2f}", flush=True)
     steps(50)
     time.sleep(30)
@@ -45,12 +46,20 @@ JOB = textwrap.dedent("""
 @pytest.fixture
 def gil_holding_job() -> Iterator[subprocess.Popen[str]]:
     job = subprocess.Popen([sys.executable, "-c", JOB.replace("HOLD_SECONDS", "2.5")],
-                           env=agent_env(), stdout=subprocess.PIPE, text=True)
+                           env=agent_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
     assert job.stdout is not None
     assert job.stdout.readline().strip() == "ready"
     yield job
     job.kill()
     job.wait(10)
+
+
+def go(job: subprocess.Popen[str]) -> None:
+    """Let the job start stepping."""
+    assert job.stdin is not None
+    job.stdin.write("go\n")
+    job.stdin.flush()
 
 
 @pytest.mark.slow  # a real job holding the GIL for seconds
@@ -59,6 +68,7 @@ def test_a_job_holding_the_gil_answers_late_and_keeps_its_probe(
     client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False, warmup_steps=0),
                            interval=0.1)
     assert client is not None
+    go(gil_holding_job)  # its session is up: the probe answered its start
     source = ProbeSource(client, interval=0.1)  # a reply may take 0.25 s
     slowest_pass, repeated = 0.0, 0
     steps_seen: list[int] = []
@@ -94,6 +104,7 @@ def test_a_probe_silent_past_the_limit_is_dropped(
         monkeypatch: pytest.MonkeyPatch, gil_holding_job: subprocess.Popen[str]) -> None:
     client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False), interval=0.1)
     assert client is not None
+    go(gil_holding_job)
     now = [0.0]
     source = ProbeSource(client, interval=0.1, timeouts=ChannelTimeouts(late_limit_seconds=0.3),
                          clock=lambda: now[0])

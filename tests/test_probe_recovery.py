@@ -332,12 +332,15 @@ def test_after_exec_the_agent_says_the_pid_runs_another_program_and_reaches_its_
     (job.control / "exec").write_text(
         "import time\nfrom dlprof_agent import probe\nprobe.enable()\n"
         "while True:\n    time.sleep(0.01)\n    probe.step(samples=1)\n")
-    wait_for(lambda: not probe_up(port), "the old program's probe to be gone", 20)
+    # What the agent said, not a probe_up of 0: that lasts a pass or two, which a
+    # slow poll can miss.
+    exec_said = f"process {job.pid} now runs another program (exec)"
+    wait_for(lambda: exec_said in said(agent), "the agent to say the pid exec'd", 20)
     wait_for(lambda: probe_up(port), "the new program's probe", 40)
     stderr = stderr_of(agent)
-    assert f"process {job.pid} now runs another program (exec)" in stderr, stderr
     assert "import time" in stderr  # the new command line is named
-    assert f"probe back in pid {job.pid}" in stderr
+    back = f"probe back in pid {job.pid}"
+    assert back in stderr.split(exec_said, 1)[1], stderr  # the old probe was let go
 
 
 def test_a_job_ended_by_sigterm_leaves_no_socket_behind_the_next_probe(

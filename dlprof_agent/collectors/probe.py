@@ -214,6 +214,9 @@ class ProbeClient:
         self.layers = layers  # the agent asked for layer times: without, none is kept
         self._received = bytearray()  # a reply's bytes so far, kept across timeouts
         self._awaiting: str | None = None  # the command whose reply has not arrived
+        # Reply k answers request k (in order, one at a time): replies_taken past n
+        # says the probe answered a request sent after the n-th.
+        self.requests_sent = self.replies_taken = 0
         # The whole of one read of a reply, however the probe spreads its bytes: a
         # timeout per recv() would be reset by every byte of a reply that drips.
         self._reply_seconds = connection.gettimeout() or REPLY_SECONDS
@@ -311,6 +314,7 @@ class ProbeClient:
         finally:
             self._connection.settimeout(self._reply_seconds)
         self._awaiting = None
+        self.replies_taken += 1
         return reply
 
     def request(self, command: str, args: Mapping[str, object] | None = None) -> Frame:
@@ -321,6 +325,7 @@ class ProbeClient:
         if args is not None:
             message["args"] = args
         self._connection.sendall(encode(message))
+        self.requests_sent += 1
         self._awaiting = command
         return self._reply()
 
@@ -347,6 +352,7 @@ class ProbeClient:
         off the socket undecoded. Raises ReplyLate as _reply does; the next call
         takes the rest off first."""
         self._connection.sendall(encode({"command": "snapshot"}))
+        self.requests_sent += 1
         self._awaiting = "snapshot"
         self._dropping = -1  # until its header says how long it is
         self._drop_reply()
@@ -378,6 +384,7 @@ class ProbeClient:
         finally:
             self._connection.settimeout(timeout)
         self._awaiting = None
+        self.replies_taken += 1
 
     def _wait_readable(self, deadline: float) -> None:
         if (left := deadline - time.monotonic()) <= 0:

@@ -89,13 +89,16 @@ class KernelTracer:
                  cuda_check: Callable[[], bool] | None = None,
                  profiler_check: Callable[[], str] = foreign_profiler,
                  clock: Callable[[], float] = time.monotonic,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None,
+                 perf_ns: Callable[[], int] = time.perf_counter_ns,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.continuous = continuous
         self.max_layers = max_layers
         self._factory = binding_factory or BINDING_FACTORY
         self._cuda_check = cuda_check or CUDA_CHECK
         self._profiler_check = profiler_check
         self._clock = clock
+        self._perf_ns, self._sleep = perf_ns, sleep  # what the records' clock is measured on
         self._environ = os.environ if environ is None else environ
         # The job's threads stand us aside (profiler_yield) while the probe thread ticks.
         self._lock = threading.RLock()
@@ -222,7 +225,8 @@ class KernelTracer:
         # Another client may have put its clock on the records since we last traced.
         if self._record_clock is not None:
             self._unmeasured_before += self._record_clock.dropped_batches
-        self._record_clock = record_clock.RecordClock(binding.timestamp_ns)
+        self._record_clock = record_clock.RecordClock(binding.timestamp_ns, self._perf_ns,
+                                                      self._sleep)
         if self._aggregator is None:  # kept across restarts: the counters stay monotonic
             self._aggregator = kernel_totals.KernelAggregator()
         self._aggregator.names.forget_pointers()  # a restarted CUPTI has new strings

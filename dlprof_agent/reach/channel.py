@@ -160,6 +160,8 @@ class ProbeSource:
                 self._try_again()
                 return None
         now = self._clock()
+        # Read before asking: a reply read after an exec may have been sent before it.
+        identity, asked = program_identity(self.pid), client.requests_sent
         try:
             sample = client.snapshot()
         except ReplyLate as late:
@@ -193,7 +195,9 @@ class ProbeSource:
             self._drop(client, str(error) or type(error).__name__)
             self._check_program(probe_answers=False)
             return None
-        self._check_program(probe_answers=True)
+        if identity is not None:  # only a reply to this pass's request shows it outlived it
+            self._check_program(probe_answers=True if client.replies_taken > asked else None,
+                                identity=identity)
         if not self._answering or self._waiting:
             self._answering = True
             self._say_back(client)
@@ -242,17 +246,26 @@ class ProbeSource:
                      or "no framework imported yet")
         self._waiting = ""
 
-    def _check_program(self, *, probe_answers: bool) -> None:
+    def _check_program(self, *, probe_answers: bool | None,
+                       identity: ProgramIdentity | None = None) -> None:
         """After exec the pid runs a new program: say so, and reach its probe afresh.
         A new command line under the same executable while the probe still answers
-        is a job renaming itself (setproctitle), not an exec: exec closes the probe."""
-        identity = program_identity(self.pid)
+        is a job renaming itself (setproctitle), not an exec: exec closes the probe.
+        ``probe_answers``: whether it answered a request sent after ``identity`` was
+        read (read now if not given); None: this pass cannot tell (a held sample, or
+        a late reply to an earlier pass), so a new command line waits for one that can."""
+        if identity is None:
+            identity = program_identity(self.pid)
         previous = self._identity
         if identity is None or previous is None or identity == previous:
             return
+        if identity.executable == previous.executable:
+            if probe_answers is None:
+                return
+            if probe_answers:
+                self._identity = identity
+                return
         self._identity = identity
-        if probe_answers and identity.executable == previous.executable:
-            return
         log.warning("process %d now runs another program (exec): %s, was %s; its metrics "
                     "from here on are the new program's", self.pid, identity.describe(),
                     previous.describe())
