@@ -277,3 +277,23 @@ def test_a_trace_window_times_the_layers_of_warm_up_steps_too() -> None:
     recorder.capture = Capture(2, deadline=1e9, offset_ns=0)
     recorder.step_boundary("optimizer", now=3.0)
     assert recorder.layer_step and recorder.steps["warmup"] == 2
+
+
+def test_a_step_mark_during_the_probes_own_import_is_dropped_not_raised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An injection imports the runtime on the probe's thread while the job marks
+    steps: the job may meet half a module, or a ``current`` that fails."""
+    import sys
+    import types
+
+    from dlprof_agent import probe
+
+    half = types.ModuleType(probe._RUNTIME)  # no ``current`` yet
+    monkeypatch.setitem(sys.modules, probe._RUNTIME, half)
+    probe.step(32)
+
+    def broken() -> None:
+        raise NameError("_probe")
+
+    half.current = broken  # type: ignore[attr-defined]
+    probe.step(32)

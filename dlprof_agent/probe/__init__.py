@@ -40,10 +40,12 @@ def enable() -> bool:
 def step(samples: int | None = None) -> None:
     """Mark the end of a training step, with its number of samples. Cheap when
     no agent is attached; outranks the automatic step detection when one is."""
-    runtime = sys.modules.get(_RUNTIME)  # not imported: no probe was ever started
-    probe = runtime.current() if runtime is not None else None
-    if probe is not None:
-        with contextlib.suppress(Exception):
+    # Not imported: no probe was ever started. Being imported (an injection on
+    # the probe's thread): half a module, whose names may not be there yet.
+    current = getattr(sys.modules.get(_RUNTIME), "current", None)
+    with contextlib.suppress(Exception):
+        probe = current() if current is not None else None
+        if probe is not None:
             probe.mark_step(samples)
 
 

@@ -1,6 +1,7 @@
 """The probe's socket server: one daemon thread that sleeps on a Unix socket
 until an agent connects, reads frames as they come, and hands each to the
-command handlers (``handlers.py``).
+command handlers (``handlers.py``), imported when the first connection comes:
+until then the probe is a thread and a socket, cheap to start in every process.
 
 Safety outranks everything here. Every failure is caught and counted, and when
 the agent goes away (closed socket, or silence longer than the lease) the hooks
@@ -20,7 +21,6 @@ import time
 from typing import TYPE_CHECKING
 
 from dlprof_agent.errors import ConnectionClosed, ProtocolError
-from dlprof_agent.probe import handlers
 from dlprof_agent.probe.protocol import (
     MAX_REQUEST_BYTES,
     bytes_wanted,
@@ -346,6 +346,7 @@ class Probe:
     def _second_connection(self, connection: socket.socket, peer_uid: int,
                            message: Frame, session: Session) -> None:
         """An agent is attached: a trace client may work beside it (handlers.answer_second)."""
+        from dlprof_agent.probe import handlers
         reply, beside = handlers.answer_second(session, message, peer_uid,
                                                self._side is not None, self.dropped)
         self._reply(connection, reply)
@@ -355,6 +356,7 @@ class Probe:
         connection.close()
 
     def _receive_side(self, connection: socket.socket) -> None:
+        from dlprof_agent.probe import handlers
         session = self.session
         try:
             message = read_frame(connection, max_bytes=MAX_REQUEST_BYTES,
@@ -382,6 +384,7 @@ class Probe:
 
     def _handshake(self, connection: socket.socket, peer_pid: int, peer_uid: int,
                    message: Frame) -> None:
+        from dlprof_agent.probe import handlers
         session, refusal = handlers.open_session(connection, peer_pid, peer_uid, message,
                                                  self.dropped)
         if session is None:
@@ -397,6 +400,7 @@ class Probe:
                                                persistent=self.persistent))
 
     def _receive(self, session: Session) -> None:
+        from dlprof_agent.probe import handlers
         try:
             message = read_frame(session.connection, max_bytes=MAX_REQUEST_BYTES,
                                  seconds=FRAME_SECONDS)
@@ -434,5 +438,6 @@ class Probe:
             self.close()  # injected: leave nothing listening behind
 
     def _count(self, reason: str) -> None:
+        from dlprof_agent.probe import handlers
         handlers.count(self.dropped, reason)
 
