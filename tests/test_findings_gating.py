@@ -17,7 +17,8 @@ import pytest
 from dlprof_agent.model.findings import rules
 from dlprof_agent.model.findings.window import Window
 from dlprof_agent.probe import distributed
-from dlprof_agent.probe.recorder import BACKWARD_NOT_SEEN, COMPILED_GRAPH, SPLIT
+from dlprof_agent.probe.messages import SPLIT
+from dlprof_agent.probe.recorder import BACKWARD_NOT_SEEN, COMPILED_GRAPH
 from tests.test_findings import gpu, point, probe, window
 
 

@@ -5,6 +5,7 @@ rename only when the probe answered a request sent after it was read."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 
@@ -29,7 +30,8 @@ class Probe:
         self.hello: dict[str, object] = {}
         self.requests_sent = self.replies_taken = 0
         self.then: list[str] = []  # per call: "fresh", "stale", "closed"
-        self.after_reply = lambda: None  # what the process does once it has replied
+        # What the process does once it has replied.
+        self.after_reply: Callable[[], object] = lambda: None
 
     def set_timeout(self, seconds: float) -> None:
         pass

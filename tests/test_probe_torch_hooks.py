@@ -129,19 +129,19 @@ def test_inplace_activations_and_tuple_outputs_are_not_disturbed() -> None:
 
 def test_a_paused_session_takes_every_hook_out_and_keeps_its_totals() -> None:
     import socket
-    import time
 
     from dlprof_agent.probe.session import DEFAULT_OPTIONS, Session, checked_options
 
     job = Job()
+    clock = SteppedClock()  # the steps' and the pause's lengths, whatever the load
     left, right = socket.socketpair()
     with left, right:
         session = Session(left, 1, 0, checked_options(
             {"warmup_steps": 0, "layers": True, "layers_every": 2}, DEFAULT_OPTIONS))
+        session.recorder.clock = clock  # before the hooks, which take it when made
         errors: dict[str, int] = {}
         session.install_new_hooks(errors)
-        for _ in range(8):
-            job.step()
+        clock.steps(job, 8)
         before = session.recorder.snapshot()
         priced = session.cpu_seconds()["hooks"]
         assert before["steps"]["steady"] >= 6 and priced > 0
@@ -150,26 +150,40 @@ def test_a_paused_session_takes_every_hook_out_and_keeps_its_totals() -> None:
         assert hooks_left(job) == 0
         session.install_new_hooks(errors)  # as every snapshot does: not while paused
         assert hooks_left(job) == 0
-        for _ in range(5):
-            job.step()
-        time.sleep(0.3)  # longer than any step: counted as one, it would show
+        clock.steps(job, 5)
+        clock.now += 100.0  # a pause longer than any step
         assert session.recorder.snapshot()["steps"] == before["steps"]
         assert session.cpu_seconds()["hooks"] == priced
 
         session.reconfigure(checked_options({"paused": False}, session.options()), errors)
-        for _ in range(8):
-            job.step()
+        clock.steps(job, 8)
         after = session.recorder.snapshot()
         assert after["steps"]["steady"] >= before["steps"]["steady"] + 5
         assert after["layer_sampled_steps"] > before["layer_sampled_steps"]
-        # The pause is no step: none as long as it was counted (the job's own steps
-        # take milliseconds, however loaded the machine).
+        # The pause is no step: none as long as it was counted.
         assert after["step_buckets"] == before["step_buckets"]
-        assert _steps_over(after, 0.25) == _steps_over(before, 0.25)
+        assert _steps_over(after, 0.25) == _steps_over(before, 0.25) == 0
         assert session.cpu_seconds()["hooks"] > priced
         assert errors == {} and after["hook_errors"] == 0
         session.remove_hooks()
     assert hooks_left(job) == 0
+
+
+class SteppedClock:
+    """The recorder's clock, moved by the test: each step takes STEP_SECONDS."""
+
+    STEP_SECONDS = 0.01
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def steps(self, job: Job, count: int) -> None:
+        for _ in range(count):
+            self.now += self.STEP_SECONDS
+            job.step()
 
 
 def _steps_over(snapshot: Any, seconds: float) -> int:
