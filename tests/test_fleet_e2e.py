@@ -190,8 +190,11 @@ def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not
             start_node(processes, tmp_path, node, master_port, "--pin", "--batch",
                        str(SHORT_STEP_BATCH))
         try:
-            alerts = wait_for(lambda: firing(prometheus, ".*[Ss]traggler.*"),
-                              "the straggler alert for the starved rank", 240)
+            try:
+                alerts = wait_for(lambda: firing(prometheus, ".*[Ss]traggler.*"),
+                                  "the straggler alert for the starved rank", 240)
+            except AssertionError as error:
+                raise AssertionError(f"{error}; {what_prometheus_saw(prometheus)}") from None
             assert {(a["job_id"], a["rank"]) for a in alerts} == {(JOB_ID, SLOW_RANK)}
             assert "cpu_starved" in {a["cause"] for a in alerts}, alerts
             # While the straggler holds, the wait is its doing: no slow exchange.
@@ -207,6 +210,30 @@ def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not
                   "s, excess", excess and excess[0]["value"][1], "s")
         finally:
             stop_launchers(tmp_path, processes[launchers:])
+
+
+def what_prometheus_saw(prometheus: Prometheus) -> str:
+    """Each rank's probe, step rate, run-queue wait and the straggler excess: why
+    an alert did not fire, in the failure's message."""
+    queries = {
+        "probe_up": "dlprof_probe_up",
+        "steps/s": "rate(dlprof_steps_total[1m])",
+        "run-queue share": "rate(dlprof_process_main_thread_run_queue_wait_seconds_total[1m])"
+                           " / rate(dlprof_process_main_thread_run_seconds_total[1m])",
+        "excess": RANK_STRAGGLER_EXCESS,
+        "pending": "ALERTS",
+    }
+    seen = []
+    for name, query in queries.items():
+        try:
+            rows = prometheus.query(query)
+        except Exception as error:
+            seen.append(f"{name}: {error!r:.100}")
+            continue
+        seen.append(f"{name}: " + ", ".join(
+            f"{row['metric'].get('rank', row['metric'].get('alertname', '?'))}="
+            f"{row['value'][1]}" for row in rows[:8]))
+    return "; ".join(seen)
 
 
 HEALTHY_SECONDS = 600.0
