@@ -24,13 +24,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
-from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, OTHER_LAYER, STEP_BUCKETS
+from dlprof_agent.probe_link.samples import LayerSample, ProbeSample
 
 MAX_LAYER_NAMES = DEFAULT_MAX_LAYERS + 1  # the named ones and "other"
 THREAD_NAMES = ("pt_main_thread", "pt_autograd_0", "python", "omp_worker", "pt_dataloader",

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Processes, median_interval, percentile
-from dlprof_agent.collectors.probe import ProbeClient, find_probe_socket
+from dlprof_agent.probe_link.client import ProbeClient, find_probe_socket
 
 POLL_SECONDS = 1.0  # the agent's default interval
 

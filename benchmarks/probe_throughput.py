@@ -134,9 +134,9 @@ def poll_costs(polls: int) -> dict[str, float]:
     agent's work to decode it."""
     import json
 
-    from dlprof_agent.collectors.probe_samples import ProbeSample
     from dlprof_agent.probe.protocol import HEADER, encode
     from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, Recorder
+    from dlprof_agent.probe_link.samples import ProbeSample
 
     recorder = Recorder(warmup_steps=0)
     for step in range(20):

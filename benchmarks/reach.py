@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlprof_agent.probe.bootstrap import package_parent
-from dlprof_agent.reach.channel import RETRY_SECONDS
-from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.probe_link.channel import RETRY_SECONDS
+from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "docs" / "reach.md"

@@ -136,10 +136,10 @@ def _busy(processes: Processes, threads: int, children: int, duty: float
 def layer_costs(layers: int, passes: int) -> tuple[float, float]:
     """CPU per poll in the job (snapshot + encode) and in the agent (decode +
     render of the probe's families), with ``layers`` layer names."""
-    from dlprof_agent.collectors.probe_samples import ProbeSample
     from dlprof_agent.exporters.probe_families import probe_families
     from dlprof_agent.probe.protocol import HEADER, encode
     from dlprof_agent.probe.recorder import Recorder
+    from dlprof_agent.probe_link.samples import ProbeSample
 
     recorder = Recorder(warmup_steps=0)
     for step in range(20):

@@ -8,7 +8,11 @@ import time
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.identity import Identity
-from dlprof_agent.collectors.probe_samples import (
+from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.collectors.threads import ThreadGroupSample
+from dlprof_agent.model.findings.catalogue import KINDS_BY_ID, Finding
+from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
+from dlprof_agent.probe_link.samples import (
     KernelDurations,
     KernelRow,
     KernelSample,
@@ -17,10 +21,6 @@ from dlprof_agent.collectors.probe_samples import (
     MemcpyRow,
     ProbeSample,
 )
-from dlprof_agent.collectors.process import ProcessSample
-from dlprof_agent.collectors.threads import ThreadGroupSample
-from dlprof_agent.model.findings.catalogue import KINDS_BY_ID, Finding
-from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 
 
 def full_snapshot(pid: int = 4242) -> Snapshot:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import runpy
 
-from dlprof_agent.reach import channel
+from dlprof_agent.probe_link import channel
 
 # Long enough that a reply held up by a loaded machine is not taken for a late one.
 LATE_LIMIT_SECONDS = 3.0

@@ -39,10 +39,10 @@ from typing import Any
 
 import pytest
 
-from dlprof_agent.collectors.probe import held_sockets
 from dlprof_agent.collectors.procfs import read_task_stats
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.probe.protocol import socket_name
+from dlprof_agent.probe_link.client import held_sockets
 from tests.conftest import PROMETHEUS, agent_env, free_port, wait_for
 from tests.helpers import SCRAPE_TIMEOUT_SECONDS
 from tests.test_adversarial_tenancy import (

@@ -160,7 +160,7 @@ def test_probe_sockets_are_found_by_name(tmp_path: Path) -> None:
     (tmp_path / "probe-4242.sock").touch()
     (tmp_path / "probe-x.sock").touch()
     (tmp_path / "other.sock").touch()
-    from dlprof_agent.collectors.probe import probe_socket_pids
+    from dlprof_agent.probe_link.client import probe_socket_pids
 
     assert probe_socket_pids([str(tmp_path)]) == {4242}
     # A name alone is not a job: pid 4242 here (if any) has no socket of its own

@@ -27,8 +27,8 @@ PACKAGE = Path(errors.__file__).parent
 # Exceptions defined elsewhere on purpose, each with why it is not part of the hierarchy.
 SIGNALS_NOT_ERRORS = {
     "StopRequested",  # agent/loop.py: SIGTERM, a BaseException like KeyboardInterrupt
-    "ReplyLate",  # collectors/probe.py: "no reply yet", a TimeoutError the channel retries
-    "NoProbe",  # reach/connect.py: why there is no probe, turned into a message there
+    "ReplyLate",  # probe_link/client.py: "no reply yet", a TimeoutError the channel retries
+    "NoProbe",  # probe_link/connect.py: why there is no probe, turned into a message there
     "_NeverRaised",  # collectors/nvml.py: a placeholder for an optional pynvml class
     # The reference workloads run as jobs without the agent; the CLI turns these into
     # UsageError (cli/workload_run.py).

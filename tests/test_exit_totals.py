@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from dlprof_agent.agent.exit_totals import ExitedTargets
 from dlprof_agent.agent.serve import make_sampler
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.probe_link.samples import ProbeSample
 from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
 from tests.test_findings import probe
 

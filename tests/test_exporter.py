@@ -18,12 +18,12 @@ from dlprof_agent import __version__
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.identity import Identity
-from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.probe_link.samples import LayerSample, ProbeSample
 from tests.helpers import SCRAPE_TIMEOUT_SECONDS
 
 PID = 4242

@@ -24,7 +24,6 @@ from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSample, GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
-from dlprof_agent.collectors.probe_samples import KernelRow, KernelSample, ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.model.findings import rules
@@ -36,6 +35,7 @@ from dlprof_agent.model.findings.tracker import (
 )
 from dlprof_agent.model.findings.window import MIN_WINDOW_SECONDS, WINDOW_SECONDS, Point, Window
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
+from dlprof_agent.probe_link.samples import KernelRow, KernelSample, ProbeSample
 from tests.conftest import agent_env
 
 PID = 4242

@@ -44,7 +44,7 @@ from dlprof_agent.collectors.identity import (
     tf_config_task,
     with_probe,
 )
-from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS
+from dlprof_agent.collectors.labels import MAX_LABEL_CHARS
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.procfs import CgroupEntry, ProcessFiles
 from dlprof_agent.errors import TargetGone

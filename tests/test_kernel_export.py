@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuSample
-from dlprof_agent.collectors.probe_samples import KernelSample, ProbeSample
 from dlprof_agent.errors import ProtocolError
 from dlprof_agent.exporters.prometheus import SnapshotCollector
 from dlprof_agent.probe import kernel_tracer as kt
+from dlprof_agent.probe_link.samples import KernelSample, ProbeSample
 from tests.cupti_records import DTOH, HTOD, BufferBuilder
 from tests.fake_cupti import FakeBinding, now_on_cupti_clock
 from tests.full_snapshot import full_snapshot

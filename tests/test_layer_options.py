@@ -7,7 +7,7 @@ import pytest
 from dlprof_agent.cli.main import build_parser
 from dlprof_agent.probe.session import DEFAULT_OPTIONS
 from dlprof_agent.probe.session import checked_options as _options
-from dlprof_agent.reach.connect import ProbeOptions, _start_options
+from dlprof_agent.probe_link.connect import ProbeOptions, _start_options
 
 
 @pytest.mark.parametrize(("text", "fraction"), [("1%", 0.01), ("0.5%", 0.005), ("0.02", 0.02),

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from dlprof_agent.agent.status import Summary
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.exporters.probe_families import probe_families
 from dlprof_agent.probe.recorder import COMPILED_GRAPH, LayerSampling, Recorder
+from dlprof_agent.probe_link.samples import ProbeSample
 from tests.full_snapshot import full_snapshot
 
 

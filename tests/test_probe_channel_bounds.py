@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlprof_agent.collectors.probe_samples import MAX_LAYER_ROWS, ProbeSample
 from dlprof_agent.errors import ProtocolError
 from dlprof_agent.probe.protocol import (
     HEADER,
@@ -33,6 +32,7 @@ from dlprof_agent.probe.protocol import (
     take_frame,
 )
 from dlprof_agent.probe.recorder import Recorder
+from dlprof_agent.probe_link.samples import MAX_LAYER_ROWS, ProbeSample
 
 QUICK = settings(max_examples=150, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -15,16 +15,16 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from dlprof_agent.agent.daemon import Daemon, DaemonOptions, Discovery, Target
-from dlprof_agent.agent.probe_exchanges import ProbeExchanges
 from dlprof_agent.agent.snapshot_builder import SnapshotBuilder, TargetReaders, error_log
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
-from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.exporters.prometheus import NodeCollector, registry_of
 from dlprof_agent.probe.protocol import HEADER, encode
-from dlprof_agent.reach.channel import ChannelTimeouts, ProbeSource
+from dlprof_agent.probe_link.channel import ChannelTimeouts, ProbeSource
+from dlprof_agent.probe_link.client import ProbeClient, ReplyLate
+from dlprof_agent.probe_link.exchanges import ProbeExchanges
+from dlprof_agent.probe_link.samples import ProbeSample
 
 DRIP_SECONDS = 0.05
 

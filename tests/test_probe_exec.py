@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from dlprof_agent.collectors.probe_samples import ProbeSample
-from dlprof_agent.reach import channel
-from dlprof_agent.reach.channel import ProbeSource
+from dlprof_agent.probe_link import channel
+from dlprof_agent.probe_link.channel import ProbeSource
+from dlprof_agent.probe_link.samples import ProbeSample
 from dlprof_agent.reach.target import ProgramIdentity
 from tests.test_probe_deadlines import probe_sample
 

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.probe.protocol import HEADER, encode, take_frame
-from dlprof_agent.reach.channel import ChannelTimeouts, ProbeSource
-from dlprof_agent.reach.connect import ProbeOptions, connect_probe
+from dlprof_agent.probe_link.channel import ChannelTimeouts, ProbeSource
+from dlprof_agent.probe_link.client import ProbeClient, ReplyLate
+from dlprof_agent.probe_link.connect import ProbeOptions, connect_probe
 from tests.conftest import agent_env
 
 # Once told to go (a line on stdin), steps, then a few seconds in one C call that

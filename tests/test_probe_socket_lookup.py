@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dlprof_agent.collectors.probe import find_probe_socket
+from dlprof_agent.probe_link.client import find_probe_socket
 
 
 def fake_process(procfs: Path, pid: int, *, environ: dict[str, str], namespace_pid: int,

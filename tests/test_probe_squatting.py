@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dlprof_agent.collectors.probe import held_sockets, probe_socket_paths
 from dlprof_agent.probe import server
 from dlprof_agent.probe.protocol import socket_name
-from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.probe_link.client import held_sockets, probe_socket_paths
+from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
 from tests.conftest import REPO, agent_env
 
 # A job whose probe finds every usual place taken: its candidates are only the

@@ -15,16 +15,16 @@ from collections.abc import Iterator
 import pytest
 
 from dlprof_agent.collectors import procfs
-from dlprof_agent.collectors.probe import ProbeClient
 from dlprof_agent.errors import ProbeAlreadyAttached
 from dlprof_agent.probe.session import DEFAULT_OPTIONS, Session, checked_options
-from dlprof_agent.reach.channel import (
+from dlprof_agent.probe_link.channel import (
     DEFAULT_TIMEOUTS,
     LATE_LIMIT_SECONDS,
     ChannelTimeouts,
     ProbeSource,
 )
-from dlprof_agent.reach.connect import ProbeOptions, try_connect
+from dlprof_agent.probe_link.client import ProbeClient
+from dlprof_agent.probe_link.connect import ProbeOptions, try_connect
 from tests.conftest import agent_env, wait_for
 
 JOB = textwrap.dedent("""

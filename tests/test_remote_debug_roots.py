@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import reach
-from dlprof_agent.collectors.probe import ProbeClient
 from dlprof_agent.errors import InjectionRefused
-from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.probe_link.client import ProbeClient
+from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.mapped_files import read_memory
 from dlprof_agent.reach.remote_debug import (

@@ -1,8 +1,8 @@
 """What a wide reply costs the agent: rows past the target's series budget are
-folded before any per-row object is built (collectors/reply_rows.py), with the
+folded before any per-row object is built (probe_link/reply_rows.py), with the
 same result as folding them after and the drops counted; every value is still
 checked; a reply larger than a pass's byte budget is decoded only every few
-passes (collectors/reply_pacing.py), while a ResNet-sized one is decoded every
+passes (probe_link/reply_pacing.py), while a ResNet-sized one is decoded every
 pass; and what a sample kept from one pass to the next renders is built and
 written once (exporters/prometheus.py, exporters/text.py)."""
 
@@ -21,10 +21,6 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from dlprof_agent.collectors import reply_pacing
-from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
-from dlprof_agent.collectors.probe_samples import OTHER, ProbeSample
-from dlprof_agent.collectors.series_budget import SeriesBudget, fold, probe_series
 from dlprof_agent.errors import ProtocolError
 from dlprof_agent.exporters import prometheus
 from dlprof_agent.exporters.probe_families import probe_families
@@ -32,6 +28,10 @@ from dlprof_agent.exporters.text import render_text
 from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe import protocol
 from dlprof_agent.probe.protocol import MAX_REQUEST_BYTES, encode, read_frame
+from dlprof_agent.probe_link import reply_pacing
+from dlprof_agent.probe_link.client import ProbeClient, ReplyLate
+from dlprof_agent.probe_link.samples import OTHER, ProbeSample
+from dlprof_agent.probe_link.series_budget import SeriesBudget, fold, probe_series
 from tests.full_snapshot import full_snapshot
 from tests.test_probe_channel_bounds import real_reply
 from tests.test_series_budget import rendered_series, wide_reply

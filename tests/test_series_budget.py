@@ -11,14 +11,7 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS, OTHER, ProbeSample
-from dlprof_agent.collectors.series_budget import (
-    SeriesBudget,
-    fold,
-    probe_series,
-    process_series,
-    share,
-)
+from dlprof_agent.collectors.labels import MAX_LABEL_CHARS
 from dlprof_agent.exporters.families import agent_families
 from dlprof_agent.exporters.probe_families import probe_families
 from dlprof_agent.model.findings import rules
@@ -26,6 +19,14 @@ from dlprof_agent.model.findings.catalogue import Finding
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.findings.window import Window, point_of
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
+from dlprof_agent.probe_link.samples import OTHER, ProbeSample
+from dlprof_agent.probe_link.series_budget import (
+    SeriesBudget,
+    fold,
+    probe_series,
+    process_series,
+    share,
+)
 from tests.full_snapshot import full_snapshot
 
 LAYERS = 4096

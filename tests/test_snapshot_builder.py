@@ -29,10 +29,10 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.nvml import Nvml
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import AgentSelfSample
+from dlprof_agent.probe_link.samples import ProbeSample
 from tests.fake_nvml import FakeDevice, FakeNvml, ProcessInfo
 
 # The sleepers carry a marker of this worker: tests of this file run on

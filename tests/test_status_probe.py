@@ -6,8 +6,8 @@ import dataclasses
 import io
 
 from dlprof_agent.agent.status import LiveStatus, Summary
-from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.probe_link.samples import LayerSample, ProbeSample
 from tests.full_snapshot import full_snapshot
 
 

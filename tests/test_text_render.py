@@ -8,11 +8,11 @@ import dataclasses
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
-from dlprof_agent.collectors.probe_samples import LayerSample
 from dlprof_agent.exporters import text
 from dlprof_agent.exporters.prometheus import NodeCollector, SnapshotCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.model.snapshot import NodeSnapshot
+from dlprof_agent.probe_link.samples import LayerSample
 from tests.full_snapshot import full_snapshot
 
 

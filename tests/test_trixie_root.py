@@ -25,12 +25,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks import reach
-from dlprof_agent.collectors.probe import ProbeClient
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow
+from dlprof_agent.probe_link.client import ProbeClient
+from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
 from dlprof_agent.reach import gdb
 from dlprof_agent.reach import inject as injector
 from dlprof_agent.reach.call_plan import plan_calls
-from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
 from dlprof_agent.reach.gdb import inject_with_gdb
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.mapped_files import read_memory

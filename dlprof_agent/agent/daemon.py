@@ -42,22 +42,13 @@ from dlprof_agent.agent.loop import (
     sample_health,
     sigterm_stops,
 )
-from dlprof_agent.agent.probe_exchanges import ReportsCondition
-from dlprof_agent.agent.probe_start import STOP_INJECTION_WAIT_SECONDS
 from dlprof_agent.agent.snapshot_builder import GpuReader, HostReader, SnapshotBuilder, error_log
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.identity import RANK_MARKERS, carries_rank
 from dlprof_agent.collectors.limits import LimitsCollector
-from dlprof_agent.collectors.probe import find_probe_socket, probe_socket_pids
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.process_table import ProcessTable
-from dlprof_agent.collectors.series_budget import (
-    DEFAULT_AGENT_SERIES,
-    DEFAULT_TARGET_SERIES,
-    SeriesBudget,
-)
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.prometheus import NodeCollector
@@ -65,13 +56,22 @@ from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
-from dlprof_agent.reach.channel import (
+from dlprof_agent.probe_link.channel import (
     DEFAULT_TIMEOUTS,
     ChannelTimeouts,
     ProbeSource,
     open_probe,
 )
-from dlprof_agent.reach.connect import ProbeOptions
+from dlprof_agent.probe_link.client import find_probe_socket, probe_socket_pids
+from dlprof_agent.probe_link.connect import ProbeOptions
+from dlprof_agent.probe_link.exchanges import ReportsCondition
+from dlprof_agent.probe_link.samples import ProbeSample
+from dlprof_agent.probe_link.series_budget import (
+    DEFAULT_AGENT_SERIES,
+    DEFAULT_TARGET_SERIES,
+    SeriesBudget,
+)
+from dlprof_agent.probe_link.start import STOP_INJECTION_WAIT_SECONDS
 
 log = logging.getLogger("dlprof_agent")
 

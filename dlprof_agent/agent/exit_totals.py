@@ -15,15 +15,15 @@ from dataclasses import replace
 from typing import Protocol
 
 from dlprof_agent.collectors.error_log import ErrorLog
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.probe_link.samples import ProbeSample
 
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
 
 
 class FinalRead(Protocol):
     """A probe's channel that can take the reply to its last read after the exit
-    (reach/channel.py's ProbeSource)."""
+    (probe_link/channel.py's ProbeSource)."""
 
     def final_sample(self) -> ProbeSample | None: ...
 

@@ -24,10 +24,10 @@ from dlprof_agent.agent.snapshot_builder import (
 )
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.identity import Identity
-from dlprof_agent.collectors.probe_samples import ProbeSample
-from dlprof_agent.collectors.series_budget import SeriesBudget
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.probe_link.samples import ProbeSample
+from dlprof_agent.probe_link.series_budget import SeriesBudget
 
 
 @dataclass

@@ -14,8 +14,6 @@ from typing import Any, TextIO
 
 from dlprof_agent.agent.endpoint import start_metrics_server
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
-from dlprof_agent.agent.probe_exchanges import ReportsCondition
-from dlprof_agent.agent.probe_start import ProbeStart
 from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.snapshot_builder import PROBE_DEADLINE_SECONDS, error_log
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
@@ -23,7 +21,6 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES, SeriesBudget
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
@@ -32,8 +29,11 @@ from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import Snapshot
-from dlprof_agent.reach.channel import DEFAULT_TIMEOUTS, ChannelTimeouts
-from dlprof_agent.reach.connect import ProbeOptions
+from dlprof_agent.probe_link.channel import DEFAULT_TIMEOUTS, ChannelTimeouts
+from dlprof_agent.probe_link.connect import ProbeOptions
+from dlprof_agent.probe_link.exchanges import ReportsCondition
+from dlprof_agent.probe_link.series_budget import DEFAULT_TARGET_SERIES, SeriesBudget
+from dlprof_agent.probe_link.start import ProbeStart
 from dlprof_agent.reach.target import open_target
 
 DEFAULT_INTERVAL_SECONDS = 1.0

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol, TypeVar
 
-from dlprof_agent.agent.probe_exchanges import Exchange, ProbeExchanges
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
@@ -28,14 +27,15 @@ from dlprof_agent.collectors.identity import (
     with_probe,
 )
 from dlprof_agent.collectors.limits import LimitsSample
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.procfs import PROC_ROOT, ProcessFiles
-from dlprof_agent.collectors.series_budget import SeriesBudget, process_series
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.findings.window import point_of
 from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
+from dlprof_agent.probe_link.exchanges import Exchange, ProbeExchanges
+from dlprof_agent.probe_link.samples import ProbeSample
+from dlprof_agent.probe_link.series_budget import SeriesBudget, process_series
 
 _T = TypeVar("_T")
 

@@ -7,9 +7,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dlprof_agent.collectors.probe_samples import LayerSample, ProbeSample
 from dlprof_agent.model.findings.catalogue import SEVERITIES, Finding, active
 from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.probe_link.samples import LayerSample, ProbeSample
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,8 @@ from dlprof_agent.cli.options import (
     probe_options,
     resolved_node_name,
 )
-from dlprof_agent.collectors.series_budget import DEFAULT_AGENT_SERIES
 from dlprof_agent.errors import EXIT_CODES_HELP
+from dlprof_agent.probe_link.series_budget import DEFAULT_AGENT_SERIES
 
 log = logging.getLogger("dlprof_agent")
 

@@ -19,7 +19,7 @@ from dlprof_agent.agent.serve import DEFAULT_WARMUP_STEPS, ServeOptions, serve
 from dlprof_agent.cli.arguments import paragraph
 from dlprof_agent.cli.options import add_sampling_options, add_serving_options, serve_options
 from dlprof_agent.errors import EXIT_CODES_HELP, PortUnavailable
-from dlprof_agent.reach.connect import ProbeOptions
+from dlprof_agent.probe_link.connect import ProbeOptions
 
 DEMO_SERIES = ("dlprof_target_up", "dlprof_process_cpu_seconds_total",
                "dlprof_process_threads", "dlprof_thread_group_threads",

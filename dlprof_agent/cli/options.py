@@ -17,10 +17,10 @@ from dlprof_agent.agent.serve import (
     ServeOptions,
 )
 from dlprof_agent.cli.arguments import budget_fraction, node_name, port, seconds, whole_number
-from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS
-from dlprof_agent.collectors.series_budget import DEFAULT_TARGET_SERIES
+from dlprof_agent.collectors.labels import MAX_LABEL_CHARS
 from dlprof_agent.exporters.admission import MAX_REQUESTS
-from dlprof_agent.reach.connect import ProbeOptions
+from dlprof_agent.probe_link.connect import ProbeOptions
+from dlprof_agent.probe_link.series_budget import DEFAULT_TARGET_SERIES
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

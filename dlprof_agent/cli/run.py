@@ -22,7 +22,7 @@ from dlprof_agent.cli.options import (
     serve_options,
 )
 from dlprof_agent.errors import EXIT_CODES_HELP, TargetNotFound, UsageError
-from dlprof_agent.reach.connect import ProbeOptions
+from dlprof_agent.probe_link.connect import ProbeOptions
 
 # How long the started command has to load its probe (Python's start-up and the
 # script's first imports) before it is measured from outside only.
@@ -83,7 +83,7 @@ def _wait_for_probe_or_exit(job: subprocess.Popen[bytes], options: ServeOptions
     probe was asked for or it did not start in time. Returns early if the job ends."""
     if options.probe is None:
         return None
-    from dlprof_agent.collectors.probe import find_probe_socket
+    from dlprof_agent.probe_link.client import find_probe_socket
 
     deadline = time.monotonic() + RUN_PROBE_WAIT_SECONDS
     while job.poll() is None:

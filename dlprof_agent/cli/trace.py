@@ -20,7 +20,6 @@ from typing import Any, TextIO
 
 from dlprof_agent import __version__
 from dlprof_agent.cli.arguments import pid, seconds, whole_number
-from dlprof_agent.collectors.probe import ProbeClient, ReplyLate
 from dlprof_agent.errors import (
     EXIT_CODES_HELP,
     ConnectionClosed,
@@ -30,7 +29,8 @@ from dlprof_agent.errors import (
     UsageError,
 )
 from dlprof_agent.exporters import chrome_trace as trace_writer
-from dlprof_agent.reach.connect import ProbeOptions, open_trace_channel
+from dlprof_agent.probe_link.client import ProbeClient, ReplyLate
+from dlprof_agent.probe_link.connect import ProbeOptions, open_trace_channel
 from dlprof_agent.reach.target import open_target
 
 POLL_SECONDS = 0.5

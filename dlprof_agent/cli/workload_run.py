@@ -97,7 +97,7 @@ def _attached(args: argparse.Namespace) -> int:
     from dlprof_agent.agent.endpoint import DEFAULT_LISTEN
     from dlprof_agent.agent.serve import ServeOptions
     from dlprof_agent.cli.run import run_command as run_under_agent
-    from dlprof_agent.reach.connect import ProbeOptions
+    from dlprof_agent.probe_link.connect import ProbeOptions
 
     child = [sys.executable, "-m", "dlprof_agent", "workload", "run",
              *_base_run_args(args), "--ranks", str(args.ranks), "--no-progress"]

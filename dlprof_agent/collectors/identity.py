@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from dlprof_agent.collectors.probe_samples import MAX_LABEL_CHARS
+from dlprof_agent.collectors.labels import cut_label
 from dlprof_agent.collectors.procfs import ENVIRON_VALUE_MAX_CHARS, CgroupEntry, ProcessFiles
 
 # Roles on dlprof_target_info.
@@ -88,11 +88,7 @@ def label_value(text: str) -> str:
     """``text`` as a safe label value: printable ASCII, at most MAX_LABEL_CHARS (a
     longer one keeps its start and a short hash of the whole, so that two long
     values stay apart)."""
-    text = _UNPRINTABLE.sub("_", text)
-    if len(text) <= MAX_LABEL_CHARS:
-        return text
-    digest = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
-    return f"{text[:MAX_LABEL_CHARS - len(digest) - 1]}~{digest}"
+    return cut_label(_UNPRINTABLE.sub("_", text))
 
 
 # --- cgroup paths ---------------------------------------------------------------------

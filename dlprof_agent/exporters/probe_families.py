@@ -12,8 +12,8 @@ from prometheus_client.core import (
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.identity import Identity
-from dlprof_agent.collectors.probe_samples import KernelSample, ProbeSample
 from dlprof_agent.exporters.families import JOB_LABELS, counter, gauge
+from dlprof_agent.probe_link.samples import KernelSample, ProbeSample
 
 # dlprof_framework_info's labels: one fixed set whatever the framework; "" when unknown.
 FRAMEWORK_LABELS = ("framework", "framework_version", "device", "intra_op_threads",

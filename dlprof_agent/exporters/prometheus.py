@@ -19,7 +19,6 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.identity import Identity
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.exporters.exchange_families import exchange_families
 from dlprof_agent.exporters.families import (
     agent_families,
@@ -31,6 +30,7 @@ from dlprof_agent.exporters.families import (
 )
 from dlprof_agent.exporters.probe_families import gpu_labels, probe_families
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
+from dlprof_agent.probe_link.samples import ProbeSample
 
 _Published = TypeVar("_Published", Snapshot, NodeSnapshot)
 
@@ -90,7 +90,7 @@ def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
 class ProbeFamilies:
     """``probe_families`` of each target, kept from one scrape to the next while
     its probe sample is the same object: a probe whose replies are read every few
-    passes (collectors/reply_pacing.py) keeps its sample, and its thousands of
+    passes (probe_link/reply_pacing.py) keeps its sample, and its thousands of
     series are then neither built nor (exporters/text.py) written again."""
 
     def __init__(self) -> None:

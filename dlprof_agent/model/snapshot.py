@@ -12,10 +12,10 @@ from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.limits import LimitsSample
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.procfs import read_self_statm_rss_bytes
 from dlprof_agent.model.findings.catalogue import Finding
+from dlprof_agent.probe_link.samples import ProbeSample
 
 
 @dataclass(frozen=True, slots=True)

@@ -354,7 +354,7 @@ def measurement_costly(window: Window) -> Check | None:
 
 
 def series_capped(window: Window) -> Check | None:
-    """The budget folded rows of this target's last sample (collectors/series_budget.py)."""
+    """The budget folded rows of this target's last sample (probe_link/series_budget.py)."""
     probe = window.last.probe
     if probe is None:
         return None

@@ -10,9 +10,9 @@ from math import fsum
 from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
 from dlprof_agent.probe.messages import EXCHANGE_PHASE, SPLIT
+from dlprof_agent.probe_link.samples import ProbeSample
 
 
 def _mean(values: list[float]) -> float:

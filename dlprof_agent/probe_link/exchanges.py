@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from dlprof_agent.collectors.probe_samples import ProbeSample
+from dlprof_agent.probe_link.samples import ProbeSample
 
 WORKERS = 8  # reads at once; more targets than that wait their turn within the deadline
 

@@ -13,14 +13,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from dlprof_agent.errors import DlprofError, TargetNotFound
-from dlprof_agent.reach import progress
-from dlprof_agent.reach.channel import (
+from dlprof_agent.probe_link.channel import (
     DEFAULT_TIMEOUTS,
     ChannelTimeouts,
     ProbeSource,
     open_probe,
 )
-from dlprof_agent.reach.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
+from dlprof_agent.reach import progress
 
 log = logging.getLogger("dlprof_agent")
 

@@ -5,14 +5,16 @@ of ours would not send is refused whole (ProtocolError)."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
-from dlprof_agent.collectors.reply_rows import (
+from dlprof_agent.collectors.labels import cut_label
+from dlprof_agent.errors import ProtocolError
+from dlprof_agent.probe.messages import KernelSnapshot, RecorderSnapshot, SnapshotReply
+from dlprof_agent.probe_link.reply_rows import (
     Trimmed,
     family_budgets,
     layer_series,
@@ -20,8 +22,6 @@ from dlprof_agent.collectors.reply_rows import (
     trim_layer_gpu,
     trim_layers,
 )
-from dlprof_agent.errors import ProtocolError
-from dlprof_agent.probe.messages import KernelSnapshot, RecorderSnapshot, SnapshotReply
 
 # What a reply may carry. A real probe stays far inside these (at most max_layers
 # names and "other", 200 kernels and "other" per device); anything past them is
@@ -32,10 +32,6 @@ MAX_KERNEL_ROWS = 64 * 201  # per device: 200 kernels and "other"
 MAX_DEVICES = 64
 MAX_BUCKETS = 64
 MAX_ENTRIES = 64  # the keys of a small map: phases, dropped reasons, settings
-# Layer and kernel names become label values: past this many characters a name
-# keeps its start and a short hash of the whole, so that distinct names stay
-# distinct series and what the agent keeps per row stays small.
-MAX_LABEL_CHARS = 160  # the probe's own kernel short names stop here
 OTHER = "other"  # the row that rows past a limit fold into, as the probe names it
 _T = TypeVar("_T")
 
@@ -58,12 +54,8 @@ def _text(value: object, what: str) -> str:
 
 
 def _label(value: object, what: str) -> str:
-    """A layer or kernel name, as a label value no longer than MAX_LABEL_CHARS."""
-    text = _text(value, what)
-    if len(text) <= MAX_LABEL_CHARS:
-        return text
-    digest = hashlib.blake2b(text.encode(errors="replace"), digest_size=4).hexdigest()
-    return f"{text[:MAX_LABEL_CHARS - len(digest) - 1]}~{digest}"
+    """A layer or kernel name, as a label value (``cut_label``)."""
+    return cut_label(_text(value, what))
 
 
 def _count(value: object, what: str) -> int:

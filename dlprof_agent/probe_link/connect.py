@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dlprof_agent.collectors.probe import ProbeClient, probe_socket_paths
 from dlprof_agent.errors import (
     InjectionError,
     InjectionRefused,
@@ -26,6 +25,7 @@ from dlprof_agent.errors import (
     ProbeUnavailable,
     TraceUnavailable,
 )
+from dlprof_agent.probe_link.client import ProbeClient, probe_socket_paths
 from dlprof_agent.reach import progress
 from dlprof_agent.reach.procfs import running
 

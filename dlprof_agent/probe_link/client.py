@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from dlprof_agent.collectors.probe_samples import ProbeSample
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     ProcessFiles,
@@ -25,7 +24,6 @@ from dlprof_agent.collectors.procfs import (
     read_unix_sockets,
     socket_inodes,
 )
-from dlprof_agent.collectors.reply_pacing import ReplyPacing
 from dlprof_agent.errors import (
     ConnectionClosed,
     ProbeBusy,
@@ -47,6 +45,8 @@ from dlprof_agent.probe.protocol import (
     socket_name,
     take_frame,
 )
+from dlprof_agent.probe_link.reply_pacing import ReplyPacing
+from dlprof_agent.probe_link.samples import ProbeSample
 
 REPLY_SECONDS = 2.0  # the probe answers within milliseconds unless its process is stuck
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid

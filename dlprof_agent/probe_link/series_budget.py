@@ -22,15 +22,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from dlprof_agent.collectors.probe_samples import (
+from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.probe_link.reply_rows import share
+from dlprof_agent.probe_link.samples import (
     OTHER,
     KernelRow,
     LayerGpuRow,
     LayerSample,
     ProbeSample,
 )
-from dlprof_agent.collectors.process import ProcessSample
-from dlprof_agent.collectors.reply_rows import share
 
 DEFAULT_TARGET_SERIES = 5_000  # well above what a ResNet-50 with --layers and kernels exports
 DEFAULT_AGENT_SERIES = 50_000

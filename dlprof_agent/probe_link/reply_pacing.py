@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from dlprof_agent.collectors.probe_samples import ProbeSample
+from dlprof_agent.probe_link.samples import ProbeSample
 
 # Read at each use: tests change them. Three times a ResNet-50's rows; the
 # 4,096-layer, 510-character tenant sends 24 times more.
