@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
+from dlprof_agent.collectors.target import ProgramIdentity
 from dlprof_agent.probe_link import channel
 from dlprof_agent.probe_link.channel import ProbeSource
 from dlprof_agent.probe_link.samples import ProbeSample
-from dlprof_agent.reach.target import ProgramIdentity
 from tests.test_probe_deadlines import probe_sample
 
 OLD = ProgramIdentity(100, "/usr/bin/python3", "python3 train.py")

@@ -21,6 +21,7 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.collectors.target import open_target
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
@@ -34,7 +35,6 @@ from dlprof_agent.probe_link.connect import ProbeOptions
 from dlprof_agent.probe_link.exchanges import ReportsCondition
 from dlprof_agent.probe_link.series_budget import DEFAULT_TARGET_SERIES, SeriesBudget
 from dlprof_agent.probe_link.start import ProbeStart
-from dlprof_agent.reach.target import open_target
 
 DEFAULT_INTERVAL_SECONDS = 1.0
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from dlprof_agent import __version__
 from dlprof_agent.cli.arguments import pid, seconds, whole_number
+from dlprof_agent.collectors.target import open_target
 from dlprof_agent.errors import (
     EXIT_CODES_HELP,
     ConnectionClosed,
@@ -31,7 +32,6 @@ from dlprof_agent.errors import (
 from dlprof_agent.exporters import chrome_trace as trace_writer
 from dlprof_agent.probe_link.client import ProbeClient, ReplyLate
 from dlprof_agent.probe_link.connect import ProbeOptions, open_trace_channel
-from dlprof_agent.reach.target import open_target
 
 POLL_SECONDS = 0.5
 DEFAULT_STEPS = 10
@@ -207,10 +207,7 @@ def trace_command(args: argparse.Namespace, out: TextIO = sys.stdout,
             client.stop()  # our session: the probe removes its hooks
         else:
             client.close()
-    try:
-        name = process.name()
-    except Exception:
-        name = "python"
+    name = process.name() or "python"
     trace = trace_writer.chrome_trace(payload, pid=args.pid,
                                       process_name=f"{name} (pid {args.pid})",
                                       version=__version__)

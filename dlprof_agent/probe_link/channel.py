@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from dlprof_agent.collectors.target import ProgramIdentity, program_identity
 from dlprof_agent.errors import ProbeAlreadyAttached, ProtocolError
 from dlprof_agent.probe_link.client import REPLY_SECONDS, ProbeClient, ReplyLate
 from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, say_missing, try_connect
 from dlprof_agent.probe_link.samples import ProbeSample
 from dlprof_agent.reach.procfs import running
-from dlprof_agent.reach.target import ProgramIdentity, program_identity
 
 log = logging.getLogger("dlprof_agent")
 

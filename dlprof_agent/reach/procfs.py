@@ -4,13 +4,10 @@ that is gone or not ours to read, unless it says otherwise."""
 
 from __future__ import annotations
 
-import pwd
-
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     Mapping,
     Status,
-    owner_uid,
     read_comm,
     read_memory_map,
     read_stat,
@@ -77,19 +74,3 @@ def memory_map(pid: int) -> list[Mapping]:
         return read_memory_map(pid) or []
     except TargetGone:
         return []
-
-
-def user_name(uid: int) -> str:
-    """"user alice", or "uid 1234" where the name is unknown here."""
-    try:
-        return f"user {pwd.getpwuid(uid).pw_name}"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def owner(pid: int, procfs: str = PROC_ROOT) -> str:
-    """Who owns process ``pid``, in words."""
-    try:
-        return user_name(owner_uid(pid, root=procfs))
-    except TargetGone:
-        return "another user"

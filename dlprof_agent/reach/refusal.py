@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 
 from dlprof_agent.collectors.procfs import read_ptrace_scope
+from dlprof_agent.collectors.target import owner, user_name
 from dlprof_agent.errors import InjectionRefused
-from dlprof_agent.reach.procfs import comm, owner, status_of, user_name
+from dlprof_agent.reach.procfs import comm, status_of
 
 CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
 
