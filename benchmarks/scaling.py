@@ -3,7 +3,7 @@ target, layers and series, fitted by least squares to a fixed cost plus a cost
 per unit, and where it stops being lightweight (1% of a core).
 
 The agent's own code runs here, in this process, against real processes:
-a sampling pass (agent.sampler.Sampler over collectors.process and
+a sampling pass (the agent core, agent.core.Agent, over collectors.process and
 collectors.host, the way `attach` builds it) of a busy launcher with N-1
 children, or of one process with T threads; then one render of that snapshot
 as the agent answers Prometheus (its text writer, gzipped). Per interval the
@@ -95,28 +95,29 @@ def _series(registry: CollectorRegistry) -> int:
 
 def agent_costs(pid: int, passes: int) -> tuple[float, float, int]:
     """CPU per sampling pass and per render of ``pid``'s tree, and its series."""
-    from dlprof_agent.agent.sampler import Sampler
+    from dlprof_agent.agent.core import Agent, AgentOptions, OneTarget
     from dlprof_agent.collectors.error_log import ErrorLog
     from dlprof_agent.collectors.host import HostCollector
     from dlprof_agent.collectors.process import ProcessCollector
-    from dlprof_agent.exporters.prometheus import SnapshotCollector
+    from dlprof_agent.exporters.prometheus import NodeCollector
 
     now = [0.0]  # the collector's clock: one interval (1 s) per pass, so it rescans
     # for new children every fifth pass, as it does at a 1 s interval.
     errors = ErrorLog(("process", "host"))
-    sampler = Sampler(target_pid=pid, processes=ProcessCollector(
-        pid, errors=errors, clock=lambda: now[0]), host=HostCollector(), gpu=None,
-        errors=errors, interval_seconds=1.0)
+    agent = Agent(AgentOptions(gpu=False), chooser=OneTarget(pid), host=HostCollector(),
+                  gpu=None, errors=errors)
+    agent.scan()
+    agent.targets[pid].processes = ProcessCollector(pid, errors=errors, clock=lambda: now[0])
 
     def one_pass() -> None:
         now[0] += 1.0
-        sampler.sample_once()
+        agent.sample_once()
 
     for _ in range(6):
         one_pass()  # the first passes find the children and open their files
     pass_cost = _cpu_median(one_pass, passes)
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=1.0))
+    registry.register(NodeCollector(lambda: agent.latest, interval_seconds=1.0))
     render_cost = _cpu_median(lambda: render_for(registry, _ACCEPT, gzipped=True), passes)
     return pass_cost, render_cost, _series(registry)
 

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlprof_agent.agent.daemon import DaemonOptions, Discovery
+from dlprof_agent.agent.discovery import DaemonOptions, Discovery
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.snapshot import NodeSnapshot
 from tests.conftest import OWN_JOBS, REPO, agent_env, free_port, http_get, wait_for

@@ -1,7 +1,7 @@
 """Totals that reach Prometheus: when a job exits, its probe's counters stay on
 /metrics with their final values through the grace period, beside
 `dlprof_target_up 0`, so that the last scrape sees every step. Tested on a real
-short job under `run`, on the sampler's own passes, and on the daemon's record of
+short job under `run`, on the agent core's own passes, and on the daemon's record of
 the jobs that exited."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from dlprof_agent.agent.core import AgentOptions
 from dlprof_agent.agent.exit_totals import ExitedTargets
-from dlprof_agent.agent.serve import make_sampler
-from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.agent.serve import make_agent
+from dlprof_agent.agent.snapshot_builder import target_snapshot
+from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.snapshot import Snapshot
 from dlprof_agent.probe_link.samples import ProbeSample
 from tests.conftest import REPO, agent_env, free_port, http_get, wait_for
@@ -62,11 +64,14 @@ def test_under_run_the_last_scrape_after_the_exit_counts_every_step_of_the_job(
     agent.wait(30)
 
 
-def test_the_sampler_keeps_the_final_totals_of_a_target_that_has_gone(
+def test_the_core_keeps_the_final_totals_of_its_one_target_that_has_gone(
         processes: list[subprocess.Popen[str]]) -> None:
     job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
     processes.append(job)
-    sampler = make_sampler(job.pid, interval=0.25, children=False, gpu=False)
+    agent = make_agent(job.pid, AgentOptions(interval=0.25, children=False, gpu=False))
+
+    def sample_once() -> Snapshot:
+        return target_snapshot(agent.sample_once(), job.pid)
 
     class Probe:
         up = True
@@ -79,10 +84,11 @@ def test_the_sampler_keeps_the_final_totals_of_a_target_that_has_gone(
         def final_sample(self) -> ProbeSample:
             return self.sample()  # its reply to the last read, taken late
 
-    sampler.probe = Probe()
+    agent.scan()
+    agent.targets[job.pid].probe = Probe()  # type: ignore[assignment]
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=0.25))
-    running = sampler.sample_once()
+    registry.register(NodeCollector(lambda: agent.latest, interval_seconds=0.25))
+    running = sample_once()
     assert running.identity is not None
     # The job's identity (from the environment it inherits) stays through its exit.
     steady = {"pid": str(job.pid), "job_id": running.identity.job_id,
@@ -90,12 +96,12 @@ def test_the_sampler_keeps_the_final_totals_of_a_target_that_has_gone(
     assert running.target_up and registry.get_sample_value("dlprof_steps_total", steady) == 10
     job.kill()
     job.wait()
-    gone: Snapshot = wait_for(lambda: (s := sampler.sample_once()) and not s.target_up and s,
+    gone: Snapshot = wait_for(lambda: (s := sample_once()) and not s.target_up and s,
                               "the target seen gone")
     assert not gone.probe_up
     assert registry.get_sample_value("dlprof_target_up", {"pid": str(job.pid)}) == 0
     assert registry.get_sample_value("dlprof_steps_total", steady) == 15  # the final read
-    sampler.sample_once()
+    sample_once()
     assert registry.get_sample_value("dlprof_steps_total", steady) == 15
 
 
@@ -117,6 +123,10 @@ def test_the_daemon_keeps_an_exited_job_for_the_grace_and_forgets_a_reused_pid()
     assert [s.target_pid for s in later] == [12]  # 11's grace is over
     exited.forget(12)  # a new process has its pid
     assert exited.snapshots(timestamp_seconds=7.0, monotonic_seconds=116.0) == ()
-    none_kept = ExitedTargets(grace_seconds=0.0)
-    none_kept.keep(last(13, 1), now=0.0)
-    assert len(none_kept) == 0
+    # Without a grace an exit is still published once, in the pass that saw it.
+    no_grace = ExitedTargets(grace_seconds=0.0)
+    no_grace.keep(last(13, 1), now=20.0)
+    assert [s.target_pid for s in no_grace.snapshots(timestamp_seconds=8.0,
+                                                     monotonic_seconds=20.0)] == [13]
+    assert no_grace.snapshots(timestamp_seconds=9.0, monotonic_seconds=20.5) == ()
+    assert len(no_grace) == 0

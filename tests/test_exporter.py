@@ -21,8 +21,8 @@ from dlprof_agent.collectors.identity import Identity
 from dlprof_agent.collectors.process import ProcessSample
 from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
-from dlprof_agent.exporters.prometheus import SnapshotCollector
-from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 from dlprof_agent.probe_link.samples import LayerSample, ProbeSample
 from tests.helpers import SCRAPE_TIMEOUT_SECONDS
 
@@ -75,7 +75,8 @@ def snapshot(**changes: Any) -> Snapshot:
 
 def registry_for(snap: Snapshot | None) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: snap, interval_seconds=1.0))
+    registry.register(NodeCollector(lambda: None if snap is None else NodeSnapshot.of_one(snap),
+                                    interval_seconds=1.0))
     return registry
 
 
@@ -193,10 +194,10 @@ def test_before_the_first_sample_only_the_agent_describes_itself() -> None:
 
 
 def test_registering_does_not_render_a_snapshot() -> None:
-    def latest() -> Snapshot | None:
+    def latest() -> NodeSnapshot | None:
         raise AssertionError("collect() was called at registration")
 
-    CollectorRegistry().register(SnapshotCollector(latest, interval_seconds=1.0))
+    CollectorRegistry().register(NodeCollector(latest, interval_seconds=1.0))
 
 
 # --- missing data ------------------------------------------------------------------
@@ -252,7 +253,7 @@ def test_a_process_that_is_gone_from_the_snapshot_loses_its_series() -> None:
     child = process(PID + 1, ppid=PID, is_target=False)
     current = [snapshot(processes=(process(), child))]
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: current[0], interval_seconds=1.0))
+    registry.register(NodeCollector(lambda: NodeSnapshot.of_one(current[0]), interval_seconds=1.0))
     child_cpu = {"pid": str(PID + 1), "mode": "user"}
     assert registry.get_sample_value("dlprof_process_cpu_seconds_total", child_cpu) == 12.5
 

@@ -25,7 +25,7 @@ from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSampl
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
-from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.findings import rules
 from dlprof_agent.model.findings.catalogue import KINDS, KINDS_BY_ID, SEVERITIES, Finding
 from dlprof_agent.model.findings.tracker import (
@@ -34,7 +34,7 @@ from dlprof_agent.model.findings.tracker import (
     FindingsTracker,
 )
 from dlprof_agent.model.findings.window import MIN_WINDOW_SECONDS, WINDOW_SECONDS, Point, Window
-from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
+from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
 from dlprof_agent.probe_link.samples import KernelRow, KernelSample, ProbeSample
 from tests.conftest import agent_env
 
@@ -560,7 +560,7 @@ def test_every_judged_rule_is_exported_1_when_raised_0_when_clear_with_its_evide
         finding("thread_oversubscription", True, runnable_threads=8.0, allowed_cpus=2.0),
         finding("memory_near_limit", False, resident_to_limit_ratio=0.1)))
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: snapshot, interval_seconds=1.0))
+    registry.register(NodeCollector(lambda: NodeSnapshot.of_one(snapshot), interval_seconds=1.0))
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"pid": str(PID), "job_id": "", "rank": "",
@@ -714,28 +714,36 @@ def test_runnable_threads_count_the_threads_that_compute(
 
 
 @pytest.mark.slow  # a timing window: the findings' window
-def test_the_sampler_judges_on_its_own_passes_and_a_scrape_only_renders_them(
+def test_the_agent_judges_on_its_own_passes_and_a_scrape_only_renders_them(
         spinning: subprocess.Popen[bytes]) -> None:
-    from dlprof_agent.agent.serve import make_sampler
+    from dlprof_agent.agent.core import AgentOptions
+    from dlprof_agent.agent.serve import make_agent
+    from dlprof_agent.agent.snapshot_builder import target_snapshot
 
-    sampler = make_sampler(spinning.pid, interval=0.25, children=True, gpu=False)
+    agent = make_agent(spinning.pid, AgentOptions(interval=0.25, children=True, gpu=False))
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: sampler.latest, interval_seconds=0.25))
-    first = sampler.sample_once()
-    assert first.findings == ()  # one pass: nothing to judge yet
+    registry.register(NodeCollector(lambda: agent.latest, interval_seconds=0.25))
+
+    def latest() -> Snapshot:
+        node = agent.latest
+        assert node is not None
+        return target_snapshot(node, spinning.pid)
+
+    agent.sample_once()
+    assert latest().findings == ()  # one pass: nothing to judge yet
     deadline = time.monotonic() + 3 * MIN_WINDOW_SECONDS
-    while not sampler.latest or not sampler.latest.findings:
+    while not latest().findings:
         assert time.monotonic() < deadline, "no rule judged the busy process"
         time.sleep(0.25)
-        sampler.sample_once()
-    judged = {f.id for f in sampler.latest.findings}
+        agent.sample_once()
+    judged = {f.id for f in latest().findings}
     # Outside signals alone judge these, without a probe.
     assert {"thread_oversubscription", "memory_near_limit", "memory_stalls"} <= judged
-    identity = sampler.latest.identity
+    identity = latest().identity
     assert identity is not None
     labels = {"pid": str(spinning.pid), "job_id": identity.job_id, "rank": identity.rank,
               "finding": "memory_near_limit", "severity": "critical"}
     assert registry.get_sample_value("dlprof_finding", labels) == 0
-    latest = sampler.latest
+    node = agent.latest
     registry.get_sample_value("dlprof_finding", labels)
-    assert sampler.latest is latest  # scraping sampled nothing
+    assert agent.latest is node  # scraping sampled nothing

@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from dlprof_agent.agent.daemon import Daemon, DaemonOptions, Discovery
+from dlprof_agent.agent.core import Agent
+from dlprof_agent.agent.discovery import DaemonOptions, Discovery
 from dlprof_agent.cli.options import resolved_node_name
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector
@@ -71,8 +72,8 @@ def test_a_launchers_ranks_are_targets_of_their_own(
     marker, pids = launcher
     options = DaemonOptions(matches=(re.compile(re.escape(marker)),), gpu=False,
                             node_name="node-a")
-    daemon = Daemon(options, discovery=Discovery(options, socket_dirs=()),
-                    host=HostCollector(), gpu=None, errors=ErrorLog())
+    daemon = Agent(options, chooser=Discovery(options, socket_dirs=()),
+                   host=HostCollector(), gpu=None, errors=ErrorLog())
     try:
         node = daemon.sample_once()
         assert set(daemon.targets) == {pids["launcher"], pids["rank"]}

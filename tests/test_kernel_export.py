@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuSample
 from dlprof_agent.errors import ProtocolError
-from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe import kernel_tracer as kt
 from dlprof_agent.probe_link.samples import KernelSample, ProbeSample
 from tests.cupti_records import DTOH, HTOD, BufferBuilder
@@ -65,7 +66,7 @@ def registry(probe: ProbeSample, *, nvml: tuple[tuple[int, str], ...] = ()) -> C
     gpu = GpuSample(available=True, driver_version="570", devices=devices, processes=())
     snapshot = dataclasses.replace(snapshot, probe=probe, gpu=gpu if nvml else None)
     result = CollectorRegistry()
-    result.register(SnapshotCollector(lambda: snapshot, interval_seconds=1.0))
+    result.register(NodeCollector(lambda: NodeSnapshot.of_one(snapshot), interval_seconds=1.0))
     return result
 
 

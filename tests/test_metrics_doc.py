@@ -8,7 +8,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.exporters.prometheus import NodeCollector
+from dlprof_agent.model.snapshot import NodeSnapshot
 from tests.full_snapshot import full_snapshot
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -28,7 +29,7 @@ def documented() -> dict[str, tuple[str, frozenset[str]]]:
 def exported() -> dict[str, tuple[str, frozenset[str]]]:
     registry = CollectorRegistry()
     snapshot = full_snapshot()
-    registry.register(SnapshotCollector(lambda: snapshot, interval_seconds=1.0))
+    registry.register(NodeCollector(lambda: NodeSnapshot.of_one(snapshot), interval_seconds=1.0))
     families = {}
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         name = family.name + ("_total" if family.type == "counter" else "")

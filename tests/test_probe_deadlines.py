@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dlprof_agent.agent.daemon import Daemon, DaemonOptions, Discovery, Target
+from dlprof_agent.agent.core import Agent, OneTarget, TargetWatch
+from dlprof_agent.agent.discovery import DaemonOptions
 from dlprof_agent.agent.snapshot_builder import SnapshotBuilder, TargetReaders, error_log
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
@@ -261,8 +262,8 @@ def test_a_failing_read_is_counted_and_the_next_pass_reads_again() -> None:
 def test_the_status_page_lists_stale_and_dropped_probes_with_the_reason(
         sleepers: list[subprocess.Popen[bytes]]) -> None:
     slow_pid, dropped_pid = (p.pid for p in sleepers)
-    daemon = Daemon(DaemonOptions(probe=None, gpu=False), discovery=Discovery(DaemonOptions()),
-                    host=HostCollector(), gpu=None, errors=error_log(gpu=False, probe=True))
+    daemon = Agent(DaemonOptions(probe=None, gpu=False), chooser=OneTarget(slow_pid),
+                   host=HostCollector(), gpu=None, errors=error_log(gpu=False, probe=True))
     now = [0.0]
     trickling = ProbeSource(Trickling(), interval=1.0, pid=dropped_pid,  # type: ignore[arg-type]
                             identity=None, timeouts=ChannelTimeouts(trickle_limit=1),
@@ -270,12 +271,11 @@ def test_the_status_page_lists_stale_and_dropped_probes_with_the_reason(
     errors = error_log(gpu=False, probe=False)
     stuck = Blocked()
     daemon.targets = {
-        slow_pid: Target(slow_pid, "match", ProcessCollector(slow_pid, errors=errors)),
-        dropped_pid: Target(dropped_pid, "match", ProcessCollector(dropped_pid, errors=errors),
-                            probe=trickling)}
+        slow_pid: TargetWatch(slow_pid, "match", ProcessCollector(slow_pid, errors=errors)),
+        dropped_pid: TargetWatch(dropped_pid, "match",
+                                 ProcessCollector(dropped_pid, errors=errors), probe=trickling)}
     daemon.targets[slow_pid].probe = stuck  # type: ignore[assignment]
     daemon._builder.exchanges.deadline_seconds = 0.2
-    daemon._next_scan = float("inf")
     try:
         daemon.sample_once()
         node = daemon.sample_once()

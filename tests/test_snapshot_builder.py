@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from dlprof_agent.agent.daemon import Daemon, DaemonOptions, Discovery
+from dlprof_agent.agent.core import Agent, AgentOptions, OneTarget
+from dlprof_agent.agent.discovery import DaemonOptions, Discovery
 from dlprof_agent.agent.loop import StopRequested
-from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.agent.snapshot_builder import (
     SnapshotBuilder,
     TargetReaders,
@@ -240,24 +240,24 @@ def test_findings_are_judged_per_target_on_the_node_it_runs_on(
     assert untracked.targets[0].findings == ()
 
 
-def test_the_sampler_stops_reading_its_target_once_it_exited(
+def test_attach_s_core_stops_reading_its_one_target_once_it_exited(
         spawn_sleeper: Callable[[], subprocess.Popen[bytes]]) -> None:
     sleeper = spawn_sleeper()
     errors = error_log(gpu=False, probe=False)
-    sampler = Sampler(target_pid=sleeper.pid,
-                      processes=ProcessCollector(sleeper.pid, errors=errors),
-                      host=HostCollector(), gpu=None, errors=errors, interval_seconds=1.0,
-                      clock=SteppingClock(5.0, 0.125))
-    up = sampler.sample_once()
+    agent = Agent(AgentOptions(interval=1.0, gpu=False), chooser=OneTarget(sleeper.pid),
+                  host=HostCollector(), gpu=None, errors=errors,
+                  clock=SteppingClock(5.0, 0.125))
+    up = target_snapshot(agent.sample_once(), sleeper.pid)
     assert up.target_up and up.sample_duration_seconds == 0.125 and up.host is not None
     sleeper.kill()
     sleeper.wait()
-    down = sampler.sample_once()
+    down = target_snapshot(agent.sample_once(), sleeper.pid)
     assert not down.target_up and down.processes == () and down.host is not None
-    sampler.processes = DeniedProcesses()  # read again, it would count a failure
-    again = sampler.sample_once()
-    assert not again.target_up and dict(again.collector_errors)["process"] == 0
-    assert sampler.latest is again and again.samples_total == 3
+    assert agent.targets == {}  # never read again, nor chosen again
+    again = agent.sample_once()
+    assert not target_snapshot(again, sleeper.pid).target_up
+    assert dict(again.collector_errors)["process"] == 0
+    assert agent.latest is again and again.samples_total == 3
 
 
 def test_the_daemon_finds_its_target_and_drops_it_in_the_pass_it_exits(
@@ -266,9 +266,9 @@ def test_the_daemon_finds_its_target_and_drops_it_in_the_pass_it_exits(
     options = DaemonOptions(interval=1.0, scan_interval=10.0,
                             matches=(re.compile(re.escape(MARKER)),), gpu=False)
     clock = SteppingClock(0.0, 0.25)
-    daemon = Daemon(options, discovery=Discovery(options, socket_dirs=()),
-                    host=HostCollector(), gpu=None, errors=error_log(gpu=False, probe=False),
-                    clock=clock)
+    daemon = Agent(options, chooser=Discovery(options, socket_dirs=()),
+                   host=HostCollector(), gpu=None, errors=error_log(gpu=False, probe=False),
+                   clock=clock)
     node = daemon.sample_once()
     assert [s.target_pid for s in node.targets] == [sleeper.pid]
     assert node.sample_duration_seconds == 0.25 and node.host is not None
@@ -290,10 +290,10 @@ def test_a_process_on_a_gpu_becomes_a_daemon_target_with_its_gpu_series(
     fake = FakeNvml([FakeDevice(compute_processes=[ProcessInfo(sleeper.pid, 1 << 30)])])
     errors = error_log(gpu=True, probe=False)
     options = DaemonOptions(interval=1.0, scan_interval=0.1, gpu=True)
-    daemon = Daemon(options, discovery=Discovery(options, socket_dirs=()),
-                    host=HostCollector(), errors=errors,
-                    gpu=GpuCollector(nvml=Nvml(lib=fake), errors=errors, clock=lambda: 0.0),
-                    clock=SteppingClock(0.0, 0.25))
+    daemon = Agent(options, chooser=Discovery(options, socket_dirs=()),
+                   host=HostCollector(), errors=errors,
+                   gpu=GpuCollector(nvml=Nvml(lib=fake), errors=errors, clock=lambda: 0.0),
+                   clock=SteppingClock(0.0, 0.25))
     first = daemon.sample_once()
     assert first.targets == () and first.gpu is not None
     assert sleeper.pid in first.gpu.resident_pids

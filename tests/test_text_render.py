@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from dlprof_agent.exporters import text
-from dlprof_agent.exporters.prometheus import NodeCollector, SnapshotCollector
+from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe_link.samples import LayerSample
@@ -24,7 +24,7 @@ def test_every_family_of_a_full_snapshot_is_written_as_prometheus_client_writes_
     snapshot = dataclasses.replace(snapshot, probe=dataclasses.replace(
         snapshot.probe, layers=(*snapshot.probe.layers, odd)))
     registry = CollectorRegistry()
-    registry.register(SnapshotCollector(lambda: snapshot, interval_seconds=1.0))
+    registry.register(NodeCollector(lambda: NodeSnapshot.of_one(snapshot), interval_seconds=1.0))
     expected = generate_latest(registry)
     assert render_text(registry) == expected
     assert b'layer="block\\"1\\\\conv\\nrelu"' in expected

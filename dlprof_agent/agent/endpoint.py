@@ -14,7 +14,7 @@ from dlprof_agent.agent.loop import Health
 from dlprof_agent.errors import MissingLibrary, PortUnavailable, UsageError, WebConfigError
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
-from dlprof_agent.exporters.prometheus import NodeCollector, SnapshotCollector, registry_of
+from dlprof_agent.exporters.prometheus import NodeCollector, registry_of
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.exporters.web_config import load as read_web_config
 
@@ -45,7 +45,7 @@ def _loopback(listen: str) -> bool:
         return False
 
 
-def start_metrics_server(collector: SnapshotCollector | NodeCollector, health: Health,
+def start_metrics_server(collector: NodeCollector, health: Health,
                          listen: str, port: int, *,
                          version: Callable[[], object] | None = None,
                          web_config: WebConfig | None = None,

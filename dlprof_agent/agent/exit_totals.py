@@ -6,8 +6,9 @@ previous scrape never reach Prometheus.
 
 The probe gives the agent one more read at the job's exit (probe/server.py,
 ``close_at_exit``); the final values are that read, else the last one before.
-`attach` and `run` keep them in the Sampler; the daemon, which watches many jobs
-on one /metrics, keeps each exited job here for ``grace_seconds``."""
+The agent's core (core.py) keeps each exited job here for ``grace_seconds``, and
+publishes it at least in the pass that saw the exit, so that `attach` ends on it
+whatever the grace."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class ExitedTargets:
 
     def keep(self, last: Snapshot | None, now: float) -> None:
         """``last`` is the snapshot of a job seen gone at ``now``; None: nothing to keep."""
-        if last is not None and self.grace_seconds > 0:
+        if last is not None:
             self._exited[last.target_pid] = (now, last)
 
     def forget(self, pid: int) -> None:
@@ -69,9 +70,11 @@ class ExitedTargets:
 
     def snapshots(self, *, timestamp_seconds: float, monotonic_seconds: float
                   ) -> tuple[Snapshot, ...]:
-        """The exited jobs still within the grace period; the older are let go."""
+        """The exited jobs still within the grace period, and those that exited in
+        this pass; the older are let go."""
         self._exited = {pid: kept for pid, kept in self._exited.items()
-                        if monotonic_seconds - kept[0] < self.grace_seconds}
+                        if monotonic_seconds - kept[0] < self.grace_seconds
+                        or kept[0] == monotonic_seconds}
         return tuple(exited_snapshot(last, timestamp_seconds=timestamp_seconds,
                                      monotonic_seconds=monotonic_seconds)
                      for _, last in sorted(self._exited.values(),

@@ -1,6 +1,6 @@
-"""What the one-target sampler and the node daemon share besides their pass
-(snapshot_builder): passes on fixed deadlines, SIGTERM as a stop, and the
-/healthz verdict on the age of the latest sample."""
+"""What the agent's loop needs besides its pass (snapshot_builder): passes on
+fixed deadlines, SIGTERM as a stop, and the /healthz verdict on the age of the
+latest sample."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""`attach`: the agent wired for one target (sampler, probe, /metrics endpoint,
-live status) and served until the duration, Ctrl-C, SIGTERM or the target's
-exit; and `snapshot`, the same sampler read once."""
+"""`attach`: the agent's core (core.py) watching one target, with the front end of
+one job: a live status line, the probe's start said as it goes, an end at the
+duration, Ctrl-C, SIGTERM or the target's exit, and a summary; and `snapshot`,
+the same core read once."""
 
 from __future__ import annotations
 
@@ -12,32 +13,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dlprof_agent.agent.endpoint import start_metrics_server
+from dlprof_agent.agent.core import Agent, AgentOptions, OneTarget, TargetWatch, probe_condition
+from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, start_metrics_server
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
-from dlprof_agent.agent.sampler import Sampler
-from dlprof_agent.agent.snapshot_builder import PROBE_DEADLINE_SECONDS, error_log
+from dlprof_agent.agent.snapshot_builder import error_log, target_snapshot
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
-from dlprof_agent.collectors.limits import LimitsCollector
-from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.target import open_target
-from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
+from dlprof_agent.errors import DlprofError, ExitCode, TargetNotFound
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
-from dlprof_agent.exporters.prometheus import SnapshotCollector
+from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
-from dlprof_agent.model.findings.tracker import FindingsTracker
-from dlprof_agent.model.snapshot import Snapshot
-from dlprof_agent.probe_link.channel import DEFAULT_TIMEOUTS, ChannelTimeouts
-from dlprof_agent.probe_link.connect import ProbeOptions
-from dlprof_agent.probe_link.exchanges import ReportsCondition
-from dlprof_agent.probe_link.series_budget import DEFAULT_TARGET_SERIES, SeriesBudget
-from dlprof_agent.probe_link.start import ProbeStart
+from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 
-DEFAULT_INTERVAL_SECONDS = 1.0
-DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
 DEFAULT_WARMUP_STEPS = 10
 MIN_INTERVAL_SECONDS = 0.05
 STOP_PASS_SECONDS = 2.0  # how long a stop waits for the pass under way to end
@@ -46,74 +37,67 @@ log = logging.getLogger("dlprof_agent")
 
 
 @dataclass(frozen=True)
-class ServeOptions:
-    listen: str
-    port: int
-    interval: float
-    duration: float | None
-    grace: float
-    quiet: bool
-    children: bool
-    gpu: bool
-    probe: ProbeOptions | None = None  # None: never talk to the process
-    probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
+class ServeOptions(AgentOptions):
+    """The core's options, and how one job's agent serves and ends."""
+
+    listen: str = DEFAULT_LISTEN
+    port: int = DEFAULT_PORT
+    duration: float | None = None
+    quiet: bool = False
     web_config: WebConfig | None = None  # --web.config.file, loaded
-    channel: ChannelTimeouts = DEFAULT_TIMEOUTS  # how long the probe's channel waits
-    max_series_per_target: int = DEFAULT_TARGET_SERIES  # --max-series-per-target
     max_requests: int = MAX_REQUESTS  # --web.max-requests
-    node_name: str = ""  # --node-name, resolved: dlprof_target_info's node
 
 
-def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
-                 probe: bool = False,
-                 max_series: int = DEFAULT_TARGET_SERIES,
-                 probe_deadline_seconds: float = PROBE_DEADLINE_SECONDS,
-                 node_name: str = "") -> Sampler:
-    errors = error_log(gpu=gpu, probe=probe)
-    gpu_collector = None
-    if gpu:
-        gpu_collector = GpuCollector(errors=errors)
-    try:
-        processes = ProcessCollector(pid, children=children, errors=errors)
-    except TargetGone as error:  # gone since open_target checked it
-        raise TargetNotFound(f"process {pid} exited while the agent was starting",
-                             "attach to a running job") from error
-    return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
-                   gpu=gpu_collector, errors=errors, interval_seconds=interval,
-                   limits=LimitsCollector(pid), findings=FindingsTracker(),
-                   budget=SeriesBudget(per_target=max_series),
-                   probe_deadline_seconds=probe_deadline_seconds, node_name=node_name)
+def make_agent(pid: int, options: AgentOptions,
+               on_probe_failure: Callable[[TargetWatch, DlprofError], None] | None = None
+               ) -> Agent:
+    """The core watching ``pid`` alone (with its descendants, unless not ``children``)."""
+    errors = error_log(gpu=options.gpu, probe=options.probe is not None)
+    return Agent(options, chooser=OneTarget(pid, children=options.children),
+                 host=HostCollector(), gpu=GpuCollector(errors=errors) if options.gpu else None,
+                 errors=errors, on_probe_failure=on_probe_failure)
 
 
-def _first_sample(sampler: Sampler) -> Snapshot:
-    snapshot = sampler.sample_once()
-    if not snapshot.target_up:
-        raise TargetNotFound(f"process {sampler.target_pid} exited while the agent was "
-                             "starting", "attach to a running job")
-    return snapshot
+class _Attached:
+    """The one target's part of each pass, as the status line and summary read it."""
+
+    def __init__(self, agent: Agent, pid: int) -> None:
+        self.agent = agent
+        self.pid = pid
+
+    @property
+    def watch(self) -> TargetWatch | None:
+        return self.agent.targets.get(self.pid)
+
+    @property
+    def latest(self) -> Snapshot | None:
+        node = self.agent.latest
+        return None if node is None else target_snapshot(node, self.pid)
+
+    def note(self) -> str:
+        """What the probe's start waits for, while it runs."""
+        watch = self.watch
+        return watch.start.note() if watch is not None and watch.start is not None else ""
 
 
-def _collector(sampler: Sampler) -> SnapshotCollector:
-    return SnapshotCollector(lambda: sampler.latest, interval_seconds=sampler.interval_seconds)
+def _start_server(attached: _Attached, options: ServeOptions) -> MetricsServer:
+    agent = attached.agent
 
-
-def _start_server(sampler: Sampler, options: ServeOptions,
-                  starting: Callable[[], str] = lambda: "") -> MetricsServer:
-    """``starting`` says what the probe's start waits for, while it runs."""
-    def details(latest: Snapshot | None) -> dict[str, Any]:
-        probe = sampler.probe
-        state, reason = probe.condition if isinstance(probe, ReportsCondition) else ("", "")
-        if not state and (note := starting()):
+    def details(latest: NodeSnapshot | None) -> dict[str, Any]:
+        watch = attached.watch
+        state, reason = probe_condition(watch.probe if watch is not None else None)
+        if not state and (note := attached.note()):
             state, reason = "starting", note
-        return {"target_pid": sampler.target_pid,
-                "target_up": bool(latest and latest.target_up),
+        own = None if latest is None else target_snapshot(latest, attached.pid)
+        return {"target_pid": attached.pid,
+                "target_up": bool(own and own.target_up),
                 **({"probe": {"state": state, "reason": reason}} if state else {})}
 
-    health = sample_health(lambda: sampler.latest, sampler.interval_seconds, details)
-    return start_metrics_server(_collector(sampler), health, options.listen, options.port,
-                                version=lambda: sampler.latest,
-                                web_config=options.web_config,
-                                max_requests=options.max_requests)
+    health = sample_health(lambda: agent.latest, options.interval, details)
+    return start_metrics_server(
+        NodeCollector(lambda: agent.latest, interval_seconds=options.interval), health,
+        options.listen, options.port, version=lambda: agent.latest,
+        web_config=options.web_config, max_requests=options.max_requests)
 
 
 def _linger(server: MetricsServer, grace: float, exited: str) -> None:
@@ -145,55 +129,43 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             and sys.stderr.isatty():
         status = LiveStatus(sys.stderr, notes_only=True)  # the probe's start, on its own
     configure_logging(status)
-    try:
-        sampler = make_sampler(pid, interval=options.interval, children=options.children,
-                               gpu=options.gpu, probe=options.probe is not None,
-                               max_series=options.max_series_per_target,
-                               probe_deadline_seconds=options.channel.exchange_deadline(
-                                   options.interval), node_name=options.node_name)
-    except TargetNotFound:  # it ended between the check and the first read: a normal end
-        log.info("process %d exited before the agent's first sample", pid)
-        if not options.quiet:
-            print(Summary().render(pid, target_exited=True), file=out)
-        return ExitCode.FINISHED
-    probe_start: ProbeStart | None = None
-    server = _start_server(sampler, options, lambda: probe_start.note() if probe_start else "")
+    failures: list[BaseException] = []  # another agent holds the probe; a bug
+    agent = make_agent(pid, options, on_probe_failure=lambda watch, error: failures.append(error))
+    attached = _Attached(agent, pid)
+    server = _start_server(attached, options)
     summary = Summary()
     stop = threading.Event()
     try:
-        # Served at once: a probe that already listens is taken now, one to inject is
-        # reached meanwhile, and a job that ends at any moment from here on ends the
-        # attach with the summary, as any end does.
-        if options.probe is not None:
-            probe_start = ProbeStart(pid, options.probe, interval=options.interval,
-                                     wait_seconds=options.probe_wait_seconds,
-                                     timeouts=options.channel,
-                                     on_open=lambda source: setattr(sampler, "probe", source))
-            probe_start.open_running()
-        first = sampler.sample_once()
-        summary.add(first)
-        reaching = probe_start is not None and not probe_start.done and first.target_up
-        log.info("attached to pid %d (%s); serving http://%s:%d/metrics%s", pid,
-                 first.target.name if first.target else "?", options.listen, server.port,
-                 "; reaching for its probe in the background (step and layer metrics "
-                 "start once it answers)" if reaching else "")
-        if reaching and probe_start is not None:
-            probe_start.start()
+        # Served at once: a probe that already listens is taken in the first pass,
+        # one to inject is reached meanwhile, and a job that ends at any moment
+        # from here on ends the attach with the summary, as any end does.
+        agent.sample_once()
+        first = attached.latest
+        if first is None or not first.target_up:
+            log.info("process %d exited before the agent's first sample", pid)
+        else:
+            summary.add(first)
+            watch = attached.watch
+            reaching = watch is not None and watch.start is not None and not watch.start.done
+            log.info("attached to pid %d (%s); serving http://%s:%d/metrics%s", pid,
+                     first.target.name if first.target else "?", options.listen,
+                     server.port, "; reaching for its probe in the background (step and "
+                     "layer metrics start once it answers)" if reaching else "")
 
-        def on_sample(snapshot: Snapshot) -> None:
+        def on_pass(node: NodeSnapshot) -> bool:
+            snapshot = target_snapshot(node, pid)
             summary.add(snapshot)
             if status is not None:
-                status.note = probe_start.note() if probe_start is not None else ""
+                status.note = attached.note()
                 status.show(snapshot)
-
-        failures: list[BaseException] = []
+            return snapshot.target_up
 
         def sample_until_stopped() -> None:
             # Not niced, unlike the render and serving threads: a niced reader of the
             # job's thread states runs mostly while the job's threads sleep, which
             # biases every instantaneous reading (runnable threads) low.
             try:
-                sampler.run(stop, on_sample)
+                agent.run(stop, on_pass)
             except BaseException as error:  # a bug: re-raised below, with its traceback
                 failures.append(error)
 
@@ -201,7 +173,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                                 daemon=True)
         try:
             with sigterm_stops():
-                loop.start()
+                if first is not None and first.target_up:
+                    loop.start()
                 deadline = (None if options.duration is None
                             else time.monotonic() + options.duration)
                 while loop.is_alive():
@@ -209,25 +182,24 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                     if remaining is not None and remaining <= 0:
                         break
                     loop.join(0.2 if remaining is None else min(0.2, remaining))
-                    if probe_start is not None:
-                        if failure := probe_start.failure():
-                            raise failure  # another agent holds the probe
-                        if status is None:
-                            probe_start.say_if_slow()
+                    if failures:
+                        break
+                    if status is None and (watch := attached.watch) is not None \
+                            and watch.start is not None:
+                        watch.start.say_if_slow()
                 stop.set()
                 loop.join()
                 if failures:
                     raise failures[0]
-                exited = not sampler.latest or not sampler.latest.target_up
-                if exited:
+                latest = attached.latest
+                if not latest or not latest.target_up:
                     if status is not None:
                         status.clear()
                     _linger(server, options.grace,
                             describe_exit() if describe_exit else f"process {pid} exited")
         except (KeyboardInterrupt, StopRequested) as stopped:
             stop.set()
-            if probe_start is not None:
-                probe_start.quiet()  # its announcement, if any, before this line
+            agent.quiet()  # a probe's announcement, if any, before this line
             # A pass under way ends first: what it says (the probe's first answer,
             # say) comes before this line, which is the last.
             if loop.is_alive():
@@ -242,18 +214,14 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             before_stop(server.port)
     finally:
         stop.set()
-        sampler.close()
-        if probe_start is not None:
-            probe_start.abandon()
-            if (source := probe_start.source) is not None:
-                source.stop()  # the probe removes its hooks: the job is as it was
+        agent.close()  # the probe removes its hooks: the job is as it was
         server.stop()
     if status is not None:
         status.clear()
     if on_summary is not None:
         on_summary(summary.as_dict(pid))
     if not options.quiet:
-        latest = sampler.latest
+        latest = attached.latest
         print(summary.render(pid, target_exited=bool(latest and not latest.target_up)),
               file=out)
     return ExitCode.FINISHED
@@ -263,8 +231,12 @@ def snapshot_command(pid: int, *, children: bool, gpu: bool, out: TextIO) -> int
     """One sample of ``pid``, printed in the text format that /metrics serves."""
     open_target(pid)
     configure_logging(None)
-    sampler = make_sampler(pid, interval=DEFAULT_INTERVAL_SECONDS, children=children, gpu=gpu)
-    _first_sample(sampler)
-    out.write(render_text(_collector(sampler)).decode())
+    agent = make_agent(pid, AgentOptions(children=children, gpu=gpu))
+    node = agent.sample_once()
+    if not target_snapshot(node, pid).target_up:
+        raise TargetNotFound(f"process {pid} exited while the agent was starting",
+                             "attach to a running job")
+    out.write(render_text(NodeCollector(lambda: node,
+                                        interval_seconds=agent.options.interval)).decode())
     out.flush()
     return ExitCode.FINISHED

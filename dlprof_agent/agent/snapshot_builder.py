@@ -5,9 +5,9 @@ The builder reads the host and the GPUs once, each target's process tree, limits
 and probe, judges its findings, and times the pass on an injected clock. A
 collector that fails is counted in the agent's one ErrorLog and its series are
 left out of this pass; the others still publish. A target whose process has
-exited is left out of the pass: the daemon stops watching it, `attach` reports
-its target down. How targets are found is the callers' business (`Sampler`: one
-pid; `Daemon`: discovery)."""
+exited is left out of the pass: the core (core.py) stops watching it and
+publishes it down through the grace. How targets are chosen is the core's
+chooser's business (one pid, or discovery)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class ProbeReader(Protocol):
 
 
 class Watched(Protocol):
-    """A target as a pass reads it. `daemon.Target` is one; so is TargetReaders."""
+    """A target as a pass reads it. `core.TargetWatch` is one; so is TargetReaders."""
 
     @property
     def pid(self) -> int: ...

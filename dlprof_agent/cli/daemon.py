@@ -81,7 +81,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlprof_agent.agent.daemon import DaemonOptions, serve_node
+    from dlprof_agent.agent.daemon import serve_node
+    from dlprof_agent.agent.discovery import DaemonOptions
     from dlprof_agent.agent.heap import return_large_buffers
 
     return_large_buffers()  # tenants' replies are megabytes: their buffers go back

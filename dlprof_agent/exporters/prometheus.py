@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, TypeVar
 
 from prometheus_client.core import (
     Metric,
@@ -31,40 +30,6 @@ from dlprof_agent.exporters.families import (
 from dlprof_agent.exporters.probe_families import gpu_labels, probe_families
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 from dlprof_agent.probe_link.samples import ProbeSample
-
-_Published = TypeVar("_Published", Snapshot, NodeSnapshot)
-
-
-class _LatestCollector(Collector, Generic[_Published]):
-    """Renders whatever ``latest`` returns at scrape time; reads nothing itself."""
-
-    def __init__(self, latest: Callable[[], _Published | None], *,
-                 interval_seconds: float) -> None:
-        self._latest: Callable[[], _Published | None] = latest
-        self._interval_seconds = interval_seconds
-
-    def describe(self) -> Iterable[Metric]:
-        # Empty: registration must not call collect(), which needs a sample.
-        return []
-
-
-class SnapshotCollector(_LatestCollector[Snapshot]):
-    """One target: the agent's latest Snapshot."""
-
-    def collect(self) -> Iterator[Metric]:
-        snapshot = self._latest()
-        yield from agent_families(snapshot, self._interval_seconds)
-        if snapshot is None:
-            return
-        yield from target_families(snapshot)
-        yield from process_families(snapshot.processes)
-        if snapshot.host is not None:
-            yield from host_families(snapshot.host)
-        yield from gpu_families(snapshot.gpu)
-        yield from probe_families(snapshot.target_pid, snapshot.probe_up, snapshot.probe,
-                                  snapshot.gpu, snapshot.identity)
-        yield from exchange_families(snapshot)
-        yield from finding_families(snapshot.target_pid, snapshot.findings, snapshot.identity)
 
 
 def merged(per_target: Iterable[list[Metric]]) -> list[Metric]:
@@ -118,14 +83,20 @@ class ProbeFamilies:
             return result
 
 
-class NodeCollector(_LatestCollector[NodeSnapshot]):
-    """The daemon's latest pass: the node once, and every target, each under its
-    own pid. A target that has gone is simply not in the pass."""
+class NodeCollector(Collector):
+    """The agent's latest pass: the node once, and every target, each under its
+    own pid. A target that has gone is simply not in the pass. Renders whatever
+    ``latest`` returns at scrape time; reads nothing itself."""
 
     def __init__(self, latest: Callable[[], NodeSnapshot | None], *,
                  interval_seconds: float) -> None:
-        super().__init__(latest, interval_seconds=interval_seconds)
+        self._latest = latest
+        self._interval_seconds = interval_seconds
         self._probe_families = ProbeFamilies()
+
+    def describe(self) -> Iterable[Metric]:
+        # Empty: registration must not call collect(), which needs a sample.
+        return []
 
     def collect(self) -> Iterator[Metric]:
         node = self._latest()

@@ -67,7 +67,7 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class NodeSnapshot:
-    """One pass of the daemon: the node's host and GPUs read once, and a Snapshot
+    """One pass of the agent: the node's host and GPUs read once, and a Snapshot
     per target (without host and GPU) for the processes it watches."""
 
     timestamp_seconds: float
@@ -80,3 +80,15 @@ class NodeSnapshot:
     samples_total: int = 0
     agent: AgentSelfSample | None = None
     series_dropped: tuple[tuple[str, int], ...] = ()  # (reason, series left out so far)
+
+    @classmethod
+    def of_one(cls, snapshot: Snapshot) -> NodeSnapshot:
+        """The pass that holds ``snapshot`` alone, with its host, GPUs and agent
+        figures (what `snapshot_builder.target_snapshot` takes apart)."""
+        return cls(timestamp_seconds=snapshot.timestamp_seconds,
+                   monotonic_seconds=snapshot.monotonic_seconds, host=snapshot.host,
+                   gpu=snapshot.gpu, targets=(snapshot,),
+                   collector_errors=snapshot.collector_errors,
+                   sample_duration_seconds=snapshot.sample_duration_seconds,
+                   samples_total=snapshot.samples_total, agent=snapshot.agent,
+                   series_dropped=snapshot.series_dropped)

@@ -2,7 +2,8 @@
 or injection, runs on a thread of its own, so that /metrics serves the process,
 thread and GPU metrics from the first second and a job that ends meanwhile ends
 the attach as any job's end does. ``note()`` says, for the progress line, what
-the start waits for; the sampler gets the channel once it is open."""
+the start waits for; the target's watch gets the channel once it is open. The
+daemon starts each of its targets' probes the same way."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ class ProbeStart:
 
     def __init__(self, pid: int, options: ProbeOptions, *, interval: float,
                  wait_seconds: float = 0.0, timeouts: ChannelTimeouts = DEFAULT_TIMEOUTS,
-                 on_open: Callable[[ProbeSource], None] = lambda source: None) -> None:
+                 on_open: Callable[[ProbeSource], None] = lambda source: None,
+                 on_error: Callable[[Exception], None] | None = None) -> None:
         self.pid = pid
+        self._on_error = on_error
         self._options = options
         self._interval = interval
         self._wait_seconds = wait_seconds
@@ -115,6 +118,10 @@ class ProbeStart:
             pass  # the job ended meanwhile: the sampler sees it, and the attach ends as usual
         except DlprofError as error:
             failure = error
+        except Exception as error:  # the job's process metrics go on regardless
+            if self._on_error is None:
+                raise
+            self._on_error(error)
         with self._lock:
             late = self._abandoned
             if not late:
@@ -160,13 +167,13 @@ class ProbeStart:
         with self._lock:
             self._stopping = True
 
-    def abandon(self) -> None:
-        """The attach is ending: wait a little for an injection under way, so that
-        the probe it started is stopped now; one that comes later is stopped by the
-        start's own thread."""
+    def abandon(self, wait_seconds: float = STOP_INJECTION_WAIT_SECONDS) -> None:
+        """The target is let go: wait up to ``wait_seconds`` for an injection under
+        way, so that the probe it started is stopped now; one that comes later is
+        stopped by the start's own thread."""
         with self._lock:
             self._stopping = True
-        if self._thread.ident is not None:
-            self._done.wait(STOP_INJECTION_WAIT_SECONDS)
+        if self._thread.ident is not None and wait_seconds > 0:
+            self._done.wait(wait_seconds)
         with self._lock:
             self._abandoned = True

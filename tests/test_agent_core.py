@@ -1,5 +1,6 @@
-"""The sampling loop: failures are contained per collector, the target's exit
-ends the loop, and the agent measures its own footprint."""
+"""The agent's core watching one target, as `attach` runs it: failures are
+contained per collector, the target's exit ends the loop, and the agent measures
+its own footprint."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from dlprof_agent.agent.sampler import Sampler
+from dlprof_agent.agent.core import Agent, AgentOptions, OneTarget
+from dlprof_agent.agent.snapshot_builder import target_snapshot
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector, HostSample
-from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.model.snapshot import Snapshot
+from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 from tests.helpers import wait_until
 
 
@@ -33,10 +34,27 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     process.wait()
 
 
-def make_sampler(pid: int, errors: ErrorLog, host: HostCollector | None = None) -> Sampler:
-    return Sampler(target_pid=pid, processes=ProcessCollector(pid, errors=errors),
-                   host=host or HostCollector(), gpu=None, errors=errors,
-                   interval_seconds=0.05)
+class OneJob:
+    """The core with ``pid`` as its one target, and that target's part of each pass."""
+
+    def __init__(self, pid: int, errors: ErrorLog, host: HostCollector | None = None) -> None:
+        self.pid = pid
+        self.agent = Agent(AgentOptions(interval=0.05, gpu=False), chooser=OneTarget(pid),
+                           host=host or HostCollector(), gpu=None, errors=errors)
+
+    def sample_once(self) -> Snapshot:
+        return target_snapshot(self.agent.sample_once(), self.pid)
+
+    def run(self, stop: threading.Event, seen: list[Snapshot]) -> None:
+        def on_pass(node: NodeSnapshot) -> bool:
+            seen.append(target_snapshot(node, self.pid))
+            return seen[-1].target_up
+
+        self.agent.run(stop, on_pass)
+
+
+def make_sampler(pid: int, errors: ErrorLog, host: HostCollector | None = None) -> OneJob:
+    return OneJob(pid, errors, host)
 
 
 def test_a_failing_collector_is_counted_and_the_others_still_publish(
@@ -49,14 +67,15 @@ def test_a_failing_collector_is_counted_and_the_others_still_publish(
     assert [p.pid for p in second.processes] == [sleeper.pid]
     assert dict(second.collector_errors) == {"process": 0, "host": 2}
     assert second.samples_total == 2
-    assert sampler.latest is second
+    assert sampler.agent.latest is not None
+    assert target_snapshot(sampler.agent.latest, sleeper.pid) == second
 
 
 def test_the_loop_ends_with_target_down_when_the_target_exits(
         sleeper: subprocess.Popen[bytes]) -> None:
     sampler = make_sampler(sleeper.pid, ErrorLog())
     seen: list[Snapshot] = []
-    loop = threading.Thread(target=sampler.run, args=(threading.Event(), seen.append))
+    loop = threading.Thread(target=sampler.run, args=(threading.Event(), seen))
     loop.start()
     wait_until(lambda: seen, 10, what="the loop's first pass")
     sleeper.kill()
@@ -74,7 +93,7 @@ def test_the_loop_keeps_to_its_interval_and_stops_on_request(
     sampler = make_sampler(sleeper.pid, ErrorLog())
     stop = threading.Event()
     seen: list[Snapshot] = []
-    loop = threading.Thread(target=sampler.run, args=(stop, seen.append))
+    loop = threading.Thread(target=sampler.run, args=(stop, seen))
     loop.start()
     time.sleep(0.5)
     stop.set()
