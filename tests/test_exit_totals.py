@@ -76,6 +76,7 @@ def test_the_core_keeps_the_final_totals_of_its_one_target_that_has_gone(
     class Probe:
         up = True
         steps = 5
+        stopped = False
 
         def sample(self) -> ProbeSample:
             self.steps += 5
@@ -84,8 +85,12 @@ def test_the_core_keeps_the_final_totals_of_its_one_target_that_has_gone(
         def final_sample(self) -> ProbeSample:
             return self.sample()  # its reply to the last read, taken late
 
+        def stop(self) -> None:
+            self.stopped = True
+
     agent.scan()
-    agent.targets[job.pid].probe = Probe()  # type: ignore[assignment]
+    channel = Probe()
+    agent.targets[job.pid].probe = channel  # type: ignore[assignment]
     registry = CollectorRegistry()
     registry.register(NodeCollector(lambda: agent.latest, interval_seconds=0.25))
     running = sample_once()
@@ -98,7 +103,7 @@ def test_the_core_keeps_the_final_totals_of_its_one_target_that_has_gone(
     job.wait()
     gone: Snapshot = wait_for(lambda: (s := sample_once()) and not s.target_up and s,
                               "the target seen gone")
-    assert not gone.probe_up
+    assert not gone.probe_up and channel.stopped  # let go once its job has gone
     assert registry.get_sample_value("dlprof_target_up", {"pid": str(job.pid)}) == 0
     assert registry.get_sample_value("dlprof_steps_total", steady) == 15  # the final read
     sample_once()
