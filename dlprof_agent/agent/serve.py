@@ -38,7 +38,6 @@ from dlprof_agent.probe_link.start import ProbeStart
 
 DEFAULT_INTERVAL_SECONDS = 1.0
 DEFAULT_GRACE_SECONDS = 15.0  # one scrape at Prometheus's usual 15 s interval
-DEFAULT_WARMUP_STEPS = 10
 MIN_INTERVAL_SECONDS = 0.05
 STOP_PASS_SECONDS = 2.0  # how long a stop waits for the pass under way to end
 
