@@ -29,7 +29,8 @@ from dlprof_agent.collectors.threads import ThreadGroupSample
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.snapshot import AgentSelfSample, NodeSnapshot, Snapshot
-from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, OTHER_LAYER, STEP_BUCKETS
+from dlprof_agent.probe.messages import OTHER
+from dlprof_agent.probe.recorder import DEFAULT_MAX_LAYERS, STEP_BUCKETS
 from dlprof_agent.probe_link.samples import LayerSample, ProbeSample
 
 MAX_LAYER_NAMES = DEFAULT_MAX_LAYERS + 1  # the named ones and "other"
@@ -74,7 +75,7 @@ def _probe(pid: int, layers: int) -> ProbeSample:
     names = [f"model.blocks.{i // 4}.{('conv1', 'bn1', 'conv2', 'bn2')[i % 4]}"
              for i in range(min(layers, DEFAULT_MAX_LAYERS))]
     if layers > DEFAULT_MAX_LAYERS:
-        names.append(OTHER_LAYER)
+        names.append(OTHER)
     return ProbeSample(
         pid=pid, step_source="optimizer", steps=(("steady", 10_000), ("warmup", 10)),
         samples=(("steady", 640_000), ("warmup", 640)), step_bucket_bounds=STEP_BUCKETS,

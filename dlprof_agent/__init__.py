@@ -1,12 +1,15 @@
 """dlprof-agent: attach to a running training job and export where its time goes.
 
-The data path reads from the folder names: ``probe`` runs inside the training
-job and answers over its socket; ``collectors`` read the job (through /proc,
-NVML and the probe's socket) into typed samples; ``model`` holds the snapshot
-of one sampling pass and the findings' catalogue; ``agent`` samples on its own
-clock, reaches the job, judges findings and runs the command line;
-``exporters`` render snapshots for Prometheus; ``grafana`` holds the dashboards
-that query Prometheus. ``errors`` is the one error hierarchy every floor uses.
+The folders, in data-path order: ``probe`` runs inside the training job and
+answers over its socket; ``collectors`` read the job and its host (/proc,
+cgroups, NVML) into typed samples; ``reach`` injects the probe into a running
+job; ``probe_link`` is the agent's end of the probe's socket, decoding its
+replies into samples; ``model`` holds a sampling pass's snapshot and the
+findings' rules; ``exporters`` render snapshots and recording rules for
+Prometheus; ``grafana`` holds the dashboards that query it; ``workloads`` are
+reference training jobs to measure; ``agent`` samples on its own clock and
+serves /metrics; ``cli`` holds the commands. ``errors`` is the one error
+hierarchy every folder uses.
 """
 
 from __future__ import annotations

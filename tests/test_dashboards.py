@@ -19,17 +19,17 @@ from typing import Any
 import pytest
 import yaml
 
-from dlprof_agent.grafana import build as dashboards
-from dlprof_agent.grafana.job import IDENTITY_METRICS
-from dlprof_agent.grafana.overview import build_overview
-from dlprof_agent.grafana.panels import (
+from dlprof_agent.exporters.prometheus_rules import (
     CPU_RATE,
-    KERNEL_METRICS,
     KERNEL_RATE,
     LAYER_RATE,
     STEP_MEAN,
     THREAD_CPU_RATE,
 )
+from dlprof_agent.grafana import build as dashboards
+from dlprof_agent.grafana.job import IDENTITY_METRICS
+from dlprof_agent.grafana.overview import build_overview
+from dlprof_agent.grafana.panels import KERNEL_METRICS
 from tests.conftest import (
     PROMETHEUS,
     PROMTOOL,

@@ -78,8 +78,8 @@ def test_demo_warms_up_for_the_documented_default_of_10_steps() -> None:
 def test_the_readme_and_the_parser_agree_on_the_warmup_default() -> None:
     from pathlib import Path
 
-    from dlprof_agent.agent.serve import DEFAULT_WARMUP_STEPS
     from dlprof_agent.cli.main import build_parser
+    from dlprof_agent.probe.messages import DEFAULT_WARMUP_STEPS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     documented = re.search(r"`--warmup-steps`\s+\(default (\d+)\)", readme)

@@ -4,18 +4,26 @@ Prometheus families the dashboards read."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuSample
+from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.errors import ProtocolError
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe import kernel_tracer as kt
-from dlprof_agent.probe_link.samples import KernelSample, ProbeSample
+from dlprof_agent.probe_link.samples import (
+    KernelDurations,
+    KernelRow,
+    KernelSample,
+    LayerGpuRow,
+    MemcpyRow,
+    ProbeSample,
+)
 from tests.cupti_records import DTOH, HTOD, BufferBuilder
 from tests.fake_cupti import FakeBinding, now_on_cupti_clock
 from tests.full_snapshot import full_snapshot
@@ -153,7 +161,21 @@ def test_the_sample_is_typed_and_immutable() -> None:
         sample.state = "busy"  # type: ignore[misc]
     assert sample.devices == ((0, "GPU-aaaa"), (1, "GPU-bbbb"))
     assert {row.kind for row in sample.memcpy} == {"h2d", "d2h"}
-    assert isinstance(GpuDeviceSample, type)
+    # Each row is its frozen dataclass with its fields' types, not the reply's list,
+    # and every sequence a tuple.
+    families = ((sample.kernels, KernelRow), (sample.durations, KernelDurations),
+                (sample.memcpy, MemcpyRow), (sample.layers, LayerGpuRow))
+    for rows, row_type in families:
+        assert type(rows) is tuple and rows, row_type.__name__
+        for row in rows:
+            assert type(row) is row_type
+            hints = typing.get_type_hints(row_type)
+            for field in dataclasses.fields(row_type):
+                value, hint = getattr(row, field.name), hints[field.name]
+                assert type(value) is typing.get_origin(hint) or type(value) is hint, field
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(rows[0], dataclasses.fields(row_type)[0].name, None)
+    assert all(type(counts) is int for row in sample.durations for counts in row.bucket_counts)
 
 
 def test_nccl_kernels_are_summed_per_rank_as_collective_gpu_time() -> None:

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from dlprof_agent.errors import ConnectionClosed, ProtocolError
+from dlprof_agent.probe.messages import OTHER
 from dlprof_agent.probe.protocol import HEADER, MAGIC, encode, read_frame
 from dlprof_agent.probe.recorder import (
-    OTHER_LAYER,
     STEP_BUCKETS,
     LayerSampling,
     Recorder,
@@ -89,8 +89,8 @@ def test_layer_names_are_capped_with_an_other_bucket() -> None:
         recorder.add_layer_time(f"layer{index}", "forward", 1.0)
     run_steps(recorder, [1.0])
     layers = {row[0]: row[1:] for row in recorder.snapshot()["layers"]}
-    assert set(layers) == {"layer0", "layer1", "layer2", "layer3", OTHER_LAYER}
-    assert layers[OTHER_LAYER] == [6.0, 6, 0.0, 0]
+    assert set(layers) == {"layer0", "layer1", "layer2", "layer3", OTHER}
+    assert layers[OTHER] == [6.0, 6, 0.0, 0]
 
 
 def test_layers_are_not_counted_during_warmup() -> None:

@@ -164,13 +164,6 @@ def test_status_of_each_captured_process(role: str) -> None:
         assert status.vm_hwm_bytes >= status.vm_rss_bytes
 
 
-def test_a_threads_status_has_its_own_blocked_signals() -> None:
-    pid = pid_of("threaded")
-    for tid in PROCESSES["threaded"]["tids"]:
-        status = read_status(pid, tid=tid, root=ROOT)
-        assert status is not None and status.sig_blk is not None
-
-
 def test_threads_are_named_by_their_comm_main_first() -> None:
     pid, psutil_view = pid_of("threaded"), seen_by_psutil("threaded")
     threads = read_task_stats(pid, root=ROOT)

@@ -27,10 +27,11 @@ from dlprof_agent.exporters.probe_families import probe_families
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.model.snapshot import NodeSnapshot
 from dlprof_agent.probe import protocol
+from dlprof_agent.probe.messages import OTHER
 from dlprof_agent.probe.protocol import MAX_REQUEST_BYTES, encode, read_frame
 from dlprof_agent.probe_link import reply_pacing
 from dlprof_agent.probe_link.client import ProbeClient, ReplyLate
-from dlprof_agent.probe_link.samples import OTHER, ProbeSample
+from dlprof_agent.probe_link.samples import ProbeSample
 from dlprof_agent.probe_link.series_budget import SeriesBudget, fold, probe_series
 from tests.full_snapshot import full_snapshot
 from tests.test_probe_channel_bounds import real_reply

@@ -19,7 +19,8 @@ from dlprof_agent.model.findings.catalogue import Finding
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.findings.window import Window, point_of
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
-from dlprof_agent.probe_link.samples import OTHER, ProbeSample
+from dlprof_agent.probe.messages import OTHER
+from dlprof_agent.probe_link.samples import ProbeSample
 from dlprof_agent.probe_link.series_budget import (
     SeriesBudget,
     fold,

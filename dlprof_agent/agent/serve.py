@@ -29,7 +29,6 @@ from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 
-DEFAULT_WARMUP_STEPS = 10
 MIN_INTERVAL_SECONDS = 0.05
 STOP_PASS_SECONDS = 2.0  # how long a stop waits for the pass under way to end
 

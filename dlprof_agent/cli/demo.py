@@ -15,10 +15,11 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT
-from dlprof_agent.agent.serve import DEFAULT_WARMUP_STEPS, ServeOptions, serve
+from dlprof_agent.agent.serve import ServeOptions, serve
 from dlprof_agent.cli.arguments import paragraph
 from dlprof_agent.cli.options import add_sampling_options, add_serving_options, serve_options
 from dlprof_agent.errors import EXIT_CODES_HELP, PortUnavailable
+from dlprof_agent.probe.messages import DEFAULT_WARMUP_STEPS
 from dlprof_agent.probe_link.connect import ProbeOptions
 
 DEMO_SERIES = ("dlprof_target_up", "dlprof_process_cpu_seconds_total",

@@ -11,10 +11,11 @@ from collections.abc import Mapping
 from dlprof_agent.agent.core import DEFAULT_INTERVAL_SECONDS
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, load_web_config
 from dlprof_agent.agent.exit_totals import DEFAULT_GRACE_SECONDS
-from dlprof_agent.agent.serve import DEFAULT_WARMUP_STEPS, MIN_INTERVAL_SECONDS, ServeOptions
+from dlprof_agent.agent.serve import MIN_INTERVAL_SECONDS, ServeOptions
 from dlprof_agent.cli.arguments import budget_fraction, node_name, port, seconds, whole_number
 from dlprof_agent.collectors.labels import MAX_LABEL_CHARS
 from dlprof_agent.exporters.admission import MAX_REQUESTS
+from dlprof_agent.probe.messages import DEFAULT_WARMUP_STEPS
 from dlprof_agent.probe_link.connect import ProbeOptions
 from dlprof_agent.probe_link.series_budget import DEFAULT_TARGET_SERIES
 

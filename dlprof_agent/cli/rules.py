@@ -12,10 +12,16 @@ from typing import Any
 from dlprof_agent.cli.arguments import paragraph
 from dlprof_agent.errors import ExitCode, UsageError, exit_codes_help
 from dlprof_agent.exporters.prometheus_rules import (
+    AGENT_DOWN_ALERT,
     CAUSES,
     DEFAULT_FOR,
     DEFAULT_RATE_WINDOW,
     DEFAULT_SCRAPE_JOB,
+    MISSING_RANKS_ALERT,
+    PROBE_DOWN_ALERT,
+    SLOW_EXCHANGE_ALERT,
+    STALLED_ALERT,
+    STRAGGLER_ALERT,
     STRAGGLER_FLOOR_SECONDS,
     STRAGGLER_STEP_SHARE,
     RuleOptions,
@@ -58,9 +64,9 @@ def add_parser(commands: Any) -> None:
             f"it waited in collectives) is above its job's median by "
             f"{STRAGGLER_STEP_SHARE:.0%} of the job's median step time, and "
             f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms, for --for; "
-            f"the alert DlprofStragglerRank names it (labels job_id, rank) and its cause "
-            f"(label cause: {', '.join(CAUSES)}). Also: DlprofSlowExchange, "
-            "DlprofJobStalled, DlprofMissingRanks, DlprofAgentDown, DlprofProbeDown. "
+            f"the alert {STRAGGLER_ALERT} names it (labels job_id, rank) and its cause "
+            f"(label cause: {', '.join(CAUSES)}). Also: {SLOW_EXCHANGE_ALERT}, "
+            f"{STALLED_ALERT}, {MISSING_RANKS_ALERT}, {AGENT_DOWN_ALERT}, {PROBE_DOWN_ALERT}. "
             "docs/fleet.md explains each."),
         epilog="examples:\n"
                "  dlprof-agent rules -o /etc/prometheus/dlprof-rules.yml\n"
@@ -80,7 +86,7 @@ def add_parser(commands: Any) -> None:
                        help="how long a condition must hold before its alert fires "
                             f"(default {DEFAULT_FOR})")
     rules.add_argument("--scrape-job", default=DEFAULT_SCRAPE_JOB, metavar="REGEX",
-                       help="the `job` label of the agents' scrape, for DlprofAgentDown "
+                       help=f"the `job` label of the agents' scrape, for {AGENT_DOWN_ALERT} "
                             f"(default {DEFAULT_SCRAPE_JOB}: the shipped prometheus.yml "
                             "and ServiceMonitor)")
     rules.add_argument("-o", "--output", type=Path, metavar="FILE",

@@ -56,8 +56,11 @@ DEFAULT_FOR = "2m"
 # ServiceMonitor's (the Service's name).
 DEFAULT_SCRAPE_JOB = "dlprof|dlprof-agent"
 
-# The recording rules the overview, layers and threads dashboards read. They keep
-# their 1m window whatever --rate-window is: their names say 1m.
+# The recording rules the overview, layers and threads dashboards read
+# (grafana/overview.py, layers.py, threads.py). They precompute the rates that several
+# panels share or that topk() would otherwise compute over hundreds of layer or kernel
+# series on every refresh, and keep their 1m window whatever --rate-window is: their
+# names say 1m.
 CPU_RATE = "instance_pid_mode:dlprof_process_cpu_seconds:rate1m"
 THREAD_CPU_RATE = "instance_pid_thread_name_mode:dlprof_thread_group_cpu_seconds:rate1m"
 STEP_MEAN = "instance_pid:dlprof_step_duration_seconds:mean1m"

@@ -24,6 +24,7 @@ from dlprof_agent.exporters.prometheus_rules import (
     JOB_SCALING_EFFICIENCY,
     JOB_STEP_SKEW,
     JOB_WORLD_SIZE,
+    MISSING_RANKS_ALERT,
     RANK_OWN_ABOVE_MEDIAN,
     RANK_OWN_MEAN,
     RANK_PHASE_MEAN,
@@ -90,7 +91,7 @@ def _job() -> list[Panel]:
                    "ratio of ranks.", "short", f"sum({JOB_SAMPLES_RATE}{{{JOB_ID}}})",
                    legend="samples/s"),
         stat_panel("Ranks up", "Share of the world size whose process is up. Under 100% "
-                   "(red) a node, its agent or a rank is gone: DlprofMissingRanks.",
+                   f"(red) a node, its agent or a rank is gone: {MISSING_RANKS_ALERT}.",
                    "percentunit",
                    f"{JOB_RANKS_UP}{{{JOB_ID}}} / {JOB_WORLD_SIZE}{{{JOB_ID}}}",
                    steps=MISSING, legend="ranks up"),

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from dlprof_agent.exporters.prometheus_rules import KERNEL_RATE, LAYER_RATE
 from dlprof_agent.grafana.panels import (
     ANY_ERROR,
-    KERNEL_RATE,
-    LAYER_RATE,
     PROCESS,
     PROCESS_DEVICE,
     Panel,

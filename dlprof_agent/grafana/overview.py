@@ -7,24 +7,21 @@ from typing import Any
 from grafana_foundation_sdk.builders import stat
 from grafana_foundation_sdk.models import common
 
+from dlprof_agent.exporters.prometheus_rules import CPU_RATE, LAYER_RATE, STEP_MEAN, THREAD_CPU_RATE
 from dlprof_agent.grafana.gpu import gpu_memory, gpu_utilization, process_gpu_memory
 from dlprof_agent.grafana.panels import (
     ANY_ERROR,
-    CPU_RATE,
     DEVICE,
     GPU_BUSY,
     HOST_BUSY,
     JOB,
-    LAYER_RATE,
     PROCESS,
     PROCESS_BUSY,
     PROCESS_DEVICE,
     PROCESS_SYSTEM,
     RUN_QUEUE,
     STEADY,
-    STEP_MEAN,
     SYSTEM_SHARE,
-    THREAD_CPU_RATE,
     Panel,
     dashboard,
     rate,

@@ -1,11 +1,11 @@
-"""What the dashboards are made of: the selectors and recording rules their
-queries use, the panel builders, and the assembly of rows into a dashboard.
+"""What the dashboards are made of: the selectors their queries use, the panel
+builders, and the assembly of rows into a dashboard.
 
 Queries select the job and the agent with `job=~"$job",instance=~"$instance"`,
 processes with `pid=~"$pid"` and devices with `gpu=~"$gpu"`; host, GPU and
 agent metrics carry no `pid`. Some panels read the recording rules of
-deploy/prometheus/rules.yml (the names with colons below), so that Prometheus
-must load those rules.
+deploy/prometheus/rules.yml (the names with colons, from
+exporters/prometheus_rules.py), so that Prometheus must load those rules.
 """
 
 from __future__ import annotations
@@ -40,15 +40,6 @@ KERNEL_METRICS: dict[str, tuple[str, ...]] = {
     # state: active, busy, unavailable; reason: why busy or unavailable, "" otherwise
     "dlprof_kernel_tracing_state": ("pid", "state", "reason"),
 }
-
-# Recording rules of deploy/prometheus/rules.yml (level:metric:operations). They
-# precompute the rates that several panels share or that topk() would otherwise
-# compute over hundreds of layer or kernel series on every refresh.
-CPU_RATE = "instance_pid_mode:dlprof_process_cpu_seconds:rate1m"
-THREAD_CPU_RATE = "instance_pid_thread_name_mode:dlprof_thread_group_cpu_seconds:rate1m"
-STEP_MEAN = "instance_pid:dlprof_step_duration_seconds:mean1m"
-LAYER_RATE = "instance_pid_layer_phase:dlprof_layer_seconds:rate1m"
-KERNEL_RATE = "instance_pid_gpu_kernel:dlprof_kernel_seconds:rate1m"
 
 # Every query and variable goes to the Prometheus the `datasource` variable picks.
 DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")

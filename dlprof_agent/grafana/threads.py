@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dlprof_agent.exporters.prometheus_rules import CPU_RATE, THREAD_CPU_RATE
 from dlprof_agent.grafana.panels import (
-    CPU_RATE,
     INVOLUNTARY,
     JOB,
     PREEMPTIONS,
@@ -14,7 +14,6 @@ from dlprof_agent.grafana.panels import (
     PROCESS_SYSTEM,
     RUN_QUEUE,
     SYSTEM_SHARE,
-    THREAD_CPU_RATE,
     Panel,
     dashboard,
     rate,

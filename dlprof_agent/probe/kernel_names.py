@@ -16,10 +16,10 @@ from collections.abc import Callable
 import numpy as np
 
 from dlprof_agent.probe.kernel_records import I64, U64
+from dlprof_agent.probe.messages import OTHER
 
-OTHER = "other"
 MEMSET_NAME = "[memset]"  # memsets run on the GPU like kernels, as in Nsight's summaries
-MAX_NAME_CHARS = 160
+MAX_SHORT_NAME_CHARS = 160  # a kernel's short name is cut to this
 MAX_FULL_NAMES = 20_000  # distinct kernel symbols remembered; more is a pathological job
 
 
@@ -118,7 +118,7 @@ def normalize_kernel_name(name: str) -> str:
             result = f"{result}<{first_argument}>"
     for literal, placeholder in _PLACEHOLDERS:
         result = result.replace(placeholder, literal)
-    return result[:MAX_NAME_CHARS] or "unnamed"
+    return result[:MAX_SHORT_NAME_CHARS] or "unnamed"
 
 
 class _ReadableMemory:

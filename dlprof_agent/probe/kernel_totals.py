@@ -14,16 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dlprof_agent.probe.kernel_names import OTHER, KernelNames
+from dlprof_agent.probe.kernel_names import KernelNames
 from dlprof_agent.probe.kernel_records import F64, I64, MEMCPY_KINDS, U32, U64, Batch
-from dlprof_agent.probe.messages import KernelTimes, KernelTotals
+from dlprof_agent.probe.messages import MAX_DEVICES, OTHER, KernelTimes, KernelTotals
 
 # Upper bounds in seconds: kernels run from about a microsecond to many milliseconds.
 DURATION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3,
                     2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 MEMCPY_LABELS = ("h2d", "d2h", "d2d", "p2p", "h2h", "other")
 DEFAULT_MAX_KERNELS = 200
-MAX_DEVICES = 64
 MAX_CORRELATIONS = 1 << 20  # external correlation entries kept for a late kernel record
 WEIGHT_SHIFT = 32  # external ids: the weight of a timed step sits above this bit
 

@@ -27,6 +27,15 @@ Frame = dict[str, object]
 # state. Here and not in the recorder, whose import the agent does without.
 EXCHANGE_PHASE = "exchange"  # waiting for the other ranks in collectives
 SPLIT = "split"
+# The row that rows past a limit fold into: layers past max_layers, kernels past
+# the tracer's cap (per device), layer GPU time of layers past max_layers.
+OTHER = "other"
+# GPUs a reply may name: the probe counts a higher device index as the last one,
+# and the agent refuses a reply with more.
+MAX_DEVICES = 64
+# Steps a session leaves out of its steady figures when the agent names none
+# (StartArgs.warmup_steps); the agent's --warmup-steps defaults to the same.
+DEFAULT_WARMUP_STEPS = 10
 
 
 # --- requests: agent -> probe --------------------------------------------------------

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 MAGIC = b"DLPR"
 VERSION = 1
 HEADER = struct.Struct("!4sB3xI")  # magic, version, padding, payload length
+_PEERCRED = struct.Struct("3i")  # the kernel's struct ucred: pid, uid, gid
 MAX_REQUEST_BYTES = 64 * 1024  # agent -> probe: commands are small
 MAX_REPLY_BYTES = 4 * 1024 * 1024  # probe -> agent: 512 layers fit many times over
 # "trace" and "trace_status" came later: an older probe answers them "unknown
@@ -65,6 +66,14 @@ def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytes
         chunks.append(chunk)
         size -= len(chunk)
     return b"".join(chunks)
+
+
+def peer_credentials(connection: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket, as the
+    kernel saw them when it connected (SO_PEERCRED), not as the peer says."""
+    pid, uid, _ = _PEERCRED.unpack(connection.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
 
 
 def _payload_length(header: bytes, max_bytes: int) -> int:

@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dlprof_agent.probe.messages import SPLIT, RecorderSnapshot
+from dlprof_agent.probe.messages import DEFAULT_WARMUP_STEPS, OTHER, SPLIT, RecorderSnapshot
 
 if TYPE_CHECKING:
     from dlprof_agent.probe.trace_window import Capture
@@ -48,9 +48,7 @@ if TYPE_CHECKING:
 # Upper bounds in seconds; a CPU step of a small CNN sits near the middle.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-DEFAULT_WARMUP_STEPS = 10
 DEFAULT_MAX_LAYERS = 512
-OTHER_LAYER = "other"
 OTHER_PHASE = "other"  # the step's rest, when forward and backward were seen
 UNSPLIT_PHASE = "unsplit"  # the step's rest, when they were not: not read as "other"
 FORWARD_NOT_SEEN = "forward not seen"
@@ -247,7 +245,7 @@ class Recorder:
         if stats is None:
             if layer not in self.layers and len(self.layers) + len(
                     self._pending_layers) >= self.max_layers:
-                layer = OTHER_LAYER
+                layer = OTHER
             stats = self._pending_layers.setdefault(layer, [0.0, 0, 0.0, 0])
         if phase == "forward":
             stats[0] += seconds
@@ -370,7 +368,7 @@ class Recorder:
         for layer, (forward, forward_calls, backward, backward_calls) in layers.items():
             stats = self.layers.get(layer)
             if stats is None:
-                name = OTHER_LAYER if len(self.layers) >= self.max_layers else layer
+                name = OTHER if len(self.layers) >= self.max_layers else layer
                 stats = self.layers.setdefault(name, [0.0, 0, 0.0, 0])
             stats[0] += weight * forward
             stats[1] += weight * forward_calls

@@ -15,7 +15,6 @@ import contextlib
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from dlprof_agent.probe.protocol import (
     bytes_wanted,
     encode,
     own_private_dir,
+    peer_credentials,
     private_dir,
     read_frame,
     remove_stale_sockets,
@@ -49,7 +49,6 @@ MAX_PENDING = 8  # connections not yet past their first frame; the oldest goes f
 # Past this, a wake-up of the probe's thread is late because the job kept it off
 # the GIL (or the process was stopped): that time does not count against a lease.
 STARVED_SECONDS = 0.25
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 # At the job's exit the attached agent gets one more read of the totals, so that
 # the steps since its last read reach /metrics: the job waits for it up to this
 # many of the agent's intervals (its next read is due within one; the second is
@@ -285,8 +284,7 @@ class Probe:
         except OSError:
             return
         try:
-            peer_pid, peer_uid, _ = _PEERCRED.unpack(connection.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            peer_pid, peer_uid = peer_credentials(connection)
             if peer_uid not in (0, os.getuid(), os.geteuid()):
                 self._count("refused_peer")
                 connection.close()

@@ -12,11 +12,16 @@ from dlprof_agent.probe.activity_binding import LayerIdSource
 from dlprof_agent.probe.distributed import process_group
 from dlprof_agent.probe.frameworks import FRAMEWORK_HOOKS, framework_imported
 from dlprof_agent.probe.kernel_tracer import PAUSED, SWITCHED_OFF, KernelTracer
-from dlprof_agent.probe.messages import ErrorReply, SessionOptions, TraceStarted, TraceStatus
+from dlprof_agent.probe.messages import (
+    DEFAULT_WARMUP_STEPS,
+    ErrorReply,
+    SessionOptions,
+    TraceStarted,
+    TraceStatus,
+)
 from dlprof_agent.probe.recorder import (
     DEFAULT_LAYER_BUDGET,
     DEFAULT_MAX_LAYERS,
-    DEFAULT_WARMUP_STEPS,
     MAX_SAMPLE_INTERVAL,
     LayerSampling,
     Recorder,

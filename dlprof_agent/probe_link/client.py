@@ -11,7 +11,6 @@ import os
 import re
 import socket
 import stat
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -40,6 +39,7 @@ from dlprof_agent.probe.protocol import (
     VERSION,
     bytes_wanted,
     encode,
+    peer_credentials,
     read_frame,
     runtime_dir_candidates,
     socket_name,
@@ -49,7 +49,6 @@ from dlprof_agent.probe_link.reply_pacing import ReplyPacing
 from dlprof_agent.probe_link.samples import ProbeSample
 
 REPLY_SECONDS = 2.0  # the probe answers within milliseconds unless its process is stuck
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 def find_probe_socket(pid: int, *, procfs: str = PROC_ROOT) -> str | None:
@@ -152,8 +151,7 @@ def check_peer(connection: socket.socket, pid: int, uids: set[int], path: str,
     """The process serving ``connection`` must be ``pid`` or one of its
     descendants, running as the job's user (SO_PEERCRED: the kernel's word, not
     the peer's). Raises ProbeImpostor."""
-    peer_pid, peer_uid, _ = _PEERCRED.unpack(connection.getsockopt(
-        socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    peer_pid, peer_uid = peer_credentials(connection)
     if peer_uid not in uids:
         raise ProbeImpostor(f"refused {path}: it is served by uid {peer_uid}, not by the "
                             "job's user", pid=pid)

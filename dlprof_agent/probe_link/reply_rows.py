@@ -26,9 +26,11 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 from dlprof_agent.errors import ProtocolError
+from dlprof_agent.probe.messages import OTHER
 
-OTHER = "other"  # as the probe names the row past its limits
-MAX_NAME_CHARS = 512  # as probe_samples checks a name
+# The longest name a reply may carry (a layer's dotted path, a kernel's short name, a
+# setting): a probe of ours sends none longer; samples.py refuses a reply that does.
+MAX_NAME_CHARS = 512
 ROW_NUMBER_BYTES = 12  # about what one number and its comma take in the reply's JSON
 
 

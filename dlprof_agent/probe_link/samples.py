@@ -13,8 +13,14 @@ from typing import TypeVar, cast
 
 from dlprof_agent.collectors.labels import cut_label
 from dlprof_agent.errors import ProtocolError
-from dlprof_agent.probe.messages import KernelSnapshot, RecorderSnapshot, SnapshotReply
+from dlprof_agent.probe.messages import (
+    MAX_DEVICES,
+    KernelSnapshot,
+    RecorderSnapshot,
+    SnapshotReply,
+)
 from dlprof_agent.probe_link.reply_rows import (
+    MAX_NAME_CHARS,
     Trimmed,
     family_budgets,
     layer_series,
@@ -25,14 +31,12 @@ from dlprof_agent.probe_link.reply_rows import (
 
 # What a reply may carry. A real probe stays far inside these (at most max_layers
 # names and "other", 200 kernels and "other" per device); anything past them is
-# not a probe of ours, and is refused whole rather than exported in part.
-MAX_NAME_CHARS = 512  # a layer's dotted path, a kernel's short name, a setting
+# not a probe of ours, and is refused whole rather than exported in part. Also
+# MAX_NAME_CHARS (reply_rows.py) and MAX_DEVICES (the probe's messages.py).
 MAX_LAYER_ROWS = 4096 + 1  # the probe's largest max_layers, and "other"
-MAX_KERNEL_ROWS = 64 * 201  # per device: 200 kernels and "other"
-MAX_DEVICES = 64
+MAX_KERNEL_ROWS = MAX_DEVICES * 201  # 200 kernels and "other" per device
 MAX_BUCKETS = 64
 MAX_ENTRIES = 64  # the keys of a small map: phases, dropped reasons, settings
-OTHER = "other"  # the row that rows past a limit fold into, as the probe names it
 _T = TypeVar("_T")
 
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from dlprof_agent.collectors.process import ProcessSample
+from dlprof_agent.probe.messages import OTHER
 from dlprof_agent.probe_link.reply_rows import share
 from dlprof_agent.probe_link.samples import (
-    OTHER,
     KernelRow,
     LayerGpuRow,
     LayerSample,

@@ -1,6 +1,7 @@
-"""Reaching a process: the target pid checked (``target``), the probe in it found or
-injected and kept (``connect``, ``channel``), and the injectors, one module per
-mechanism behind ``inject``: ``ptrace`` (x86-64), ``gdb`` (elsewhere), and for Python
-3.14+ (PEP 768) ``remote_exec`` (the agent's own ``sys.remote_exec``) and
-``remote_debug`` (the same protocol through the job's ``debug_offsets``), with the ELF
-checks that come first (``elf``, ``runtime``)."""
+"""Reaching a running process: the injectors, one module per mechanism behind
+``inject``: ``ptrace`` (x86-64), ``gdb`` (elsewhere), and for Python 3.14+ (PEP 768)
+``remote_exec`` (the agent's own ``sys.remote_exec``) and ``remote_debug`` (the same
+protocol through the job's ``debug_offsets``), with the checks that come first (the
+ELF checks ``elf`` and ``runtime``, ``refusal`` and ``shutdown``) and the progress
+they report. Finding, starting and keeping the probe once it is in is
+``probe_link``'s; the target pid is ``collectors.target``'s."""
