@@ -49,6 +49,7 @@ from dlprof_agent.collectors.identity import RANK_MARKERS, carries_rank
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.process_table import ProcessTable
+from dlprof_agent.collectors.target import Target as JobProcess
 from dlprof_agent.errors import ExitCode, ProbeAlreadyAttached, TargetAccessDenied, TargetGone
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.prometheus import NodeCollector
@@ -247,11 +248,11 @@ class Daemon:
 
     def _add(self, pid: int, reason: str) -> None:
         try:
-            processes = ProcessCollector(pid, children=True, errors=self._errors,
+            processes = ProcessCollector(JobProcess.of(pid), children=True, errors=self._errors,
                                          table=self._discovery.table)
         except (TargetGone, TargetAccessDenied):
             return  # gone, or not ours to read
-        target = Target(pid, reason, processes, limits=LimitsCollector(pid),
+        target = Target(pid, reason, processes, limits=LimitsCollector(processes.target),
                         rank=carries_rank(self._discovery.table.environ(pid)))
         self.targets[pid] = target
         self.exited.forget(pid)
@@ -271,7 +272,7 @@ class Daemon:
         if target.reason == "probe":
             options = replace(options, inject=False)  # it has one: never inject another
         try:
-            source = open_probe(target.pid, options, interval=self.options.interval,
+            source = open_probe(target.processes.target, options, interval=self.options.interval,
                                 timeouts=self.options.channel)
         except ProbeAlreadyAttached as error:
             log.warning("no in-process metrics for pid %d: %s", target.pid, error.one_line())

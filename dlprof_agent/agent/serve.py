@@ -21,7 +21,7 @@ from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
-from dlprof_agent.collectors.target import open_target
+from dlprof_agent.collectors.target import Target, open_target
 from dlprof_agent.errors import ExitCode, TargetGone, TargetNotFound
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
@@ -74,13 +74,13 @@ def make_sampler(pid: int, *, interval: float, children: bool, gpu: bool,
     if gpu:
         gpu_collector = GpuCollector(errors=errors)
     try:
-        processes = ProcessCollector(pid, children=children, errors=errors)
+        processes = ProcessCollector(Target.of(pid), children=children, errors=errors)
     except TargetGone as error:  # gone since open_target checked it
         raise TargetNotFound(f"process {pid} exited while the agent was starting",
                              "attach to a running job") from error
     return Sampler(target_pid=pid, processes=processes, host=HostCollector(),
                    gpu=gpu_collector, errors=errors, interval_seconds=interval,
-                   limits=LimitsCollector(pid), findings=FindingsTracker(),
+                   limits=LimitsCollector(processes.target), findings=FindingsTracker(),
                    budget=SeriesBudget(per_target=max_series),
                    probe_deadline_seconds=probe_deadline_seconds, node_name=node_name)
 
@@ -139,7 +139,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     ``before_stop`` gets the port while the endpoint still serves, at the end;
     ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet;
     ``describe_exit`` says how the target ended (`run`: with its exit code)."""
-    open_target(pid)
+    target = open_target(pid)
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     if status is None and options.probe is not None and not options.quiet \
             and sys.stderr.isatty():
@@ -165,7 +165,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
         # reached meanwhile, and a job that ends at any moment from here on ends the
         # attach with the summary, as any end does.
         if options.probe is not None:
-            probe_start = ProbeStart(pid, options.probe, interval=options.interval,
+            probe_start = ProbeStart(target, options.probe, interval=options.interval,
                                      wait_seconds=options.probe_wait_seconds,
                                      timeouts=options.channel,
                                      on_open=lambda source: setattr(sampler, "probe", source))
