@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.probe_link import progress
 from dlprof_agent.probe_link import start as probe_start
 from dlprof_agent.probe_link.connect import ProbeOptions
-from dlprof_agent.reach import progress
 from tests.conftest import agent_env, http_get
 from tests.helpers import wait_until
 

@@ -26,8 +26,8 @@ from dlprof_agent.errors import (
     ProbeUnavailable,
     TraceUnavailable,
 )
+from dlprof_agent.probe_link import progress
 from dlprof_agent.probe_link.client import ProbeClient, probe_socket_paths
-from dlprof_agent.reach import progress
 
 log = logging.getLogger("dlprof_agent")
 _T = TypeVar("_T")
@@ -157,7 +157,8 @@ def _reach_probe_steps(target: Target, options: ProbeOptions, wait_seconds: floa
     try:
         progress.waiting_for(pid, "a thread of the job that waits in the kernel, to queue "
                              "the probe")
-        queued = inject.inject(target, injection_code())
+        queued = inject.inject(target, injection_code(), say_waiting=lambda what, tries:
+                               progress.waiting_for(pid, what, tries=tries))
     except InjectionError as error:
         raise NoProbe(error.one_line(), final=isinstance(
             error, (NotPython, InjectionRefused, InjectionUnsafe))) from None

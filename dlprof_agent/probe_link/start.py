@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import DlprofError, TargetNotFound
+from dlprof_agent.probe_link import progress
 from dlprof_agent.probe_link.channel import (
     DEFAULT_TIMEOUTS,
     ChannelTimeouts,
@@ -21,7 +22,6 @@ from dlprof_agent.probe_link.channel import (
     open_probe,
 )
 from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
-from dlprof_agent.reach import progress
 
 log = logging.getLogger("dlprof_agent")
 

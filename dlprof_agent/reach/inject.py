@@ -55,7 +55,7 @@ from dlprof_agent.reach.gdb import inject_with_gdb
 from dlprof_agent.reach.lock_wait import ParkingLotWait
 from dlprof_agent.reach.pending import QueuedBootstrap, pending_bootstrap
 from dlprof_agent.reach.procfs import comm
-from dlprof_agent.reach.ptrace import inject_with_ptrace
+from dlprof_agent.reach.ptrace import SayWaiting, inject_with_ptrace, say_nothing
 from dlprof_agent.reach.remote_debug import (
     find_remote_debug,
     inject_with_remote_debug,
@@ -78,8 +78,8 @@ REMOTE_DEBUG_VERSION = (3, 14)  # PEP 768: the interpreter runs a script it is h
 _PARKED_WAIT_SECONDS = 2.0
 
 
-def inject(target: Target, code: str, *, wait_seconds: float | None = None
-           ) -> QueuedBootstrap | None:
+def inject(target: Target, code: str, *, wait_seconds: float | None = None,
+           say_waiting: SayWaiting = say_nothing) -> QueuedBootstrap | None:
     """Have the target run ``code`` once, on its main thread, with the GIL held.
 
     The job runs it at its own next safe point, which may come after this returns: the
@@ -93,6 +93,7 @@ def inject(target: Target, code: str, *, wait_seconds: float | None = None
     ``dlprof_agent.errors.TargetNotFound``, like every other place the agent
     meets a missing target, so the command line exits with the same code (3).
     Errors in ``code`` itself happen in the target and print to its stderr.
+    ``say_waiting(what, tries)`` hears what the injector waits for while it does.
     """
     pid = target.pid
     if pid == os.getpid():
@@ -116,14 +117,15 @@ def inject(target: Target, code: str, *, wait_seconds: float | None = None
     remove_stale_files(target)
     try:
         return _inject(target, code, runtime,
-                       SAFE_POINT_WAIT_SECONDS if wait_seconds is None else wait_seconds)
+                       SAFE_POINT_WAIT_SECONDS if wait_seconds is None else wait_seconds,
+                       say_waiting)
     except TargetNotFound:
         # It was there a moment ago: say so, rather than that no such process exists.
         raise exited_during_injection(target) from None
 
 
-def _inject(target: Target, code: str, runtime: PythonRuntime, wait_seconds: float
-            ) -> QueuedBootstrap | None:
+def _inject(target: Target, code: str, runtime: PythonRuntime, wait_seconds: float,
+            say_waiting: SayWaiting) -> QueuedBootstrap | None:
     remote_exec = getattr(sys, "remote_exec", None)
     if remote_exec is not None and runtime.version == sys.version_info[:2]:
         inject_with_remote_exec(target, code, remote_exec)
@@ -143,12 +145,14 @@ def _inject(target: Target, code: str, runtime: PythonRuntime, wait_seconds: flo
                 # queues a pending call, which the interpreter runs before it waits
                 # again. Where it cannot, nothing is queued: PEP 768's turn.
                 with contextlib.suppress(InjectionNotNow, InjectionRefused):
-                    return inject_with_ptrace(target, code, calls, _PARKED_WAIT_SECONDS)
+                    return inject_with_ptrace(target, code, calls, _PARKED_WAIT_SECONDS,
+                                              say_waiting=say_waiting)
             return inject_with_remote_debug(target, code, table)
     if calls is None and platform.machine() == "x86_64":
         calls = plan_calls(target, runtime)
     if calls is not None:
-        return inject_with_ptrace(target, code, calls, wait_seconds)
+        return inject_with_ptrace(target, code, calls, wait_seconds,
+                                  say_waiting=say_waiting)
     return inject_with_gdb(target, code, wait_seconds, runtime)
 
 

@@ -15,6 +15,7 @@ import os
 from typing import BinaryIO
 
 from dlprof_agent.collectors.procfs import (
+    ENVIRON_MAX_BYTES,
     PROC_ROOT,
     Mapping,
     Stat,
@@ -157,6 +158,18 @@ def executable(pid: int, *, procfs: str = PROC_ROOT) -> str | None:
                 process_path(pid, procfs=procfs)):
             raise TargetGone(pid) from None
         return ""
+
+
+def environment_value(pid: int, name: str, *, procfs: str = PROC_ROOT) -> str | None:
+    """The value of ``name`` in the process's environment as it started; None when it
+    is unset or cannot be read."""
+    try:
+        raw = read_file_bytes(process_path(pid, "environ", procfs=procfs), ENVIRON_MAX_BYTES)
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    return next((entry[len(prefix):].decode(errors="replace") for entry in raw.split(b"\0")
+                 if entry.startswith(prefix)), None)
 
 
 def read_root(pid: int, *, procfs: str = PROC_ROOT) -> str | None:

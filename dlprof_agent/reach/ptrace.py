@@ -53,7 +53,6 @@ from collections.abc import Callable
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow
-from dlprof_agent.reach import progress
 from dlprof_agent.reach.call_plan import CallAddresses
 from dlprof_agent.reach.frame import (
     REGISTERS,
@@ -109,6 +108,14 @@ _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its det
 # only there, and from another thread 3.10-3.12 tell it only when it next takes the GIL,
 # which a main thread in a lock wait may not do for hours.
 _PREFER_MAIN_SECONDS = 0.5
+
+# What the injector waits for, in a few words, and how many tries it has made: said to
+# whoever shows the agent's progress.
+SayWaiting = Callable[[str, int], None]
+
+
+def say_nothing(what: str, tries: int) -> None:
+    pass
 
 
 def _write_memory(target: Target, address: int, data: bytes) -> None:
@@ -256,8 +263,8 @@ def _hold_with_the_mutex_free(ptrace: Tracer, target: Target, held: dict[int, in
         return False
 
 
-def inject_with_ptrace(target: Target, code: str, calls: CallAddresses, wait_seconds: float
-                       ) -> QueuedBootstrap:
+def inject_with_ptrace(target: Target, code: str, calls: CallAddresses, wait_seconds: float,
+                       *, say_waiting: SayWaiting = say_nothing) -> QueuedBootstrap:
     """Queue ``code`` as a pending call in the target: a borrowed thread maps a page, the
     agent writes the code there, and a borrowed thread queues it."""
     pid = target.pid
@@ -284,9 +291,8 @@ def inject_with_ptrace(target: Target, code: str, calls: CallAddresses, wait_sec
         main_until = time.monotonic() + _PREFER_MAIN_SECONDS
         while not borrow_once(function, args, pending=pending, main_until=main_until):
             tries += 1
-            progress.waiting_for(pid, "a thread of the job that waits in the kernel, or a "
-                                 "busy main thread in the eval loop or outside Python and "
-                                 "libc, to queue the probe", tries=tries)
+            say_waiting("a thread of the job that waits in the kernel, or a busy main thread "
+                        "in the eval loop or outside Python and libc, to queue the probe", tries)
             if not target.is_running():
                 raise exited_during_injection(target)
             if time.monotonic() >= deadline:

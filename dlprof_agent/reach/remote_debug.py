@@ -41,7 +41,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dlprof_agent.collectors.procfs import read_environ
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import (
     InjectionFailed,
@@ -61,6 +60,7 @@ from dlprof_agent.reach.debug_offsets import (
 from dlprof_agent.reach.mapped_files import first_readable_elf, mapped_file_paths
 from dlprof_agent.reach.pending import QueuedBootstrap, remember
 from dlprof_agent.reach.procfs import (
+    environment_value,
     executable,
     executable_path,
     memory_map,
@@ -207,11 +207,7 @@ def opted_out(target: Target, table: DebugTable) -> str | None:
                                         4))[0]
     if enabled == 1:
         return None
-    try:
-        environment = read_environ(pid, root=target.procfs) or {}
-    except TargetGone:
-        environment = {}
-    if environment.get(DISABLE_ENV):
+    if environment_value(pid, DISABLE_ENV, procfs=target.procfs):
         return f"{DISABLE_ENV} is set in its environment"
     return "it was started with -X disable-remote-debug (or built without remote debugging)"
 
