@@ -164,7 +164,8 @@ def environment_value(pid: int, name: str, *, procfs: str = PROC_ROOT) -> str | 
     """The value of ``name`` in the process's environment as it started; None when it
     is unset or cannot be read."""
     try:
-        raw = read_file_bytes(process_path(pid, "environ", procfs=procfs), ENVIRON_MAX_BYTES)
+        with open(process_path(pid, "environ", procfs=procfs), "rb") as file:
+            raw = file.read(ENVIRON_MAX_BYTES)
     except OSError:
         return None
     prefix = name.encode() + b"="
