@@ -43,6 +43,7 @@ from benchmarks.common import (
     percentile,
     positive_int,
 )
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.exporters.http import render_for
 
 NAME = "scaling"
@@ -105,7 +106,7 @@ def agent_costs(pid: int, passes: int) -> tuple[float, float, int]:
     # for new children every fifth pass, as it does at a 1 s interval.
     errors = ErrorLog(("process", "host"))
     sampler = Sampler(target_pid=pid, processes=ProcessCollector(
-        pid, errors=errors, clock=lambda: now[0]), host=HostCollector(), gpu=None,
+        Target.of(pid), errors=errors, clock=lambda: now[0]), host=HostCollector(), gpu=None,
         errors=errors, interval_seconds=1.0)
 
     def one_pass() -> None:

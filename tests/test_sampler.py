@@ -16,6 +16,7 @@ from dlprof_agent.agent.sampler import Sampler
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.model.snapshot import Snapshot
 from tests.helpers import wait_until
 
@@ -34,7 +35,7 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def make_sampler(pid: int, errors: ErrorLog, host: HostCollector | None = None) -> Sampler:
-    return Sampler(target_pid=pid, processes=ProcessCollector(pid, errors=errors),
+    return Sampler(target_pid=pid, processes=ProcessCollector(Target.of(pid), errors=errors),
                    host=host or HostCollector(), gpu=None, errors=errors,
                    interval_seconds=0.05)
 

@@ -30,6 +30,7 @@ from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.nvml import Nvml
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import AgentSelfSample
 from dlprof_agent.probe_link.samples import ProbeSample
@@ -94,8 +95,9 @@ def spawn_sleeper() -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
 
 def readers(pid: int, **changes: Any) -> TargetReaders:
     """The real readers of ``pid``, with ``changes`` in their place."""
-    real = TargetReaders(pid, ProcessCollector(pid, errors=error_log(gpu=False, probe=False)),
-                         limits=LimitsCollector(pid))
+    real = TargetReaders(pid, ProcessCollector(Target.of(pid),
+                                               errors=error_log(gpu=False, probe=False)),
+                         limits=LimitsCollector(Target.of(pid)))
     return dataclasses.replace(real, **changes)
 
 
@@ -245,7 +247,7 @@ def test_the_sampler_stops_reading_its_target_once_it_exited(
     sleeper = spawn_sleeper()
     errors = error_log(gpu=False, probe=False)
     sampler = Sampler(target_pid=sleeper.pid,
-                      processes=ProcessCollector(sleeper.pid, errors=errors),
+                      processes=ProcessCollector(Target.of(sleeper.pid), errors=errors),
                       host=HostCollector(), gpu=None, errors=errors, interval_seconds=1.0,
                       clock=SteppingClock(5.0, 0.125))
     up = sampler.sample_once()
