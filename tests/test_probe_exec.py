@@ -57,7 +57,7 @@ class Probe:
 def running(monkeypatch: pytest.MonkeyPatch) -> list[ProgramIdentity]:
     """What the process runs, as the agent reads it: the test changes it."""
     now = [OLD]
-    monkeypatch.setattr(channel, "program_identity", lambda pid: now[0])
+    monkeypatch.setattr(channel, "program_identity", lambda pid, procfs: now[0])
     return now
 
 
