@@ -18,15 +18,8 @@ captured tree in tests) and returns a typed record. They agree on two rules:
 per sampling pass, which reads each file at most once, however many collectors
 ask for it.
 
-Where psutil still earns its place: ``collectors/process.py`` keeps it for the
-CPU times, memory, context switches and create time in its ``oneshot()``, for the
-process identity (a pid and its create time, so a reused pid is told apart) and
-for finding descendants (``children(recursive=True)`` scans every process's stat
-on the host); the daemon keeps ``process_iter`` and ``parents``. Those are
-portable, tested and already read in one pass; what psutil does not give (thread
-names, the resident high-water mark, block-I/O wait per thread, the environment
-bounded, cgroups, pid namespaces, the state of a thread's system call) is read
-here.
+psutil is left only where procfs does not say a thing plainly: the core counts
+(``collectors/host.py``).
 """
 
 from __future__ import annotations
