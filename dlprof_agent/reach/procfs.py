@@ -27,7 +27,8 @@ from dlprof_agent.collectors.procfs import (
 )
 from dlprof_agent.errors import TargetGone, TargetNotFound
 
-__all__ = ["PROC_ROOT", "Mapping"]  # the types the injectors share with the collectors
+# Re-exported: the injectors take the procfs root and the map type from here too.
+__all__ = ["PROC_ROOT", "Mapping"]
 
 _EXITED = ("Z", "X")  # zombie, dead
 
