@@ -142,7 +142,8 @@ def _name(state: _Tracked, comm: str, procfs: str) -> str:
 
 
 class ProcessCollector:
-    """Samples one process tree, from procfs (``procfs``: a captured tree in tests).
+    """Samples the process tree under ``target``, through the target's procfs (a captured
+    tree in tests); its start time tells the target from a process that reuses its pid.
 
     ``table``: a ProcessTable its owner refreshes (the daemon's, shared by its
     targets), where the descendants are looked up; by default its own, refreshed
