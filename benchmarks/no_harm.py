@@ -403,13 +403,14 @@ def _env() -> dict[str, str]:
 # injection begins (its imports done): what is killed at random instants of it.
 INJECTING_AGENT = """
 import sys
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.probe.bootstrap import injection_code
 from dlprof_agent.reach import inject
 if sys.argv[2] == "gdb":
     inject.plan_calls = lambda pid, runtime: None  # as off x86-64: gdb makes the calls
 code = injection_code()
 print("injecting", flush=True)
-queued = inject.inject(int(sys.argv[1]), code)
+queued = inject.inject(Target.of(int(sys.argv[1])), code)
 print("queued" if queued is None else queued.state(), flush=True)
 """
 
@@ -480,17 +481,19 @@ def left_stopped_or_traced(pid: int) -> str | None:
 
 def default_injector(pid: int) -> str:
     """The injector attach uses for ``pid`` (inject.py's choice, before any call)."""
+    from dlprof_agent.collectors.target import Target
     from dlprof_agent.reach.call_plan import plan_calls
     from dlprof_agent.reach.runtime import find_python_runtime
 
-    runtime = find_python_runtime(pid)
+    target = Target.of(pid)
+    runtime = find_python_runtime(target)
     if runtime is None:
         return "none: not Python"
     if runtime.version is not None and runtime.version >= (3, 14):
         return "PEP 768"
     if platform.machine() != "x86_64":
         return "gdb"
-    return "ptrace" if plan_calls(pid, runtime) is not None else "gdb (no ptrace plan)"
+    return "ptrace" if plan_calls(target, runtime) is not None else "gdb (no ptrace plan)"
 
 
 @dataclass

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.probe.bootstrap import package_parent
 from dlprof_agent.probe_link.channel import RETRY_SECONDS
 from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
@@ -245,7 +246,7 @@ def _reach(kind: str, pid: int, limit: float) -> Row:
     while time.monotonic() - began < limit:
         tries += 1
         try:
-            client = try_connect(pid, ProbeOptions(), 1.0, 0.0)
+            client = try_connect(Target.of(pid), ProbeOptions(), 1.0, 0.0)
         except NoProbe as error:
             why = str(error)
         else:

@@ -43,6 +43,7 @@ from benchmarks.common import (
     percentile,
     positive_int,
 )
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.exporters.http import render_for
 
 NAME = "scaling"
@@ -104,10 +105,11 @@ def agent_costs(pid: int, passes: int) -> tuple[float, float, int]:
     now = [0.0]  # the collector's clock: one interval (1 s) per pass, so it rescans
     # for new children every fifth pass, as it does at a 1 s interval.
     errors = ErrorLog(("process", "host"))
-    agent = Agent(AgentOptions(gpu=False), chooser=OneTarget(pid), host=HostCollector(),
+    agent = Agent(AgentOptions(gpu=False), chooser=OneTarget(Target.of(pid)), host=HostCollector(),
                   gpu=None, errors=errors)
     agent.scan()
-    agent.targets[pid].processes = ProcessCollector(pid, errors=errors, clock=lambda: now[0])
+    agent.targets[pid].processes = ProcessCollector(Target.of(pid), errors=errors,
+                                                    clock=lambda: now[0])
 
     def one_pass() -> None:
         now[0] += 1.0

@@ -4,8 +4,7 @@
 error a user can cause carries a one-line message, a hint and an exit code from
 ``ExitCode``, and the command line prints it without a traceback. Errors of a
 vendor library or of the operating system are translated into these where they
-are met (``collectors/process.py`` for psutil, ``collectors/nvml.py`` for NVML,
-``probe/cupti_binding.py`` for CUPTI).
+are met (``collectors/nvml.py`` for NVML, ``probe/cupti_binding.py`` for CUPTI).
 
 Standard library only: the probe imports this module inside the training job.
 """

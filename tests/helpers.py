@@ -55,12 +55,13 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.0
 def without_eval_loop_stops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The injector plans no busy-thread stop in the eval loop's own code (as where its
     extent is unknown): a pure-Python spin then has no safe point."""
+    from dlprof_agent.collectors.target import Target
     from dlprof_agent.reach import inject as inject_module
     from dlprof_agent.reach.call_plan import CallAddresses, plan_calls
     from dlprof_agent.reach.runtime import PythonRuntime
 
-    def planned(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
-        calls = plan_calls(pid, runtime)
+    def planned(target: Target, runtime: PythonRuntime) -> CallAddresses | None:
+        calls = plan_calls(target, runtime)
         if calls is None or calls.busy_stops is None:
             return calls
         return calls._replace(busy_stops=calls.busy_stops._replace(eval_loop=None))

@@ -17,6 +17,7 @@ from dlprof_agent.agent.core import Agent, AgentOptions, OneTarget
 from dlprof_agent.agent.snapshot_builder import target_snapshot
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.host import HostCollector, HostSample
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
 from tests.helpers import wait_until
 
@@ -39,8 +40,9 @@ class OneJob:
 
     def __init__(self, pid: int, errors: ErrorLog, host: HostCollector | None = None) -> None:
         self.pid = pid
-        self.agent = Agent(AgentOptions(interval=0.05, gpu=False), chooser=OneTarget(pid),
-                           host=host or HostCollector(), gpu=None, errors=errors)
+        self.agent = Agent(AgentOptions(interval=0.05, gpu=False),
+                           chooser=OneTarget(Target.of(pid)), host=host or HostCollector(),
+                           gpu=None, errors=errors)
 
     def sample_once(self) -> Snapshot:
         return target_snapshot(self.agent.sample_once(), self.pid)

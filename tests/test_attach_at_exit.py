@@ -41,11 +41,12 @@ print("finalizing", flush=True)
 # status is then the job's own, not reaped by the test as its tracer.
 AGENT = r"""
 import json, sys
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach import inject as injector
 if sys.argv[2] == "gdb":
-    injector.plan_calls = lambda pid, runtime: None
+    injector.plan_calls = lambda target, runtime: None
 try:
-    queued = injector.inject(int(sys.argv[1]), "print('probe ran')", wait_seconds=5.0)
+    queued = injector.inject(Target.of(int(sys.argv[1])), "print('probe ran')", wait_seconds=5.0)
     said = {"queued": repr(queued)}
 except Exception as error:
     said = {"raised": type(error).__name__, "message": str(error)}

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
+from dlprof_agent.probe_link import progress
 from dlprof_agent.probe_link import start as probe_start
 from dlprof_agent.probe_link.connect import ProbeOptions
-from dlprof_agent.reach import progress
 from tests.conftest import agent_env, http_get
 from tests.helpers import wait_until
 
@@ -46,7 +47,8 @@ def test_an_abandoned_start_stops_the_probe_it_reaches_later(
     monkeypatch.setattr(probe_start, "open_probe", opening)
     monkeypatch.setattr(probe_start, "STOP_INJECTION_WAIT_SECONDS", 0.1)
     opened: list[object] = []
-    start = probe_start.ProbeStart(4242, ProbeOptions(), interval=1.0, on_open=opened.append)
+    start = probe_start.ProbeStart(Target(4242, 0),
+                                   ProbeOptions(), interval=1.0, on_open=opened.append)
     start.start()
     assert reaching.wait(10)
     start.abandon()
@@ -71,7 +73,7 @@ def test_a_probe_that_comes_while_the_attach_stops_is_not_announced_after_the_st
 
     monkeypatch.setattr(probe_start, "open_probe", opening)
     caplog.set_level("INFO", logger="dlprof_agent")
-    start = probe_start.ProbeStart(4242, ProbeOptions(), interval=1.0)
+    start = probe_start.ProbeStart(Target(4242, 0), ProbeOptions(), interval=1.0)
     start.start()
     assert reaching.wait(10)
     stopping = threading.Thread(target=start.abandon)
@@ -96,7 +98,8 @@ def test_the_channel_goes_to_the_sampler_and_the_note_says_what_is_awaited(
 
     monkeypatch.setattr(probe_start, "open_probe", opening)
     opened: list[object] = []
-    start = probe_start.ProbeStart(4242, ProbeOptions(), interval=1.0, on_open=opened.append)
+    start = probe_start.ProbeStart(Target(4242, 0),
+                                   ProbeOptions(), interval=1.0, on_open=opened.append)
     start.start()
     assert wait_until(lambda: "waits in the kernel" in start.note(), 10)
     assert "try 3" in start.note()
@@ -113,7 +116,7 @@ def test_a_start_that_meets_another_agent_hands_its_error_over_once(
         raise ProbeAlreadyAttached("process 4242 already has an agent attached", "stop it")
 
     monkeypatch.setattr(probe_start, "open_probe", busy)
-    start = probe_start.ProbeStart(4242, ProbeOptions(), interval=1.0)
+    start = probe_start.ProbeStart(Target(4242, 0), ProbeOptions(), interval=1.0)
     start.start()
     assert wait_until(lambda: start.done, 10)
     assert isinstance(start.failure(), ProbeAlreadyAttached) and start.failure() is None
@@ -122,7 +125,7 @@ def test_a_start_that_meets_another_agent_hands_its_error_over_once(
         raise TargetNotFound("process 4242 exited during the injection", "")
 
     monkeypatch.setattr(probe_start, "open_probe", gone)
-    start = probe_start.ProbeStart(4242, ProbeOptions(), interval=1.0)
+    start = probe_start.ProbeStart(Target(4242, 0), ProbeOptions(), interval=1.0)
     start.start()
     assert wait_until(lambda: start.done, 10)
     assert start.failure() is None, "a job that ends is no error"

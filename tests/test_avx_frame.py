@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionUnsafe
 from dlprof_agent.reach import frame, ptrace, register_state
 from dlprof_agent.reach.inject import inject
@@ -76,7 +77,7 @@ def _upper_half_after_a_borrow(tmp_path: Path) -> int:
     job = _job_in_its_read(tmp_path)
     try:
         assert job.stdout is not None and job.stdin is not None
-        inject(job.pid, f"open({str(marker)!r}, 'w').write('ran')")  # its only thread
+        inject(Target.of(job.pid), f"open({str(marker)!r}, 'w').write('ran')")  # its only thread
         job.stdin.write("x")
         job.stdin.flush()
         upper = int(job.stdout.readline())
@@ -226,7 +227,7 @@ def test_an_unknown_layout_refuses_in_one_line_and_leaves_the_job_alone(
     try:
         assert job.stdout is not None and job.stdin is not None
         with pytest.raises(InjectionUnsafe, match="XSAVE layout is unknown") as caught:
-            inject(job.pid, "pass")
+            inject(Target.of(job.pid), "pass")
         assert "\n" not in str(caught.value)
         job.stdin.write("x")
         job.stdin.flush()

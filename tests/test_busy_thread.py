@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
 from tests.helpers import wait_until
 from tests.test_pure_python_loop import injecting_agent, left_stopped_or_traced
@@ -83,7 +84,8 @@ def test_a_pinned_torch_loop_runs_the_queued_code_and_computes_the_same(
     marker = tmp_path / "ran"
     job = start_loop()
     try:
-        inject(job.pid, f"import time; open({str(marker)!r}, 'w').write(repr(time.monotonic()))")
+        inject(Target.of(job.pid),
+               f"import time; open({str(marker)!r}, 'w').write(repr(time.monotonic()))")
         ended, digest = finish(job)
     finally:
         stop(job)

@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.grafana import build as dashboards
 from dlprof_agent.reach.call_plan import plan_calls
 from dlprof_agent.reach.runtime import find_python_runtime
@@ -163,8 +164,8 @@ def missing_injector() -> str | None:
     if platform.machine() != "x86_64":
         ptrace = f"the agent's ptrace injector is for x86-64, not {platform.machine()}"
     else:
-        runtime = find_python_runtime(os.getpid())
-        if runtime is not None and plan_calls(os.getpid(), runtime) is not None:
+        runtime = find_python_runtime(Target.of(os.getpid()))
+        if runtime is not None and plan_calls(Target.of(os.getpid()), runtime) is not None:
             return None
         ptrace = ("the agent's ptrace injector finds no Py_AddPendingCall, PyRun_SimpleString, "
                   "mmap or rt_sigreturn gadget to call in this Python")

@@ -19,6 +19,7 @@ from dlprof_agent.agent.core import AgentOptions
 from dlprof_agent.agent.exit_totals import ExitedTargets
 from dlprof_agent.agent.serve import make_agent
 from dlprof_agent.agent.snapshot_builder import target_snapshot
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.snapshot import Snapshot
 from dlprof_agent.probe_link.samples import ProbeSample
@@ -68,7 +69,7 @@ def test_the_core_keeps_the_final_totals_of_its_one_target_that_has_gone(
         processes: list[subprocess.Popen[str]]) -> None:
     job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
     processes.append(job)
-    agent = make_agent(job.pid, AgentOptions(interval=0.25, children=False, gpu=False))
+    agent = make_agent(Target.of(job.pid), AgentOptions(interval=0.25, children=False, gpu=False))
 
     def sample_once() -> Snapshot:
         return target_snapshot(agent.sample_once(), job.pid)

@@ -25,6 +25,7 @@ from dlprof_agent.collectors.gpu_samples import GpuDeviceSample, GpuProcessSampl
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.model.findings import rules
 from dlprof_agent.model.findings.catalogue import KINDS, KINDS_BY_ID, SEVERITIES, Finding
@@ -662,7 +663,7 @@ def fake_cgroup_tree(tmp_path: Path, version: str) -> tuple[str, str]:
 def test_limits_take_the_tightest_level_of_the_cgroup_and_the_affinity(
         tmp_path: Path, version: str) -> None:
     procfs, mounts = fake_cgroup_tree(tmp_path, version)
-    sample = LimitsCollector(PID, procfs=procfs, mounts_file=mounts,
+    sample = LimitsCollector(Target(PID, 0, procfs), mounts_file=mounts,
                              affinity=lambda pid: {0, 1, 2, 3}).sample()
     assert sample.affinity_cpus == 4
     assert sample.cpu_quota_cores == 1.5
@@ -677,13 +678,13 @@ def test_limits_without_cgroups_are_the_affinity_alone(tmp_path: Path) -> None:
     (tmp_path / str(PID)).mkdir()
     empty = tmp_path / "mounts"
     empty.write_text("")
-    sample = LimitsCollector(PID, procfs=str(tmp_path), mounts_file=str(empty),
+    sample = LimitsCollector(Target(PID, 0, str(tmp_path)), mounts_file=str(empty),
                              affinity=lambda pid: {0}).sample()
     assert (sample.allowed_cpus, sample.memory_limit_bytes) == (1, None)
 
 
 def test_limits_of_this_process_match_its_affinity() -> None:
-    sample = LimitsCollector(os.getpid()).sample()
+    sample = LimitsCollector(Target.of(os.getpid())).sample()
     assert sample.affinity_cpus == len(os.sched_getaffinity(0))
 
 
@@ -700,7 +701,7 @@ def spinning() -> Iterator[subprocess.Popen[bytes]]:
 
 def test_runnable_threads_count_the_threads_that_compute(
         spinning: subprocess.Popen[bytes]) -> None:
-    collector = ProcessCollector(spinning.pid, errors=ErrorLog(("process",)))
+    collector = ProcessCollector(Target.of(spinning.pid), errors=ErrorLog(("process",)))
     counts = []
     for _ in range(10):
         # Its own sample: a child it starts for a moment (ldconfig) has one too.
@@ -720,7 +721,8 @@ def test_the_agent_judges_on_its_own_passes_and_a_scrape_only_renders_them(
     from dlprof_agent.agent.serve import make_agent
     from dlprof_agent.agent.snapshot_builder import target_snapshot
 
-    agent = make_agent(spinning.pid, AgentOptions(interval=0.25, children=True, gpu=False))
+    agent = make_agent(Target.of(spinning.pid),
+                       AgentOptions(interval=0.25, children=True, gpu=False))
     registry = CollectorRegistry()
     registry.register(NodeCollector(lambda: agent.latest, interval_seconds=0.25))
 

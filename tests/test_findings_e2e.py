@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlprof_agent.collectors.limits import LimitsCollector
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.model.findings.rules import MAIN_WAIT_SHARE
 from dlprof_agent.model.findings.tracker import RAISE_AFTER_SECONDS
 from dlprof_agent.model.findings.window import MIN_WINDOW_SECONDS
@@ -136,7 +137,7 @@ def torch_installed() -> None:
 
 def test_thread_oversubscription_appears_with_8_threads_on_2_cpus_and_not_with_1(
         torch_installed: None) -> None:
-    allowed = LimitsCollector(os.getpid()).sample().allowed_cpus
+    allowed = LimitsCollector(Target.of(os.getpid())).sample().allowed_cpus
     if allowed is None or allowed > 4:
         pytest.skip(f"needs at most 4 allowed CPUs for 8 threads to oversubscribe ({allowed})")
     finding = "thread_oversubscription"

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from dlprof_agent.collectors.procfs import read_state
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach import gdb
 from tests.helpers import wait_until
 
@@ -45,7 +46,7 @@ def test_a_killed_gdb_leaves_the_job_running(job: subprocess.Popen[bytes],
                                               caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(gdb, "GDB_SESSION_SECONDS", 1.0)
     monkeypatch.setattr(gdb, "_UNWIND_SECONDS", 0.5)
-    output = gdb._run_gdb(job.pid, [sys.executable, "-c", STUCK_TRACER, str(job.pid)])
+    output = gdb._run_gdb(Target.of(job.pid), [sys.executable, "-c", STUCK_TRACER, str(job.pid)])
     assert output.strip() == "attached", output
     assert "gdb was killed while attached and left the job stopped" in caplog.text
     # Running again: in a sleep (S) or on a CPU (R), not stopped (T)
@@ -59,7 +60,7 @@ def test_a_job_the_user_stopped_is_not_continued_by_the_agent(
     wait_until(lambda: read_state(job.pid) == "T", 5, what="the job to stop")
     monkeypatch.setattr(gdb, "GDB_SESSION_SECONDS", 1.0)
     monkeypatch.setattr(gdb, "_UNWIND_SECONDS", 0.5)
-    gdb._run_gdb(job.pid, [sys.executable, "-c", STUCK_TRACER, str(job.pid)])
+    gdb._run_gdb(Target.of(job.pid), [sys.executable, "-c", STUCK_TRACER, str(job.pid)])
     # The user's stop is the user's: no SIGCONT from the agent (what the kernel does
     # when the tracer dies is the kernel's)
     assert "left the job stopped" not in caplog.text

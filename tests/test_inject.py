@@ -23,6 +23,7 @@ from typing import Protocol
 import pytest
 
 import dlprof_agent
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionFailed, InjectionRefused, NotPython, TargetNotFound
 from dlprof_agent.reach.bootstrap_files import remove_later, write_bootstrap
 from dlprof_agent.reach.elf import elf_defined_symbols
@@ -115,7 +116,7 @@ def needs_root_and(tool: str) -> str:
 
 def test_finds_the_runtime_of_the_agents_own_python(spawn: Spawn, tmp_path: Path) -> None:
     child = spawn([sys.executable, "-c", LOOP, str(tmp_path / "stop")])
-    runtime = find_python_runtime(child.pid)
+    runtime = find_python_runtime(Target.of(child.pid))
     assert runtime is not None
     assert runtime.version == sys.version_info[:2]
     assert "python3" in os.path.basename(runtime.library)
@@ -127,7 +128,7 @@ def test_a_static_python_exports_from_its_executable(spawn: Spawn, tmp_path: Pat
     if not os.path.exists(STATIC_PYTHON):
         pytest.skip(f"{STATIC_PYTHON} is not installed")
     child = spawn([STATIC_PYTHON, "-c", LOOP, str(tmp_path / "stop")])
-    runtime = find_python_runtime(child.pid)
+    runtime = find_python_runtime(Target.of(child.pid))
     if runtime is not None and "libpython" in runtime.library:
         pytest.skip(f"{STATIC_PYTHON} links libpython here")
     assert runtime == PythonRuntime(os.path.realpath(STATIC_PYTHON), (3, 11))
@@ -140,7 +141,7 @@ def test_the_version_comes_from_the_binary_when_the_name_says_nothing(
     renamed = tmp_path / "trainer"
     shutil.copy(STATIC_PYTHON, renamed)
     child = spawn([str(renamed), "-c", LOOP, str(tmp_path / "stop")])
-    runtime = find_python_runtime(child.pid)
+    runtime = find_python_runtime(Target.of(child.pid))
     if runtime is not None and "libpython" in runtime.library:
         pytest.skip(f"{STATIC_PYTHON} links libpython here")
     assert runtime == PythonRuntime(str(renamed), (3, 11))  # read from Py_Version
@@ -150,7 +151,7 @@ def test_sleep_is_not_python(spawn: Spawn) -> None:
     sleep = spawn(["sleep", "30"], ready=False)
     wait_until(lambda: os.readlink(f"/proc/{sleep.pid}/exe").endswith("sleep"), 10,
                what="sleep's exec")
-    assert find_python_runtime(sleep.pid) is None
+    assert find_python_runtime(Target.of(sleep.pid)) is None
 
 
 def test_a_pid_without_a_process_is_target_not_found() -> None:
@@ -159,9 +160,22 @@ def test_a_pid_without_a_process_is_target_not_found() -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
     with pytest.raises(TargetNotFound, match=f"no process with pid {gone.pid}"):
-        find_python_runtime(gone.pid)
+        find_python_runtime(Target(gone.pid, 0))
     with pytest.raises(TargetNotFound):
-        inject(gone.pid, "pass")
+        inject(Target(gone.pid, 0), "pass")
+
+
+def test_a_target_whose_pid_names_another_process_is_left_alone(spawn: Spawn,
+                                                                  tmp_path: Path) -> None:
+    """A Target that started at another time than the process now under its pid (the
+    job exited and its pid was reused): nothing is injected into the newcomer."""
+    stop, out = tmp_path / "stop", tmp_path / "pid"
+    child = spawn([sys.executable, "-c", LOOP, str(stop)])
+    earlier = Target(child.pid, Target.of(child.pid).start_ticks - 1)
+    with pytest.raises(TargetNotFound, match=f"process {child.pid} has exited"):
+        inject(earlier, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
+    time.sleep(0.5)
+    assert not out.exists() and still_running(child)
 
 
 # --- inject ---------------------------------------------------------------------------
@@ -171,7 +185,7 @@ def test_a_non_python_process_is_left_alone(spawn: Spawn) -> None:
     wait_until(lambda: os.readlink(f"/proc/{sleep.pid}/exe").endswith("sleep"), 10,
                what="sleep's exec")
     with pytest.raises(NotPython) as raised:
-        inject(sleep.pid, "pass")
+        inject(Target.of(sleep.pid), "pass")
     assert still_running(sleep), "the injection attempt killed the process"
     line = raised.value.one_line()
     assert "not a Python process" in line and "\n" not in line
@@ -187,7 +201,7 @@ def test_injected_code_runs_in_the_target(spawn: Spawn, tmp_path: Path, version:
         pytest.skip("another python version needs gdb, which is not installed")
     stop, out = tmp_path / "stop", tmp_path / "pid"
     child = spawn([python, "-c", LOOP, str(stop)])
-    inject(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
+    inject(Target.of(child.pid), WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
     wait_until(out.exists, 10, what="the injected code to write its file")
     assert out.read_text() == str(child.pid)
     assert still_running(child)
@@ -198,7 +212,7 @@ def test_injected_code_runs_in_the_target(spawn: Spawn, tmp_path: Path, version:
 def test_a_python_too_old_for_the_probe_is_left_alone(spawn: Spawn, tmp_path: Path) -> None:
     child = spawn([interpreter("3.9"), "-c", LOOP, str(tmp_path / "stop")])
     with pytest.raises(NotPython, match=r"python 3\.9, too old for the probe"):
-        inject(child.pid, "open('/dev/null')")
+        inject(Target.of(child.pid), "open('/dev/null')")
     assert still_running(child)
 
 
@@ -215,9 +229,10 @@ def test_a_refusal_says_what_is_needed(spawn: Spawn, tmp_path: Path, how: list[s
     attempt = (
         "import sys\n"
         "from dlprof_agent.errors import DlprofError\n"
+        "from dlprof_agent.collectors.target import Target\n"
         "from dlprof_agent.reach.inject import inject\n"
         "try:\n"
-        "    inject(int(sys.argv[1]), 'open(\"/dev/null\")')\n"
+        "    inject(Target.of(int(sys.argv[1])), 'open(\"/dev/null\")')\n"
         "except DlprofError as error:\n"
         "    print(type(error).__name__, error.one_line())\n"
         "    sys.exit(error.exit_code)\n")
@@ -242,7 +257,7 @@ def test_a_target_that_is_already_traced(spawn: Spawn, tmp_path: Path) -> None:
                           'print("ready"')
     child = spawn([sys.executable, "-c", traced, str(tmp_path / "stop")])
     with pytest.raises(InjectionRefused, match=f"already traced by pid {os.getpid()}"):
-        inject(child.pid, "pass")
+        inject(Target.of(child.pid), "pass")
     assert still_running(child)
 
 
@@ -264,7 +279,7 @@ def test_a_target_with_another_tmp(spawn: Spawn) -> None:
         child = spawn([unshare, "-m", "--propagation", "private", "sh", "-c",
                        'mount -t tmpfs none /tmp && exec "$0" -c "$1" "$2"',
                        python, LOOP, str(stop)])
-        inject(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
+        inject(Target.of(child.pid), WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)))
         wait_until(out.exists, 10, what="the injected code to write its file")
         assert still_running(child)
         stop.touch()
@@ -286,7 +301,7 @@ def test_a_job_that_never_releases_the_gil_is_left_running(
             "end = time.monotonic() + 5\nwhile time.monotonic() < end: pass\n")
     child = spawn([sys.executable, "-c", spin])
     with pytest.raises(InjectionFailed, match="reached no safe point"):
-        inject(child.pid, "open('/dev/null')")
+        inject(Target.of(child.pid), "open('/dev/null')")
     assert still_running(child)
     assert _status(child.pid, "TracerPid") == "0"
     assert child.wait(10) == 0
@@ -304,7 +319,7 @@ def test_the_bootstrap_file_lands_in_the_targets_tmp(spawn: Spawn, tmp_path: Pat
     in the target's /tmp, readable by any user, and go away later, even once the target
     has exited."""
     child = spawn([sys.executable, "-c", LOOP, str(tmp_path / "stop")])
-    bootstrap = write_bootstrap(child.pid, "print('hello')\n")
+    bootstrap = write_bootstrap(Target.of(child.pid), "print('hello')\n")
     assert bootstrap.seen_as.startswith("/tmp/dlprof-bootstrap-")
     local = Path(f"/proc/{child.pid}/root{bootstrap.seen_as}")
     assert local.read_text() == "print('hello')\n"
@@ -322,11 +337,12 @@ def test_the_remote_exec_path_with_a_stand_in(spawn: Spawn, tmp_path: Path) -> N
     the real one would be given, so this checks the path works inside the target."""
 
     def remote_exec(pid: int, path: str) -> None:
-        inject(pid, f"exec(open({path!r}).read())")
+        inject(Target.of(pid), f"exec(open({path!r}).read())")
 
     stop, out = tmp_path / "stop", tmp_path / "pid"
     child = spawn([sys.executable, "-c", LOOP, str(stop)])
-    inject_with_remote_exec(child.pid, WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)),
+    inject_with_remote_exec(Target.of(child.pid),
+                            WRITE_PID.format(tmp=str(out) + ".tmp", path=str(out)),
                         remote_exec)
     wait_until(out.exists, 10, what="the bootstrap file to run")
     assert out.read_text() == str(child.pid)
@@ -335,7 +351,7 @@ def test_the_remote_exec_path_with_a_stand_in(spawn: Spawn, tmp_path: Path) -> N
         raise PermissionError(1, "Operation not permitted")
 
     with pytest.raises(InjectionRefused, match=r"sys\.remote_exec was denied"):
-        inject_with_remote_exec(child.pid, "pass", refuse)
+        inject_with_remote_exec(Target.of(child.pid), "pass", refuse)
     stop.touch()
     assert child.wait(5) == 0
 
@@ -350,7 +366,7 @@ def test_a_refusal_explains_yama(tmp_path: Path, scope: str, says: str) -> None:
     pid = fake_process(procfs, Path("/bin/sh"))
     (procfs / "sys" / "kernel" / "yama").mkdir(parents=True)
     (procfs / "sys" / "kernel" / "yama" / "ptrace_scope").write_text(f"{scope}\n")
-    line = refused(pid, str(procfs), "ptrace was denied").one_line()
+    line = refused(Target(pid, 0, str(procfs)), "ptrace was denied").one_line()
     assert f"kernel.yama.ptrace_scope is {scope}: {says}" in line
     assert "\n" not in line
 
@@ -461,7 +477,7 @@ def test_version_from_py_version_when_the_exe_exports(tmp_path: Path, bits: int,
     exe.parent.mkdir()
     exe.write_bytes(elf(bits, order, PYTHON_SYMBOLS, py_version=0x030C04F0))  # 3.12.4
     pid = fake_process(tmp_path / "proc", exe)
-    runtime = find_python_runtime(pid, procfs=str(tmp_path / "proc"))
+    runtime = find_python_runtime(Target.of(pid, procfs=str(tmp_path / "proc")))
     assert runtime == PythonRuntime(str(exe), (3, 12))
 
 
@@ -486,4 +502,5 @@ def test_libpython_found_through_the_targets_maps(tmp_path: Path, deleted: bool)
         target = rootfs / library.lstrip("/")
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(elf(64, "<", PYTHON_SYMBOLS))  # no Py_Version: the name tells
-    assert find_python_runtime(pid, procfs=str(procfs)) == PythonRuntime(library, (3, 13))
+    runtime = find_python_runtime(Target.of(pid, procfs=str(procfs)))
+    assert runtime == PythonRuntime(library, (3, 13))

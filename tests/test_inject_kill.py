@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks.no_harm import kill_agent_side
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionFailed, TargetNotFound
 from dlprof_agent.probe.bootstrap import injection_code
 from dlprof_agent.reach import bootstrap_files, pending
 from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
-from dlprof_agent.reach.procfs import start_ticks
 from dlprof_agent.reach.runtime import find_python_runtime
 from tests.conftest import agent_env, gdb_refusal
 from tests.helpers import without_eval_loop_stops
@@ -149,8 +149,9 @@ def test_killing_the_agent_and_gdb_at_any_moment_leaves_the_job_training(
     marker = tmp_path / "injected"
     code = f"open({str(marker)!r}, 'a').write({token!r})"
     attempt = ("import sys\n"
+               "from dlprof_agent.collectors.target import Target\n"
                "from dlprof_agent.reach.inject import inject\n"
-               "inject(int(sys.argv[1]), sys.argv[2])\n"
+               "inject(Target.of(int(sys.argv[1])), sys.argv[2])\n"
                "print('injected', flush=True)\n")
     env = {**agent_env(), "TMPDIR": str(agent_tmp)}
 
@@ -206,10 +207,11 @@ def test_a_job_holding_the_gil_longer_than_the_wait_gets_the_code_once_it_lets_g
     and no breakpoint stay in it."""
     lets_go, out = tmp_path / "lets-go", tmp_path / "ran"
     job = start([sys.executable, "-c", HOLDS_THE_GIL, "11", str(lets_go)], processes)
-    queued = inject(job.pid, f"import time; open({str(out)!r}, 'w').write(str(time.monotonic()))")
+    queued = inject(Target.of(job.pid),
+                    f"import time; open({str(out)!r}, 'w').write(str(time.monotonic()))")
     assert queued is not None and queued.state() == "queued"
-    assert pending.pending_bootstrap(job.pid) == queued
-    assert inject(job.pid, "open('/dev/null')") == queued  # not queued twice
+    assert pending.pending_bootstrap(Target.of(job.pid)) == queued
+    assert inject(Target.of(job.pid), "open('/dev/null')") == queued  # not queued twice
     assert status(job.pid, "TracerPid") == "0"
     assert not out.exists()
     deadline = time.monotonic() + 20
@@ -219,7 +221,7 @@ def test_a_job_holding_the_gil_longer_than_the_wait_gets_the_code_once_it_lets_g
     assert out.exists(), "the queued code never ran"
     assert float(out.read_text()) >= float(lets_go.read_text()) - 0.05  # not during the hold
     assert queued.state() == "ran"
-    assert pending.pending_bootstrap(job.pid) is None
+    assert pending.pending_bootstrap(Target.of(job.pid)) is None
     assert job.poll() is None
 
 
@@ -233,7 +235,7 @@ def test_code_that_raises_leaves_the_job_running(
     on_sigint = ("import signal\nsignal.signal(signal.SIGINT, lambda *_: "
                  f"open({str(interrupted)!r}, 'w').write('yes'))\n")
     job = start([sys.executable, "-c", on_sigint + TRAINING, str(steps_file)], processes)
-    inject(job.pid, raises)
+    inject(Target.of(job.pid), raises)
     time.sleep(0.5)
     assert training_goes_on(job) is None
     assert interrupted.exists() == (raises == "raise KeyboardInterrupt")
@@ -259,7 +261,7 @@ def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
 
     monkeypatch.setattr(inject_module, "find_python_runtime", exit_next)
     with pytest.raises(TargetNotFound, match=f"process {job.pid} exited during the injection"):
-        inject(job.pid, "pass")
+        inject(Target.of(job.pid), "pass")
 
 
 def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
@@ -276,11 +278,11 @@ def test_a_job_that_never_waits_is_left_alone_then_injected_when_it_does(
             "while True: time.sleep(0.01)\n")
     job = start([sys.executable, "-c", spin], processes)
     with pytest.raises(InjectionFailed, match="reached no safe point") as raised:
-        inject(job.pid, "pass", wait_seconds=1.0)
+        inject(Target.of(job.pid), "pass", wait_seconds=1.0)
     assert type(raised.value).__name__ == "InjectionNotNow"
     assert status(job.pid, "TracerPid") == "0"
     time.sleep(2.5)
-    inject(job.pid, f"open({str(out)!r}, 'w').write('x')", wait_seconds=5.0)
+    inject(Target.of(job.pid), f"open({str(out)!r}, 'w').write('x')", wait_seconds=5.0)
     deadline = time.monotonic() + 5
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -300,12 +302,13 @@ def test_two_bootstraps_queued_before_either_ran_start_one_probe(
         "print(sorted(t.name for t in threading.enumerate()), flush=True)\n"
         "time.sleep(60)\n")
     job = start([sys.executable, "-c", holds, "3", str(tmp_path / "lets-go")], processes)
-    queued = inject(job.pid, injection_code())
+    queued = inject(Target.of(job.pid), injection_code())
     assert queued is not None and queued.state() == "queued"
     other_agent = ("import sys\n"
+                   "from dlprof_agent.collectors.target import Target\n"
                    "from dlprof_agent.reach.inject import inject\n"
                    "from dlprof_agent.probe.bootstrap import injection_code\n"
-                   "print(inject(int(sys.argv[1]), injection_code()).state())\n")
+                   "print(inject(Target.of(int(sys.argv[1])), injection_code()).state())\n")
     second = subprocess.run([sys.executable, "-c", other_agent, str(job.pid)], env=agent_env(),
                             cwd="/", capture_output=True, text=True, timeout=60, check=False)
     assert second.stdout == "queued\n", second.stdout + second.stderr
@@ -350,7 +353,7 @@ def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
     kept = [folder(f"dlprof-bootstrap-{os.getpid()}-{'d' * 16}"),  # its agent is alive
             folder(f"dlprof-bootstrap-{dead.pid}-{'e' * 16}", age=time.time()),  # young
             folder("dlprof-bootstrap-notours"),
-            folder(f"dlprof-bootstrap-{dead.pid}-{os.getpid()}.{start_ticks(os.getpid())}-"
+            folder(f"dlprof-bootstrap-{dead.pid}-{os.getpid()}.{Target.of(os.getpid()).start_ticks}-"
                    f"{'3' * 16}")]  # its job lives, and may take it yet
     someone_elses = tmp_path / "tmpzz_zz999.gdb"
     someone_elses.write_text("break main\n")
@@ -382,10 +385,10 @@ def test_where_the_agent_cannot_inject_itself_gdb_queues_the_code(
     refused = gdb_refusal()
     if refused is not None:
         pytest.skip(refused)
-    monkeypatch.setattr(inject_module, "plan_calls", lambda pid, runtime: None)
+    monkeypatch.setattr(inject_module, "plan_calls", lambda target, runtime: None)
     out = tmp_path / "ran"
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
-    queued = inject(job.pid, f"open({str(out)!r}, 'w').write('x')")
+    queued = inject(Target.of(job.pid), f"open({str(out)!r}, 'w').write('x')")
     assert queued is not None
     deadline = time.monotonic() + 5
     while not out.exists() and time.monotonic() < deadline:
@@ -396,5 +399,5 @@ def test_where_the_agent_cannot_inject_itself_gdb_queues_the_code(
     spin = "print('ready', flush=True)\nwhile True: pass\n"
     spinner = start([sys.executable, "-c", spin], processes)
     with pytest.raises(InjectionFailed, match="reached no safe point"):
-        inject(spinner.pid, "pass", wait_seconds=0.5)
+        inject(Target.of(spinner.pid), "pass", wait_seconds=0.5)
     assert status(spinner.pid, "TracerPid") == "0"

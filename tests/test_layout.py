@@ -40,6 +40,8 @@ FLOORS = {
 # package): the seam where tests put a fake, and the one place to read its use.
 VENDOR_HOMES = {
     "pynvml": ("dlprof_agent.collectors.nvml",),
+    # What procfs does not say plainly (the core counts) comes from psutil.
+    "psutil": ("dlprof_agent.collectors.host",),
     "cupti": ("dlprof_agent.probe.cupti_binding",),
     "prometheus_client": ("dlprof_agent.exporters.",),
     "grafana_client": ("dlprof_agent.grafana.",),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
 from tests.conftest import agent_env
 from tests.helpers import wait_until
@@ -99,7 +100,8 @@ def test_the_code_queued_in_a_waiting_main_thread_runs(tmp_path: Path, kind: str
     marker = tmp_path / "ran"
     job = start_waiting(kind, seconds)
     try:
-        inject(job.pid, f"import time; open({str(marker)!r}, 'w').write(repr(time.monotonic()))")
+        inject(Target.of(job.pid),
+               f"import time; open({str(marker)!r}, 'w').write(repr(time.monotonic()))")
         began, ended, result = finished(job, seconds)
     finally:
         stop(job)
@@ -121,8 +123,9 @@ def test_killing_the_agent_during_the_injection_leaves_the_wait_as_it_was(
     wait when it would have, with the same result, never stopped or traced meanwhile."""
     seconds = 2.5
     attempt = ("import sys\n"
+               "from dlprof_agent.collectors.target import Target\n"
                "from dlprof_agent.reach.inject import inject\n"
-               "inject(int(sys.argv[1]), 'pass')\n")
+               "inject(Target.of(int(sys.argv[1])), 'pass')\n")
 
     def agent(job: subprocess.Popen[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-c", attempt, str(job.pid)],

@@ -8,6 +8,7 @@ import ctypes
 import os
 from pathlib import Path
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.mapped_files import (
     function_address,
     job_view,
@@ -44,23 +45,23 @@ def test_a_chroot_jobs_libc_is_opened_inside_its_root(tmp_path: Path) -> None:
     seen = str(chroot) + LIBC  # as /proc/<pid>/maps shows it to a reader outside
     maps = [(0x7F0000000000, 0x7F0000028000, "r--p", 0, seen),
             (0x7F0000028000, 0x7F000018B000, "r-xp", 0x28000, seen)]
-    assert mapped_file_paths(4321, seen, maps, procfs=procfs) == [
+    assert mapped_file_paths(Target(4321, 0, procfs), seen, maps) == [
         f"{procfs}/4321/root{LIBC}", f"{procfs}/4321/map_files/7f0000000000-7f0000028000"]
 
 
 def test_a_container_jobs_libc_is_opened_through_its_root(tmp_path: Path) -> None:
     procfs = _fake_procfs(tmp_path, 4321, "/")  # another mount namespace reads as "/"
     maps = [(0x7F0000000000, 0x7F0000028000, "r--p", 0, LIBC + " (deleted)")]
-    assert mapped_file_paths(4321, LIBC + " (deleted)", maps, procfs=procfs) == [
+    assert mapped_file_paths(Target(4321, 0, procfs), LIBC + " (deleted)", maps) == [
         f"{procfs}/4321/root{LIBC}", f"{procfs}/4321/map_files/7f0000000000-7f0000028000"]
 
 
 def test_a_function_is_found_where_its_bytes_are_the_files() -> None:
-    pid = os.getpid()
-    maps = memory_map(pid)
+    target = Target.of(os.getpid())
+    maps = memory_map(target.pid)
     libc = libc_path(maps)
     assert libc is not None
-    address = function_address(pid, maps, libc, mapped_file_paths(pid, libc, maps), "mmap")
+    address = function_address(target, maps, libc, mapped_file_paths(target, libc, maps), "mmap")
     assert address == ctypes.cast(ctypes.CDLL(None).mmap, ctypes.c_void_p).value
     # No file to read: no address.
-    assert function_address(pid, maps, libc, ["/nonexistent" + libc], "mmap") is None
+    assert function_address(target, maps, libc, ["/nonexistent" + libc], "mmap") is None

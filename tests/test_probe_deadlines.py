@@ -20,6 +20,7 @@ from dlprof_agent.agent.snapshot_builder import SnapshotBuilder, TargetReaders, 
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.exporters.prometheus import NodeCollector, registry_of
 from dlprof_agent.probe.protocol import HEADER, encode
 from dlprof_agent.probe_link.channel import ChannelTimeouts, ProbeSource
@@ -119,7 +120,7 @@ def test_a_reply_that_trickles_pass_after_pass_drops_the_probe_with_a_growing_pa
     now = [0.0]
     timeouts = ChannelTimeouts(trickle_limit=3, retry_seconds=(2.0, 4.0, 8.0))
     client = Trickling()
-    source = ProbeSource(client, interval=1.0, pid=4242, identity=None,  # type: ignore[arg-type]
+    source = ProbeSource(client, interval=1.0, target=Target(4242, 0), identity=None,  # type: ignore[arg-type]
                          timeouts=timeouts, clock=lambda: now[0])
     assert source.sample() is None and source.condition.state == "stale"
     assert source.sample() is None
@@ -151,7 +152,7 @@ def test_a_silent_probe_is_late_not_trickling_and_keeps_its_last_sample() -> Non
                 raise answer
             return answer
 
-    source = ProbeSource(Silent(), interval=1.0, pid=4242, identity=None,  # type: ignore[arg-type]
+    source = ProbeSource(Silent(), interval=1.0, target=Target(4242, 0), identity=None,  # type: ignore[arg-type]
                          timeouts=ChannelTimeouts(trickle_limit=2), clock=lambda: now[0])
     assert source.sample() is not None and source.condition.state == "ok"
     answers[:] = [ReplyLate("no reply yet"), ReplyLate("no reply yet"),
@@ -216,8 +217,8 @@ def test_a_stuck_probe_read_never_delays_another_target(
                               errors=error_log(gpu=False, probe=True),
                               probe_deadline_seconds=0.2)
     errors = error_log(gpu=False, probe=False)
-    targets = [TargetReaders(pid, ProcessCollector(pid, errors=errors),
-                             limits=LimitsCollector(pid), probe=probe)
+    targets = [TargetReaders(pid, ProcessCollector(Target.of(pid), errors=errors),
+                             limits=LimitsCollector(Target.of(pid)), probe=probe)
                for pid, probe in ((slow_pid, stuck), (good_pid, good))]
     try:
         builder.build(targets)  # the first read of each answers
@@ -262,18 +263,20 @@ def test_a_failing_read_is_counted_and_the_next_pass_reads_again() -> None:
 def test_the_status_page_lists_stale_and_dropped_probes_with_the_reason(
         sleepers: list[subprocess.Popen[bytes]]) -> None:
     slow_pid, dropped_pid = (p.pid for p in sleepers)
-    daemon = Agent(DaemonOptions(probe=None, gpu=False), chooser=OneTarget(slow_pid),
+    daemon = Agent(DaemonOptions(probe=None, gpu=False), chooser=OneTarget(Target.of(slow_pid)),
                    host=HostCollector(), gpu=None, errors=error_log(gpu=False, probe=True))
     now = [0.0]
-    trickling = ProbeSource(Trickling(), interval=1.0, pid=dropped_pid,  # type: ignore[arg-type]
+    trickling = ProbeSource(Trickling(), interval=1.0, target=Target(dropped_pid, 0),  # type: ignore[arg-type]
                             identity=None, timeouts=ChannelTimeouts(trickle_limit=1),
                             clock=lambda: now[0])
     errors = error_log(gpu=False, probe=False)
     stuck = Blocked()
     daemon.targets = {
-        slow_pid: TargetWatch(slow_pid, "match", ProcessCollector(slow_pid, errors=errors)),
-        dropped_pid: TargetWatch(dropped_pid, "match",
-                                 ProcessCollector(dropped_pid, errors=errors), probe=trickling)}
+        slow_pid: TargetWatch(Target.of(slow_pid), "match",
+                              ProcessCollector(Target.of(slow_pid), errors=errors)),
+        dropped_pid: TargetWatch(Target.of(dropped_pid), "match",
+                                 ProcessCollector(Target.of(dropped_pid), errors=errors),
+                                 probe=trickling)}
     daemon.targets[slow_pid].probe = stuck  # type: ignore[assignment]
     daemon._builder.exchanges.deadline_seconds = 0.2
     try:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from dlprof_agent.collectors.target import ProgramIdentity
+from dlprof_agent.collectors.target import ProgramIdentity, Target
 from dlprof_agent.probe_link import channel
 from dlprof_agent.probe_link.channel import ProbeSource
 from dlprof_agent.probe_link.samples import ProbeSample
@@ -57,12 +57,12 @@ class Probe:
 def running(monkeypatch: pytest.MonkeyPatch) -> list[ProgramIdentity]:
     """What the process runs, as the agent reads it: the test changes it."""
     now = [OLD]
-    monkeypatch.setattr(channel, "program_identity", lambda pid: now[0])
+    monkeypatch.setattr(channel, "program_identity", lambda pid, procfs: now[0])
     return now
 
 
 def source_on(probe: Probe) -> ProbeSource:
-    return ProbeSource(probe, interval=1.0, pid=4242, identity=OLD,  # type: ignore[arg-type]
+    return ProbeSource(probe, interval=1.0, target=Target(4242, 0), identity=OLD,  # type: ignore[arg-type]
                        clock=lambda: 0.0)
 
 

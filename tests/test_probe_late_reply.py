@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.probe.protocol import HEADER, encode, take_frame
 from dlprof_agent.probe_link.channel import ChannelTimeouts, ProbeSource
 from dlprof_agent.probe_link.client import ProbeClient, ReplyLate
@@ -65,7 +66,8 @@ def go(job: subprocess.Popen[str]) -> None:
 @pytest.mark.slow  # a real job holding the GIL for seconds
 def test_a_job_holding_the_gil_answers_late_and_keeps_its_probe(
         gil_holding_job: subprocess.Popen[str]) -> None:
-    client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False, warmup_steps=0),
+    client = connect_probe(Target.of(gil_holding_job.pid),
+                           ProbeOptions(inject=False, warmup_steps=0),
                            interval=0.1)
     assert client is not None
     go(gil_holding_job)  # its session is up: the probe answered its start
@@ -102,7 +104,7 @@ def test_a_job_holding_the_gil_answers_late_and_keeps_its_probe(
 @pytest.mark.slow  # a real job holding the GIL for seconds
 def test_a_probe_silent_past_the_limit_is_dropped(
         monkeypatch: pytest.MonkeyPatch, gil_holding_job: subprocess.Popen[str]) -> None:
-    client = connect_probe(gil_holding_job.pid, ProbeOptions(inject=False), interval=0.1)
+    client = connect_probe(Target.of(gil_holding_job.pid), ProbeOptions(inject=False), interval=0.1)
     assert client is not None
     go(gil_holding_job)
     now = [0.0]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.probe import server
 from dlprof_agent.probe.protocol import socket_name
 from dlprof_agent.probe_link.client import held_sockets, probe_socket_paths
@@ -111,7 +112,7 @@ def test_a_planted_socket_never_makes_the_agent_give_up_on_the_real_probe(
         path = enable(job)
         assert path not in ("NONE", str(planted_path))
         assert list(probe_socket_paths(job.pid)) == [str(planted_path), path]
-        client = try_connect(job.pid, ProbeOptions(inject=False), 1.0, 5.0)
+        client = try_connect(Target.of(job.pid), ProbeOptions(inject=False), 1.0, 5.0)
         try:
             assert client.hello["pid"] == job.pid
             assert client.snapshot().pid == job.pid
@@ -131,7 +132,7 @@ def test_with_only_a_planted_socket_the_agent_says_it_refused_it(
     try:
         plant(planted, squatted / socket_name(job.pid))
         with pytest.raises(NoProbe) as refused:
-            try_connect(job.pid, ProbeOptions(inject=False), 1.0, 0.0)
+            try_connect(Target.of(job.pid), ProbeOptions(inject=False), 1.0, 0.0)
         assert "impersonating" in str(refused.value)
         assert not refused.value.final
     finally:

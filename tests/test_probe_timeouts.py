@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from dlprof_agent.collectors import procfs
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import ConnectionClosed, ProbeAlreadyAttached
 from dlprof_agent.probe.session import DEFAULT_OPTIONS, Session, checked_options
 from dlprof_agent.probe_link.channel import (
@@ -75,12 +76,12 @@ def test_a_silent_agent_loses_its_session_after_the_lease_it_asked_for(
         probe_job: subprocess.Popen[str]) -> None:
     # At a 60 s interval the probe's own lease is 181 s; asked for 0.3 s, it ends
     # the silent agent's session and lets the next one in well within the deadline.
-    silent = try_connect(probe_job.pid, ProbeOptions(inject=False, lease_seconds=0.3),
+    silent = try_connect(Target.of(probe_job.pid), ProbeOptions(inject=False, lease_seconds=0.3),
                          60.0, 0.0)
 
     def next_agent() -> ProbeClient | None:
         try:
-            return try_connect(probe_job.pid, ProbeOptions(inject=False), 1.0, 0.0)
+            return try_connect(Target.of(probe_job.pid), ProbeOptions(inject=False), 1.0, 0.0)
         except ProbeAlreadyAttached:
             return None
 
@@ -103,7 +104,7 @@ def all_threads_stopped(pid: int) -> bool:
 
 def test_a_stopped_job_is_kept_then_dropped_on_the_channels_own_limits(
         probe_job: subprocess.Popen[str]) -> None:
-    client = try_connect(probe_job.pid, ProbeOptions(inject=False), 0.1, 0.0)
+    client = try_connect(Target.of(probe_job.pid), ProbeOptions(inject=False), 0.1, 0.0)
     now = [1000.0]
     source = ProbeSource(client, interval=0.1, clock=lambda: now[0],
                          timeouts=ChannelTimeouts(late_limit_seconds=5.0,

@@ -18,6 +18,7 @@ import pytest
 import dlprof_agent
 from dlprof_agent.collectors.error_log import ErrorLog
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample, _PeakTracker
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
 from tests.helpers import wait_until
 
@@ -89,7 +90,8 @@ def test_pid_threads_and_cpu_match_procfs(spawn: Spawn) -> None:
     stopped(process.pid)
     errors = ErrorLog()
 
-    sample = target_of(ProcessCollector(process.pid, children=False, errors=errors).sample())
+    sample = target_of(ProcessCollector(Target.of(process.pid),
+                                        children=False, errors=errors).sample())
 
     utime, stime = stat_ticks(process.pid)
     assert sample.pid == process.pid
@@ -111,7 +113,7 @@ def test_pid_threads_and_cpu_match_procfs(spawn: Spawn) -> None:
 
 def test_thread_groups_show_the_named_worker_threads(spawn: Spawn) -> None:
     process = busy(spawn, threads=2)
-    collector = ProcessCollector(process.pid, children=False, errors=ErrorLog())
+    collector = ProcessCollector(Target.of(process.pid), children=False, errors=ErrorLog())
 
     def named_workers() -> bool:
         names = {g.name: g for g in target_of(collector.sample()).thread_groups}
@@ -129,8 +131,8 @@ def test_thread_groups_show_the_named_worker_threads(spawn: Spawn) -> None:
 
 def test_children_are_reported_under_their_own_pid_only_when_asked(spawn: Spawn) -> None:
     process = busy(spawn, threads=1, children=1)
-    with_children = ProcessCollector(process.pid, children=True, errors=ErrorLog())
-    without = ProcessCollector(process.pid, children=False, errors=ErrorLog())
+    with_children = ProcessCollector(Target.of(process.pid), children=True, errors=ErrorLog())
+    without = ProcessCollector(Target.of(process.pid), children=False, errors=ErrorLog())
 
     def worker_children() -> list[ProcessSample]:
         return [s for s in with_children.sample() if s.name == "busy-child"]
@@ -168,7 +170,7 @@ def test_peak_rss_counts_spikes_between_samples_but_not_before_attach(spawn: Spa
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert process.stdin is not None and process.stdout is not None
     assert process.stdout.readline() == "ready\n"
-    collector = ProcessCollector(process.pid, children=False, errors=ErrorLog())
+    collector = ProcessCollector(Target.of(process.pid), children=False, errors=ErrorLog())
 
     before = target_of(collector.sample())
     assert before.rss_bytes < 150 * MIB
@@ -199,7 +201,7 @@ def test_peak_tracker_uses_the_high_water_mark_only_once_it_rises_after_attach()
 
 def test_target_gone_once_the_process_exits_and_is_reaped(spawn: Spawn) -> None:
     process = spawn(["sleep", "30"])
-    collector = ProcessCollector(process.pid, errors=ErrorLog())
+    collector = ProcessCollector(Target.of(process.pid), errors=ErrorLog())
     assert target_of(collector.sample()).name == "sleep"
 
     process.kill()
@@ -211,7 +213,7 @@ def test_target_gone_once_the_process_exits_and_is_reaped(spawn: Spawn) -> None:
 
 def test_target_gone_while_the_process_is_a_zombie(spawn: Spawn) -> None:
     process = spawn(["sleep", "30"])
-    collector = ProcessCollector(process.pid, errors=ErrorLog())
+    collector = ProcessCollector(Target.of(process.pid), errors=ErrorLog())
     collector.sample()
 
     os.kill(process.pid, signal.SIGKILL)  # not reaped: it stays a zombie
@@ -225,7 +227,7 @@ def test_no_such_process_fails_at_construction_in_our_own_terms() -> None:
     pid = 4_194_000  # above every default pid_max
     assert not os.path.exists(f"/proc/{pid}")
     with pytest.raises(TargetGone) as raised:
-        ProcessCollector(pid, errors=ErrorLog())
+        ProcessCollector(Target.of(pid), errors=ErrorLog())
     assert raised.value.pid == pid and not isinstance(raised.value, psutil.Error)
 
 
@@ -238,7 +240,7 @@ def test_target_exiting_between_checks_is_target_gone_not_an_error(tmp_path: Pat
     (process / "stat").write_text("4242 (sleep) S 1 4242 4242 0 -1 0 0 0 0 0 1 2 0 0 20 0 1 0 "
                                   "777 1000 10 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n")
     (tmp_path / "stat").write_text("cpu 1 2 3 4\nbtime 1700000000\n")
-    collector = ProcessCollector(4242, errors=ErrorLog(), procfs=str(tmp_path))
+    collector = ProcessCollector(Target.of(4242, procfs=str(tmp_path)), errors=ErrorLog())
     for name in ("stat", "status"):
         (process / name).unlink()
     process.rmdir()

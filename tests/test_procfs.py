@@ -1,6 +1,7 @@
 """The one /proc reader, against a captured tree (tests/data/procfs/, written by
 tests/capture_procfs.py, with psutil's view of the same live processes beside it),
-against this machine's own /proc, and the source rule that nothing else opens /proc."""
+against this machine's own /proc, and the source rule that only the two /proc fronts
+(the agent's and the injector's) build /proc paths."""
 
 from __future__ import annotations
 
@@ -354,6 +355,9 @@ def test_a_live_zombie() -> None:
 
 PACKAGE = REPO / "dlprof_agent"
 READER = PACKAGE / "collectors" / "procfs.py"
+# The injector's own front: the paths it opens in a job (its memory, root, mapped files)
+INJECTOR_FRONT = PACKAGE / "reach" / "procfs.py"
+PROC_FRONTS = (READER, INJECTOR_FRONT)
 # The probe runs inside the job and imports only itself and errors: it reads its own
 # /proc/self/maps. Code texts that the injectors hand to the job run there, not here.
 IN_THE_JOB = ("probe",)
@@ -400,10 +404,10 @@ def proc_paths_built(path: Path) -> list[str]:
     return found
 
 
-def test_only_the_reader_builds_or_opens_proc_paths() -> None:
+def test_only_the_two_proc_fronts_build_or_open_proc_paths() -> None:
     offenders = [
         place for path in sorted(PACKAGE.rglob("*.py"))
-        if path != READER and path.relative_to(PACKAGE).parts[0] not in IN_THE_JOB
+        if path not in PROC_FRONTS and path.relative_to(PACKAGE).parts[0] not in IN_THE_JOB
         for place in proc_paths_built(path)]
     assert offenders == []
 
@@ -440,3 +444,10 @@ def test_schedstat_is_the_main_thread_on_a_cpu_and_waiting_for_one(tmp_path: Pat
     assert before is not None and after is not None
     assert after.run_seconds - before.run_seconds >= 0.04
     assert after.wait_seconds >= before.wait_seconds
+
+
+def test_every_function_of_the_injectors_front_takes_the_procfs_root() -> None:
+    tree = ast.parse(INJECTOR_FRONT.read_text())
+    without = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+               and "procfs" not in {arg.arg for arg in (*node.args.args, *node.args.kwonlyargs)}]
+    assert without == []

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
 from tests.conftest import agent_env
 from tests.helpers import wait_until
@@ -64,9 +65,10 @@ threading.Thread(target=hashing, daemon=True).start()
 ROUNDS = 30
 # An agent that says when its injection begins (after its imports), and ends with it
 AGENT = ("import sys\n"
+         "from dlprof_agent.collectors.target import Target\n"
          "from dlprof_agent.reach.inject import inject\n"
          "print('injecting', flush=True)\n"
-         "inject(int(sys.argv[1]), 'pass')\n")
+         "inject(Target.of(int(sys.argv[1])), 'pass')\n")
 
 # Starts the loop for so many rounds, and returns it once it is ready
 StartLoop = Callable[[int], "subprocess.Popen[str]"]
@@ -118,7 +120,7 @@ def check_the_queued_code_runs_in_the_loop(start: StartLoop, marker: str,
     threads are left free and compute every round right."""
     job = start(ROUNDS)
     try:
-        queued = inject(job.pid, f"open({marker!r}, 'w').write('ran')")
+        queued = inject(Target.of(job.pid), f"open({marker!r}, 'w').write('ran')")
         assert queued is not None
         wait_until(written.exists, 30)
         assert job.poll() is None, "the code ran only once the loop had ended"

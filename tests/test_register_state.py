@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
 from tests.helpers import wait_until
 
@@ -273,7 +274,7 @@ def check_registers_across_a_read(tmp_path: Path, caplog: pytest.LogCaptureFixtu
         wait_until(lambda: Path(f"/proc/{job.pid}/syscall").read_text().split()[0] == "0",
                    10, what="the job's read, its registers loaded")
         with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
-            inject(job.pid, write_marker(marker))  # its only thread, in that read
+            inject(Target.of(job.pid), write_marker(marker))  # its only thread, in that read
         returned = finish(job, "x")
     finally:
         stop(job)
@@ -307,7 +308,7 @@ def test_a_busy_main_thread_borrowed_at_a_safe_pc_keeps_its_avx512_registers(
         assert os.listdir(f"/proc/{job.pid}/task") == [str(job.pid)], \
             "a second thread could be borrowed instead of the busy one"
         with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
-            inject(job.pid, write_marker(marker))
+            inject(Target.of(job.pid), write_marker(marker))
         with flag.open("r+b") as shared:
             shared.write(b"\1")
         returned = finish(job)

@@ -5,15 +5,16 @@ sections for jobs run in a Debian root. Real 3.14 jobs: test_remote_debug_roots.
 
 from __future__ import annotations
 
-import os
 import platform
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import reach
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionNotNow, UnknownDebugOffsets
 from dlprof_agent.reach import debug_offsets
 from dlprof_agent.reach import inject as injector
@@ -116,22 +117,28 @@ def test_which_injector_a_3_14_job_of_another_python_gets(
         pytest.skip("the agent runs 3.14 itself: sys.remote_exec is used")
     calls = CallAddresses(1, 2, 3, 4, ParkingLotWait((5, 6), (7, 8)))
 
-    def ptrace(*_: object) -> str:
+    def ptrace(*_: object, **__: object) -> str:
         if ptrace_says is not None:
             raise ptrace_says
         return "ptrace"
 
     for name, value in {
-            "find_python_runtime": lambda pid: PythonRuntime("/usr/bin/python3.14", (3, 14)),
-            "remove_stale_files": lambda pid: None,
-            "pending_bootstrap": lambda pid: None,
-            "find_remote_debug": lambda pid, runtime: "target",
-            "plan_calls": lambda pid, runtime: calls,
-            "main_thread_parked": lambda pid, wait: parked,
-            "opted_out": lambda pid, target: opted_out,
+            "find_python_runtime": lambda target: PythonRuntime("/usr/bin/python3.14", (3, 14)),
+            "remove_stale_files": lambda target: None,
+            "pending_bootstrap": lambda target: None,
+            "find_remote_debug": lambda target, runtime: "table",
+            "plan_calls": lambda target, runtime: calls,
+            "main_thread_parked": lambda target, wait: parked,
+            "opted_out": lambda target, table: opted_out,
             "inject_with_ptrace": ptrace,
             "inject_with_remote_debug": lambda *_: "remote_debug"}.items():
         monkeypatch.setattr(injector, name, value)
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    result: object = injector.inject(os.getpid() + 1, "pass")
+    # A real process for the Target; every step that would touch it is replaced.
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        result: object = injector.inject(Target.of(job.pid), "pass")
+    finally:
+        job.kill()
+        job.wait()
     assert result == used

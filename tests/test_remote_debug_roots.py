@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import reach
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionRefused
 from dlprof_agent.probe_link.client import ProbeClient
 from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
@@ -105,9 +106,9 @@ def _bootstrap_folders(root: Path) -> list[str]:
 
 def test_the_debug_offsets_of_a_real_3_14_job(job: Job) -> None:
     process = job(_BUSY)
-    runtime = find_python_runtime(process.pid)
+    runtime = find_python_runtime(Target.of(process.pid))
     assert runtime is not None and runtime.version == (3, 14)
-    target = find_remote_debug(process.pid, runtime)
+    target = find_remote_debug(Target.of(process.pid), runtime)
     assert target is not None, "3.14's table read from its _PyRuntime"
     offsets = target.offsets
     with open(f"/proc/{process.pid}/mem", "rb", buffering=0) as memory:
@@ -121,10 +122,10 @@ def test_the_debug_offsets_of_a_real_3_14_job(job: Job) -> None:
         assert pointer(main + offsets.native_thread_id) == process.pid
     # The words that say its interpreter runs (``shutdown``), from the same table
     words = life_words(runtime.version, target.runtime_address,
-                       functools.partial(read_memory, process.pid))
+                       functools.partial(read_memory, Target.of(process.pid)))
     assert words is not None
     assert words.interpreters == target.runtime_address + offsets.interpreters_head
-    assert not shutting_down(words, functools.partial(read_memory, process.pid))
+    assert not shutting_down(words, functools.partial(read_memory, Target.of(process.pid)))
 
 
 def test_the_probe_comes_up_in_a_3_14_job(job: Job) -> None:
@@ -139,7 +140,7 @@ def test_the_probe_comes_up_in_a_3_14_job(job: Job) -> None:
 
 def _connect(pid: int) -> ProbeClient | None:
     try:
-        return try_connect(pid, ProbeOptions(), 1.0, 0.0)
+        return try_connect(Target.of(pid), ProbeOptions(), 1.0, 0.0)
     except NoProbe:
         return None
 
@@ -187,7 +188,7 @@ def test_a_job_that_opted_out_is_left_untouched(job: Job, sid_root: Path, env: d
     process = job(_WAITS_FOR_A_LINE, args=args, env=env)
     before = _bootstrap_folders(sid_root)
     with pytest.raises(InjectionRefused) as refusal:
-        inject(process.pid, "open('/tmp/should-not-run', 'w')")
+        inject(Target.of(process.pid), "open('/tmp/should-not-run', 'w')")
     assert says in str(refusal.value)
     assert "start it without PYTHON_DISABLE_REMOTE_DEBUG" in (refusal.value.hint or "")
     # A subset: inject first clears what killed agents left (``remove_stale_files``)
@@ -210,11 +211,12 @@ def test_a_script_the_job_never_took_is_withdrawn_when_the_agent_leaves(
     process = job(_WAITS_FOR_A_LINE)
     wait_until(lambda: _waits_in_read(process.pid), 30, what="the main thread in its read")
     marker = sid_root / "tmp" / f"ran-{process.pid}"
-    runtime = find_python_runtime(process.pid)
+    runtime = find_python_runtime(Target.of(process.pid))
     assert runtime is not None
-    target = find_remote_debug(process.pid, runtime)
+    target = find_remote_debug(Target.of(process.pid), runtime)
     assert target is not None
-    queued = inject_with_remote_debug(process.pid, f"open({str(marker)[len(str(sid_root)):]!r}, "
+    queued = inject_with_remote_debug(Target.of(process.pid),
+                                      f"open({str(marker)[len(str(sid_root)):]!r}, "
                                       "'w').close()", target)
     assert isinstance(queued, QueuedRemoteExec)
     assert queued.state() == "queued", "the main thread waits: nothing ran yet"
@@ -234,7 +236,8 @@ def test_a_waiting_main_thread_runs_the_script_when_its_wait_returns(
     process = job(_WAITS_FOR_A_LINE)
     wait_until(lambda: _waits_in_read(process.pid), 30, what="the main thread in its read")
     marker = sid_root / "tmp" / f"ran-{process.pid}"
-    queued = inject(process.pid, f"open({str(marker)[len(str(sid_root)):]!r}, 'w').close()")
+    queued = inject(Target.of(process.pid),
+                    f"open({str(marker)[len(str(sid_root)):]!r}, 'w').close()")
     assert isinstance(queued, QueuedRemoteExec)
     # While it waits, the script stays queued and its file stays (watched every second,
     # it once went at the first look, before the flag was even set).

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.runtime import find_python_runtime
 from dlprof_agent.reach.safe_point import (
@@ -99,7 +100,7 @@ LOCK_CALLS = re.compile(r"call\s.*<(PyThread_acquire_lock|PyThread_release_lock|
 def test_the_eval_loop_of_this_interpreter_takes_no_lock_in_its_own_code() -> None:
     """The rule rests on how CPython is compiled: on this interpreter, the pending-call
     lock is taken only in functions the eval loop calls, none inlined into it."""
-    runtime = find_python_runtime(os.getpid())
+    runtime = find_python_runtime(Target.of(os.getpid()))
     assert runtime is not None
     library = runtime.library
     scan = scan_elf_file(library)

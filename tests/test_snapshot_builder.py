@@ -30,6 +30,7 @@ from dlprof_agent.collectors.host import HostCollector, HostSample
 from dlprof_agent.collectors.limits import LimitsCollector, LimitsSample
 from dlprof_agent.collectors.nvml import Nvml
 from dlprof_agent.collectors.process import ProcessCollector, ProcessSample
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import AgentSelfSample
 from dlprof_agent.probe_link.samples import ProbeSample
@@ -94,8 +95,9 @@ def spawn_sleeper() -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
 
 def readers(pid: int, **changes: Any) -> TargetReaders:
     """The real readers of ``pid``, with ``changes`` in their place."""
-    real = TargetReaders(pid, ProcessCollector(pid, errors=error_log(gpu=False, probe=False)),
-                         limits=LimitsCollector(pid))
+    real = TargetReaders(pid, ProcessCollector(Target.of(pid),
+                                               errors=error_log(gpu=False, probe=False)),
+                         limits=LimitsCollector(Target.of(pid)))
     return dataclasses.replace(real, **changes)
 
 
@@ -244,7 +246,7 @@ def test_attach_s_core_stops_reading_its_one_target_once_it_exited(
         spawn_sleeper: Callable[[], subprocess.Popen[bytes]]) -> None:
     sleeper = spawn_sleeper()
     errors = error_log(gpu=False, probe=False)
-    agent = Agent(AgentOptions(interval=1.0, gpu=False), chooser=OneTarget(sleeper.pid),
+    agent = Agent(AgentOptions(interval=1.0, gpu=False), chooser=OneTarget(Target.of(sleeper.pid)),
                   host=HostCollector(), gpu=None, errors=errors,
                   clock=SteppingClock(5.0, 0.125))
     up = target_snapshot(agent.sample_once(), sleeper.pid)

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionUnsafe
 from dlprof_agent.reach import gdb as gdb_module
 from dlprof_agent.reach import inject as inject_module
@@ -183,7 +184,7 @@ def _interrupted_wait_returns_its_result(kind: str, jobs: list[Job], tmp_path: P
     expected = SYSCALLS[MACHINE][kind]
     wait_until(lambda: job.waits_in(expected), 10, what=f"the job to wait in {kind}")
     began = time.monotonic()
-    queued = inject(job.pid, f"open({str(marker)!r}, 'w').write('ran')")
+    queued = inject(Target.of(job.pid), f"open({str(marker)!r}, 'w').write('ran')")
     injected = time.monotonic()
     assert queued is not None
     # back in its wait (a sleep or a timed wait may go on as restart_syscall)
@@ -229,7 +230,7 @@ def _force_gdb(monkeypatch: pytest.MonkeyPatch) -> None:
     refused = _gdb_refused_here()
     if refused is not None:
         pytest.skip(refused)
-    monkeypatch.setattr(inject_module, "plan_calls", lambda pid, runtime: None)
+    monkeypatch.setattr(inject_module, "plan_calls", lambda target, runtime: None)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -276,7 +277,7 @@ def test_without_putting_them_back_the_restart_code_reaches_the_job(
     job = Job("read", marker)
     jobs.append(job)
     wait_until(lambda: job.waits_in(SYSCALLS[MACHINE]["read"]), 10, what="the job's read")
-    inject(job.pid, f"open({str(marker)!r}, 'w').write('ran')")
+    inject(Target.of(job.pid), f"open({str(marker)!r}, 'w').write('ran')")
     job.release()
     main, _, _ = job.results()
     assert (main["result"], main["errno"]) == (-1, 512)
@@ -296,7 +297,7 @@ def test_a_gdb_that_cannot_write_the_xsave_area_calls_nothing(
     jobs.append(job)
     wait_until(lambda: job.waits_in(SYSCALLS[MACHINE]["read"]), 10, what="the job's read")
     with pytest.raises(InjectionUnsafe) as raised:
-        inject(job.pid, f"open({str(marker)!r}, 'w').write('ran')")
+        inject(Target.of(job.pid), f"open({str(marker)!r}, 'w').write('ran')")
     line = raised.value.one_line()
     assert "cannot write the extended registers (XSAVE) of this CPU" in line, line
     assert "\n" not in line and "install gdb 14.1 or newer" in line

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import reach
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow
 from dlprof_agent.probe_link.client import ProbeClient
 from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
@@ -139,7 +140,7 @@ def _computes_on(process: subprocess.Popen[str]) -> None:
 
 def _connect(pid: int) -> ProbeClient | None:
     try:
-        return try_connect(pid, ProbeOptions(), 1.0, 0.0)
+        return try_connect(Target.of(pid), ProbeOptions(), 1.0, 0.0)
     except NoProbe:
         return None
 
@@ -153,13 +154,13 @@ def _reach(pid: int) -> ProbeClient:
 
 def test_the_ptrace_injector_calls_the_jobs_own_libc(job: Job) -> None:
     process = job(_COUNTS)
-    runtime = find_python_runtime(process.pid)
+    runtime = find_python_runtime(Target.of(process.pid))
     assert runtime is not None and runtime.version == (3, 13)
-    calls = plan_calls(process.pid, runtime)
+    calls = plan_calls(Target.of(process.pid), runtime)
     assert calls is not None, "libc's mmap found through the job's root, not gdb's turn"
     # 3.13's debug offsets place the words that say its interpreter runs (``shutdown``)
     assert calls.life is not None and calls.life.interpreters is not None
-    assert not shutting_down(calls.life, functools.partial(read_memory, process.pid))
+    assert not shutting_down(calls.life, functools.partial(read_memory, Target.of(process.pid)))
     client = _reach(process.pid)
     try:
         assert client.snapshot() is not None
@@ -178,8 +179,8 @@ def test_gdb_reads_the_jobs_own_files_and_the_job_lives(
         job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_gdb()
     process = job(_COUNTS)
-    monkeypatch.setattr(injector, "plan_calls", lambda pid, runtime: None)  # gdb's turn
-    inject(process.pid, "print('queued by gdb', flush=True)")
+    monkeypatch.setattr(injector, "plan_calls", lambda target, runtime: None)  # gdb's turn
+    inject(Target.of(process.pid), "print('queued by gdb', flush=True)")
     assert process.stdout is not None
     lines = process.stdout
     assert wait_until(lambda: lines.readline() == "queued by gdb\n", 30,
@@ -191,14 +192,14 @@ def test_gdb_refuses_to_call_an_address_other_than_the_jobs(
         job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_gdb()
     process = job(_COUNTS)
-    runtime = find_python_runtime(process.pid)
-    checked = gdb.checked_addresses(process.pid, runtime)
+    runtime = find_python_runtime(Target.of(process.pid))
+    checked = gdb.checked_addresses(Target.of(process.pid), runtime)
     assert set(checked) == {"mmap", "Py_AddPendingCall", "PyRun_SimpleString"}
     # As if gdb had read another libc than the job's: its mmap is not where the job's is.
     monkeypatch.setattr(gdb, "checked_addresses",
-                        lambda pid, runtime: {**checked, "mmap": checked["mmap"] + 16})
+                        lambda target, runtime: {**checked, "mmap": checked["mmap"] + 16})
     with pytest.raises(InjectionFailed, match="gdb reads another file for mmap"):
-        inject_with_gdb(process.pid, "print('must not run', flush=True)", 10.0, runtime)
+        inject_with_gdb(Target.of(process.pid), "print('must not run', flush=True)", 10.0, runtime)
     _computes_on(process)
 
 
@@ -221,7 +222,8 @@ def check_the_queued_code_runs_while_waiting(start: StartWaiting, root: Path,
     marker = f"/tmp/dlprof-waits-{os.getpid()}-{kind}"  # as the job sees it
     process = in_its_wait(start(kind, seconds))
     try:
-        inject(process.pid, f"import time; open({marker!r}, 'w').write(repr(time.monotonic()))")
+        inject(Target.of(process.pid),
+               f"import time; open({marker!r}, 'w').write(repr(time.monotonic()))")
         output = process.communicate(timeout=seconds + 60)[0]
         assert process.returncode == 0, output
         began, ended, result = output.split(maxsplit=2)
@@ -243,8 +245,9 @@ def check_kills_leave_the_wait_as_it_was(start: StartWaiting, kind: str) -> None
     with the same result, the job never left stopped or traced."""
     seconds = 2.5
     attempt = ("import sys\n"
+               "from dlprof_agent.collectors.target import Target\n"
                "from dlprof_agent.reach.inject import inject\n"
-               "inject(int(sys.argv[1]), 'pass')\n")
+               "inject(Target.of(int(sys.argv[1])), 'pass')\n")
 
     def agent(process: subprocess.Popen[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-c", attempt, str(process.pid)],
@@ -330,8 +333,8 @@ def test_a_busy_3_13_main_thread_is_not_borrowed_while_the_pending_call_mutex_is
     marker = f"/tmp/dlprof-mutex-{os.getpid()}"  # as the job sees it
     written = trixie_root / marker.lstrip("/")
     try:
-        runtime = find_python_runtime(job.pid)
-        calls = plan_calls(job.pid, runtime) if runtime is not None else None
+        runtime = find_python_runtime(Target.of(job.pid))
+        calls = plan_calls(Target.of(job.pid), runtime) if runtime is not None else None
         assert calls is not None and calls.busy_stops is not None
         mutex = calls.busy_stops.pending_mutex
         assert mutex is not None, "the mutex of trixie's 3.13 was not found"
@@ -342,13 +345,14 @@ def test_a_busy_3_13_main_thread_is_not_borrowed_while_the_pending_call_mutex_is
             memory.write(b"\1")
             try:
                 with pytest.raises(InjectionNotNow, match="reached no safe point"):
-                    inject(job.pid, f"open({marker!r}, 'w').write('early')", wait_seconds=2.0)
+                    inject(Target.of(job.pid),
+                           f"open({marker!r}, 'w').write('early')", wait_seconds=2.0)
             finally:
                 memory.seek(mutex)
                 memory.write(b"\0")
         assert left_stopped_or_traced(job.pid) is None
         assert not written.exists()
-        inject(job.pid, f"open({marker!r}, 'w').write('ran')")
+        inject(Target.of(job.pid), f"open({marker!r}, 'w').write('ran')")
         assert wait_until(written.read_text, 30) == "ran"
         assert job.poll() is None, "the code ran only once the loop had ended"
         assert finish(job) == f"rounds {rounds}"

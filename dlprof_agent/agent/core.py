@@ -32,6 +32,7 @@ from dlprof_agent.collectors.identity import carries_rank
 from dlprof_agent.collectors.limits import LimitsCollector
 from dlprof_agent.collectors.process import ProcessCollector
 from dlprof_agent.collectors.process_table import ProcessTable
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import DlprofError, TargetAccessDenied, TargetGone
 from dlprof_agent.model.findings.tracker import FindingsTracker
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
@@ -71,7 +72,7 @@ class AgentOptions:
 class TargetWatch:
     """One watched target: its readers, and its probe once reached."""
 
-    pid: int
+    target: Target
     reason: str
     processes: ProcessCollector
     limits: LimitsCollector | None = None
@@ -83,6 +84,10 @@ class TargetWatch:
     last_probe: ProbeSample | None = None  # the probe's last totals (it closes before the exit)
     dropped: bool = False
     probe_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def pid(self) -> int:
+        return self.target.pid
 
     def attach_probe(self, source: ProbeSource) -> None:
         with self.probe_lock:
@@ -123,17 +128,17 @@ class Chooser(Protocol):
         ...
 
     def choose(self, watched: Mapping[int, TargetWatch], gpu_pids: frozenset[int]
-               ) -> Iterator[tuple[int, str]]:
-        """New targets as (pid, reason), one at a time: ``watched`` already holds
-        those added before, so that their descendants are not taken again."""
+               ) -> Iterator[tuple[Target, str]]:
+        """New targets with why each is one, one at a time: ``watched`` already
+        holds those added before, so that their descendants are not taken again."""
         ...
 
 
 class OneTarget:
-    """`attach`: the pid the user gave, and (with ``children``) its descendants."""
+    """`attach`: the process the user gave, and (with ``children``) its descendants."""
 
-    def __init__(self, pid: int, *, children: bool = True) -> None:
-        self.pid = pid
+    def __init__(self, target: Target, *, children: bool = True) -> None:
+        self.target = target
         self._children = children
         self._chosen = False
 
@@ -149,9 +154,9 @@ class OneTarget:
         return not self._chosen
 
     def choose(self, watched: Mapping[int, TargetWatch], gpu_pids: frozenset[int]
-               ) -> Iterator[tuple[int, str]]:
+               ) -> Iterator[tuple[Target, str]]:
         self._chosen = True
-        yield self.pid, "given"
+        yield self.target, "given"
 
 
 class Agent:
@@ -188,19 +193,19 @@ class Agent:
     # -- choosing targets --------------------------------------------------------
 
     def scan(self) -> None:
-        for pid, reason in self.chooser.choose(self.targets, self._gpu_pids):
-            if pid not in self.targets:
-                self._add(pid, reason)
+        for target, reason in self.chooser.choose(self.targets, self._gpu_pids):
+            if target.pid not in self.targets:
+                self._add(target, reason)
 
-    def _add(self, pid: int, reason: str) -> None:
-        chooser = self.chooser
+    def _add(self, target: Target, reason: str) -> None:
+        chooser, pid = self.chooser, target.pid
         try:
-            processes = ProcessCollector(pid, children=chooser.children, errors=self.errors,
-                                         table=chooser.table)
+            processes = ProcessCollector(target, children=chooser.children,
+                                         errors=self.errors, table=chooser.table)
         except (TargetGone, TargetAccessDenied):
             return  # gone, or not ours to read
         environment = chooser.table.environ(pid) if chooser.table is not None else None
-        watch = TargetWatch(pid, reason, processes, limits=LimitsCollector(pid),
+        watch = TargetWatch(target, reason, processes, limits=LimitsCollector(target),
                             rank=carries_rank(environment))
         self.targets[pid] = watch
         self.exited.forget(pid)
@@ -212,7 +217,7 @@ class Agent:
     def _start_probe(self, watch: TargetWatch, options: ProbeOptions) -> None:
         if watch.reason == "probe":
             options = replace(options, inject=False)  # it has one: never inject another
-        start = ProbeStart(watch.pid, options, interval=self.options.interval,
+        start = ProbeStart(watch.target, options, interval=self.options.interval,
                            wait_seconds=self.options.probe_wait_seconds,
                            timeouts=self.options.channel, on_open=watch.attach_probe,
                            on_error=lambda error: self.errors.record("probe", error))

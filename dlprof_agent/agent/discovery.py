@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from dlprof_agent.agent.core import AgentOptions, TargetWatch
 from dlprof_agent.collectors.identity import RANK_MARKERS, carries_rank
 from dlprof_agent.collectors.process_table import ProcessTable
+from dlprof_agent.collectors.target import Target
+from dlprof_agent.errors import TargetAccessDenied, TargetGone
 from dlprof_agent.probe.protocol import SOCKET_DIR_ENV
 from dlprof_agent.probe_link.client import find_probe_socket, probe_socket_pids
 from dlprof_agent.probe_link.series_budget import DEFAULT_AGENT_SERIES
@@ -33,6 +35,14 @@ class DaemonOptions(AgentOptions):
     scan_interval: float = 2.0
     matches: tuple[re.Pattern[str], ...] = ()
     environment: tuple[tuple[str, str], ...] = ()  # (name, value) every target must have
+
+
+def _target(pid: int) -> Target | None:
+    """The Target of a pid just found; None if it has gone or is not ours to read."""
+    try:
+        return Target.of(pid)
+    except (TargetGone, TargetAccessDenied):
+        return None
 
 
 def _same_rank(child: dict[str, str] | None, parent: dict[str, str] | None) -> bool:
@@ -100,13 +110,14 @@ class Discovery:
             environment.get(name) == value for name, value in self._options.environment)
 
     def choose(self, watched: Mapping[int, TargetWatch], gpu_pids: frozenset[int]
-               ) -> Iterator[tuple[int, str]]:
+               ) -> Iterator[tuple[Target, str]]:
         for pid, reason in sorted(self.candidates(gpu_pids).items()):
-            if pid not in watched and not self._covered(pid, watched):
-                yield pid, reason
+            if pid not in watched and not self._covered(pid, watched) \
+                    and (target := _target(pid)) is not None:
+                yield target, reason
         for pid in self._ranks_under(watched):
-            if not self._covered(pid, watched):
-                yield pid, "rank"
+            if not self._covered(pid, watched) and (target := _target(pid)) is not None:
+                yield target, "rank"
 
     def _covered(self, pid: int, watched: Mapping[int, TargetWatch]) -> bool:
         """A descendant of a target is read with it already, unless it is a rank

@@ -20,7 +20,7 @@ from dlprof_agent.agent.snapshot_builder import error_log, target_snapshot
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
-from dlprof_agent.collectors.target import open_target
+from dlprof_agent.collectors.target import Target, open_target
 from dlprof_agent.errors import DlprofError, ExitCode, TargetNotFound
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
@@ -47,12 +47,13 @@ class ServeOptions(AgentOptions):
     max_requests: int = MAX_REQUESTS  # --web.max-requests
 
 
-def make_agent(pid: int, options: AgentOptions,
+def make_agent(target: Target, options: AgentOptions,
                on_probe_failure: Callable[[TargetWatch, DlprofError], None] | None = None
                ) -> Agent:
-    """The core watching ``pid`` alone (with its descendants, unless not ``children``)."""
+    """The core watching ``target`` alone (with its descendants, unless not
+    ``children``)."""
     errors = error_log(gpu=options.gpu, probe=options.probe is not None)
-    return Agent(options, chooser=OneTarget(pid, children=options.children),
+    return Agent(options, chooser=OneTarget(target, children=options.children),
                  host=HostCollector(), gpu=GpuCollector(errors=errors) if options.gpu else None,
                  errors=errors, on_probe_failure=on_probe_failure)
 
@@ -122,14 +123,15 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     ``before_stop`` gets the port while the endpoint still serves, at the end;
     ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet;
     ``describe_exit`` says how the target ended (`run`: with its exit code)."""
-    open_target(pid)
+    target = open_target(pid)
     status = LiveStatus(out) if out.isatty() and not options.quiet else None
     if status is None and options.probe is not None and not options.quiet \
             and sys.stderr.isatty():
         status = LiveStatus(sys.stderr, notes_only=True)  # the probe's start, on its own
     configure_logging(status)
     failures: list[BaseException] = []  # another agent holds the probe; a bug
-    agent = make_agent(pid, options, on_probe_failure=lambda watch, error: failures.append(error))
+    agent = make_agent(target, options,
+                       on_probe_failure=lambda watch, error: failures.append(error))
     attached = _Attached(agent, pid)
     server = _start_server(attached, options)
     summary = Summary()
@@ -228,9 +230,9 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
 
 def snapshot_command(pid: int, *, children: bool, gpu: bool, out: TextIO) -> int:
     """One sample of ``pid``, printed in the text format that /metrics serves."""
-    open_target(pid)
+    target = open_target(pid)
     configure_logging(None)
-    agent = make_agent(pid, AgentOptions(children=children, gpu=gpu))
+    agent = make_agent(target, AgentOptions(children=children, gpu=gpu))
     node = agent.sample_once()
     if not target_snapshot(node, pid).target_up:
         raise TargetNotFound(f"process {pid} exited while the agent was starting",

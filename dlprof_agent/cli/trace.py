@@ -193,7 +193,7 @@ def trace_command(args: argparse.Namespace, out: TextIO = sys.stdout,
         raise UsageError(f"cannot write {output}", "give a writable file path with -o")
     options = ProbeOptions(inject=args.inject, layers=args.layers)
     arguments = {"steps": args.steps, "max_seconds": args.timeout}
-    client, first_reply = open_trace_channel(args.pid, options, arguments)
+    client, first_reply = open_trace_channel(process, options, arguments)
     own = first_reply is None
     progress = _Progress(err, args.pid)
     try:

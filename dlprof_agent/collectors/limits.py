@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dlprof_agent.collectors.procfs import PROC_ROOT, mounts_path, read_cgroups, read_file_bytes
+from dlprof_agent.collectors.procfs import mounts_path, read_cgroups, read_file_bytes
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
 
 # A job's cgroup, affinity and limits change only when someone changes them.
@@ -157,16 +158,16 @@ class LimitsCollector:
     cgroup and limits every ``refresh_seconds`` (each a few small files, times
     every level of the cgroup tree).
 
-    ``procfs``, ``mounts_file`` and ``affinity`` are the data sources; tests pass
-    their own."""
+    The target's procfs, ``mounts_file`` and ``affinity`` are the data sources;
+    tests pass their own."""
 
-    def __init__(self, pid: int, *, procfs: str = PROC_ROOT,
+    def __init__(self, target: Target, *,
                  mounts_file: str | None = None,
                  affinity: Callable[[int], set[int]] = os.sched_getaffinity,
                  refresh_seconds: float = LIMITS_REFRESH_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.pid = pid
-        self._procfs = procfs
+        self.pid = target.pid
+        self._procfs = target.procfs
         self._mounts = _Mounts.read(mounts_path() if mounts_file is None else mounts_file)
         self._affinity = affinity
         self._refresh_seconds = refresh_seconds

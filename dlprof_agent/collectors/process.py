@@ -25,9 +25,9 @@ from dlprof_agent.collectors.procfs import (
     may_read_io,
     read_boot_time,
     read_cmdline_args,
-    read_stat,
     read_status,
 )
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.collectors.threads import ThreadGrouper, ThreadGroupSample
 from dlprof_agent.errors import TargetAccessDenied, TargetGone
 
@@ -142,7 +142,8 @@ def _name(state: _Tracked, comm: str, procfs: str) -> str:
 
 
 class ProcessCollector:
-    """Samples one process tree, from procfs (``procfs``: a captured tree in tests).
+    """Samples the process tree under ``target``, through the target's procfs (a captured
+    tree in tests); its start time tells the target from a process that reuses its pid.
 
     ``table``: a ProcessTable its owner refreshes (the daemon's, shared by its
     targets), where the descendants are looked up; by default its own, refreshed
@@ -151,22 +152,21 @@ class ProcessCollector:
 
     def __init__(
         self,
-        pid: int,
+        target: Target,
         *,
         children: bool = True,
         errors: ErrorLog,
-        procfs: str = PROC_ROOT,
         table: ProcessTable | None = None,
         rescan_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.pid = pid
+        self.target = target
+        self.pid = target.pid
         self.children = children
         self._errors = errors
-        self._procfs = procfs
-        stat = _stat_or_denied(pid, procfs)
-        self._root = _Tracked(pid, stat.start_ticks, procfs)
-        self._tracked: dict[int, _Tracked] = {pid: self._root}
+        self._procfs = procfs = target.procfs
+        self._root = _Tracked(target.pid, target.start_ticks, procfs)
+        self._tracked: dict[int, _Tracked] = {target.pid: self._root}
         self._own_table = table is None
         self._table = ProcessTable(root=procfs) if table is None else table
         self._rescan_seconds = rescan_seconds
@@ -297,18 +297,6 @@ def _switches(status: Status | None, *, voluntary: bool) -> int:
     value = (status.voluntary_context_switches if voluntary
              else status.involuntary_context_switches)
     return 0 if value is None else value
-
-
-def _stat_or_denied(pid: int, procfs: str) -> Stat:
-    try:
-        stat = read_stat(pid, root=procfs)
-    except (ValueError, IndexError):
-        raise TargetGone(pid) from None
-    if stat is None:
-        raise TargetAccessDenied(f"no permission to read process {pid}", pid=pid)
-    if stat.state in _EXITED:
-        raise TargetGone(pid)
-    return stat
 
 
 def check_access(pid: int, *, procfs: str = PROC_ROOT) -> None:

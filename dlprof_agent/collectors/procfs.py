@@ -1,9 +1,9 @@
-"""The one reader of /proc: every other module asks here for what it needs from it.
+"""The agent's /proc reader: every module but the injector's asks here for what it
+needs from /proc. The injector's own front is ``reach/procfs.py``, which reuses the
+parsers here; ``tests/test_procfs.py`` checks that no other module builds a /proc path.
 
-Kept in one file: it is the only module that builds or opens a /proc path
-(``tests/test_procfs.py`` checks the source), so the parsers of its files, the
-per-pass cache and the few paths that the injector opens itself (a process's
-memory, its root, its mapped files) sit together.
+Kept in one file: the parsers of the files it reads and the per-pass cache sit
+together with the readers.
 
 Each ``read_*`` function takes the procfs root (``root``: ``PROC_ROOT`` by default, a
 captured tree in tests) and returns a typed record. They agree on two rules:
@@ -18,15 +18,8 @@ captured tree in tests) and returns a typed record. They agree on two rules:
 per sampling pass, which reads each file at most once, however many collectors
 ask for it.
 
-Where psutil still earns its place: ``collectors/process.py`` keeps it for the
-CPU times, memory, context switches and create time in its ``oneshot()``, for the
-process identity (a pid and its create time, so a reused pid is told apart) and
-for finding descendants (``children(recursive=True)`` scans every process's stat
-on the host); the daemon keeps ``process_iter`` and ``parents``. Those are
-portable, tested and already read in one pass; what psutil does not give (thread
-names, the resident high-water mark, block-I/O wait per thread, the environment
-bounded, cgroups, pid namespaces, the state of a thread's system call) is read
-here.
+psutil is left only where procfs does not say a thing plainly: the core counts
+(``collectors/host.py``).
 """
 
 from __future__ import annotations
@@ -153,31 +146,6 @@ class ResourceLimit:
 def proc_path(*parts: object, root: str = PROC_ROOT) -> str:
     """``root/part/part...``: e.g. ``proc_path(pid, "task")``, ``proc_path("self", "mounts")``."""
     return "/".join((root, *(str(part) for part in parts)))
-
-
-def inside_root(pid: int, path: str, *, root: str = PROC_ROOT) -> str:
-    """``path`` as process ``pid`` sees it (through its root: another container's /tmp)."""
-    return proc_path(pid, "root", root=root) + path
-
-
-def mapped_file(pid: int, start: int, end: int, *, root: str = PROC_ROOT) -> str:
-    """The file mapped at ``start``-``end`` in ``pid``, even when deleted since."""
-    return proc_path(pid, "map_files", f"{start:x}-{end:x}", root=root)
-
-
-def read_root(pid: int, *, root: str = PROC_ROOT) -> str | None:
-    """Where the process's root directory is as the agent sees it: "/" for the agent's
-    own (or another mount namespace's), the directory of a chroot; None when it cannot
-    be read."""
-    try:
-        return os.readlink(proc_path(pid, "root", root=root))
-    except OSError:
-        return None
-
-
-def executable_path(pid: int, *, root: str = PROC_ROOT) -> str:
-    """The process's executable, openable even from another mount namespace."""
-    return proc_path(pid, "exe", root=root)
 
 
 def _process_dir(pid: int | str, tid: int | None, root: str) -> str:
@@ -337,14 +305,6 @@ def read_task_stats(pid: int, *, root: str = PROC_ROOT) -> tuple[ThreadStat, ...
             stats.append(ThreadStat(tid, stat.comm, stat.user_seconds, stat.system_seconds,
                                     stat.iowait_seconds, stat.state))
     return tuple(stats)
-
-
-def read_task_syscall(pid: int, tid: int, *, root: str = PROC_ROOT) -> list[str] | None:
-    """The fields of a thread's syscall file: the number and arguments of the system
-    call it waits in, or "running" or -1. None when the agent may not read it (the
-    file needs ptrace access); TargetGone when the thread has ended."""
-    text = _read_text(pid, "syscall", tid=tid, root=root)
-    return None if text is None else text.split()
 
 
 def read_schedstat(pid: int, *, tid: int | None = None, root: str = PROC_ROOT
@@ -576,7 +536,7 @@ def read_executable(pid: int, *, root: str = PROC_ROOT) -> str | None:
     """Where the executable was, as the process sees it; "" for a process that has none
     (a kernel thread), None without permission."""
     try:
-        return os.readlink(executable_path(pid, root=root))
+        return os.readlink(proc_path(pid, "exe", root=root))
     except PermissionError:
         return None
     except OSError as error:
@@ -604,19 +564,6 @@ def parse_maps(text: str) -> list[Mapping]:
     return mappings
 
 
-def read_memory_map(pid: int, *, root: str = PROC_ROOT) -> list[Mapping] | None:
-    """Each mapping of ``pid``; None when the agent may not read them."""
-    text = _read_text(pid, "maps", root=root, records=True)
-    return None if text is None else parse_maps(text)
-
-
-def open_memory(pid: int, *, writable: bool = False, root: str = PROC_ROOT) -> BinaryIO:
-    """The process's memory, unbuffered, for the injector (seek to an address, then read
-    or write). Raises OSError as open() does: the injector tells its causes apart."""
-    return open(proc_path(pid, "mem", root=root), "r+b" if writable else "rb",
-                buffering=0)
-
-
 def read_self_statm_rss_bytes(*, root: str = PROC_ROOT) -> int | None:
     """The agent's own resident size."""
     text = _read_text("self", "statm", root=root)
@@ -626,15 +573,6 @@ def read_self_statm_rss_bytes(*, root: str = PROC_ROOT) -> int | None:
 def mounts_path(*, root: str = PROC_ROOT) -> str:
     """The agent's mount table (where the cgroup filesystems are)."""
     return proc_path("self", "mounts", root=root)
-
-
-def read_ptrace_scope(*, root: str = PROC_ROOT) -> str | None:
-    """Yama's ptrace_scope ("0" to "3"), None where Yama is absent."""
-    try:
-        with open(proc_path("sys", "kernel", "yama", "ptrace_scope", root=root)) as file:
-            return file.read().strip()
-    except OSError:
-        return None
 
 
 _UNREAD = object()

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from dlprof_agent.collectors.target import ProgramIdentity, program_identity
+from dlprof_agent.collectors.target import ProgramIdentity, Target, program_identity
 from dlprof_agent.errors import ProbeAlreadyAttached, ProtocolError
 from dlprof_agent.probe_link.client import REPLY_SECONDS, ProbeClient, ReplyLate
 from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, say_missing, try_connect
 from dlprof_agent.probe_link.samples import ProbeSample
-from dlprof_agent.reach.procfs import running
 
 log = logging.getLogger("dlprof_agent")
 
@@ -84,21 +83,23 @@ class ProbeSource:
     options allow, injected again) off the sampling pass, with a growing pause
     between tries. Each change is said once: waiting, and back."""
 
-    def __init__(self, client: ProbeClient | None, *, interval: float, pid: int | None = None,
+    def __init__(self, client: ProbeClient | None, *, interval: float,
+                 target: Target | None = None,
                  options: ProbeOptions | None = None,
                  identity: ProgramIdentity | None = None, waiting: str = "",
                  timeouts: ChannelTimeouts = DEFAULT_TIMEOUTS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if pid is None:
-            assert client is not None, "a ProbeSource without a client needs its pid"
-            pid = client.pid
-        self.pid = pid
+        if target is None:
+            assert client is not None, "a ProbeSource without a client needs its target"
+            target = Target.of(client.pid)
+        self.target = target
         self.client: ProbeClient | None = None
         self._interval = interval
         self._timeouts = timeouts
         self._clock = clock
         self._options = options  # None: never reach the probe again once lost
-        self._identity = identity if identity is not None else program_identity(pid)
+        self._identity = identity if identity is not None else program_identity(
+            target.pid, procfs=target.procfs)
         self._lost: tuple[float, str] | None = None  # when, and why
         self._late_since: float | None = None
         self._last: ProbeSample | None = None
@@ -121,6 +122,9 @@ class ProbeSource:
         self._adopted = False  # a client was ever taken
         if client is not None:
             self._adopt(client)
+
+    def _program(self) -> ProgramIdentity | None:
+        return program_identity(self.target.pid, procfs=self.target.procfs)
 
     @property
     def up(self) -> bool:
@@ -161,7 +165,7 @@ class ProbeSource:
                 return None
         now = self._clock()
         # Read before asking: a reply read after an exec may have been sent before it.
-        identity, asked = program_identity(self.pid), client.requests_sent
+        identity, asked = self._program(), client.requests_sent
         try:
             sample = client.snapshot()
         except ReplyLate as late:
@@ -236,12 +240,12 @@ class ProbeSource:
     def _say_waiting(self, why: str) -> None:
         if not self._waiting:
             log.warning("waiting for the probe in pid %d: %s; in-process metrics resume "
-                        "when it is back", self.pid, why)
+                        "when it is back", self.target.pid, why)
         self._waiting = why
 
     def _say_back(self, client: ProbeClient) -> None:
         if self._waiting:
-            log.info("probe back in pid %d (%s)", self.pid,
+            log.info("probe back in pid %d (%s)", self.target.pid,
                      ", ".join(map(str, client.hello.get("frameworks", [])))
                      or "no framework imported yet")
         self._waiting = ""
@@ -255,7 +259,7 @@ class ProbeSource:
         read (read now if not given); None: this pass cannot tell (a held sample, or
         a late reply to an earlier pass), so a new command line waits for one that can."""
         if identity is None:
-            identity = program_identity(self.pid)
+            identity = self._program()
         previous = self._identity
         if identity is None or previous is None or identity == previous:
             return
@@ -267,7 +271,7 @@ class ProbeSource:
                 return
         self._identity = identity
         log.warning("process %d now runs another program (exec): %s, was %s; its metrics "
-                    "from here on are the new program's", self.pid, identity.describe(),
+                    "from here on are the new program's", self.target.pid, identity.describe(),
                     previous.describe())
         client = self.client
         if client is not None:
@@ -279,7 +283,7 @@ class ProbeSource:
 
     def _try_again(self) -> None:
         options = self._options
-        if options is None or self._stopped or not running(self.pid):
+        if options is None or self._stopped or not self.target.is_running():
             return
         with self._lock:
             if self._connecting is not None or self._clock() < self._next_try:
@@ -288,7 +292,7 @@ class ProbeSource:
             self._next_try = self._clock() + retry[min(self._tries, len(retry) - 1)]
             self._tries += 1
             self._connecting = threading.Thread(
-                target=self._reach, args=(options,), name=f"dlprof-probe-{self.pid}",
+                target=self._reach, args=(options,), name=f"dlprof-probe-{self.target.pid}",
                 daemon=True)
             self._connecting.start()
 
@@ -298,7 +302,7 @@ class ProbeSource:
         failure: str | None = None
         final = False
         try:
-            client = try_connect(self.pid, options, self._interval, 0.0)
+            client = try_connect(self.target, options, self._interval, 0.0)
         except ProbeAlreadyAttached as error:
             failure = error.one_line()
         except NoProbe as why:
@@ -340,7 +344,7 @@ class ProbeSource:
         if kernels is None or (kernels.state, kernels.reason) == self._kernel_state:
             return
         self._kernel_state = (kernels.state, kernels.reason)
-        log.info("kernel tracing in pid %d: %s%s", self.pid, kernels.state,
+        log.info("kernel tracing in pid %d: %s%s", self.target.pid, kernels.state,
                  f" ({kernels.reason})" if kernels.reason else "")
 
     def _drop(self, client: ProbeClient, why: str) -> None:
@@ -354,14 +358,14 @@ class ProbeSource:
         if self._lost is None:
             return
         since, why = self._lost
-        if not running(self.pid):
+        if not self.target.is_running():
             self._lost = None  # the job ended: nothing to report
             self._next_try = float("inf")
         elif self._clock() - since >= self._timeouts.exit_grace_seconds:
             self._lost = None
             again = "; trying to reach it again" if self._options is not None else (
                 "; in-process metrics stop here")
-            log.warning("lost the probe in pid %d (%s)%s", self.pid, why, again)
+            log.warning("lost the probe in pid %d (%s)%s", self.target.pid, why, again)
             self._waiting = why
         else:
             self._next_try = max(self._next_try, since + self._timeouts.exit_grace_seconds)
@@ -389,29 +393,30 @@ class ProbeSource:
         (a first reply too slow on a loaded machine) waits for an agent for a
         minute: claim it and stop it, so that nothing of the agent stays."""
         options = self._options
-        if options is None or not options.inject or not running(self.pid):
+        if options is None or not options.inject or not self.target.is_running():
             return
         try:
-            client = try_connect(self.pid, replace(options, inject=False), self._interval, 0.0)
+            client = try_connect(self.target, replace(options, inject=False), self._interval,
+                                 0.0)
         except Exception:  # none, or another agent's: nothing of ours to stop
             return
         client.stop()
 
 
-def open_probe(pid: int, options: ProbeOptions, *, interval: float,
+def open_probe(target: Target, options: ProbeOptions, *, interval: float,
                wait_seconds: float = 0.0,
                timeouts: ChannelTimeouts = DEFAULT_TIMEOUTS) -> ProbeSource:
-    """The probe channel for ``pid``: connected now, or waiting for a probe that
+    """The probe channel for the target: connected now, or waiting for a probe that
     later passes keep trying to reach. Raises ProbeAlreadyAttached."""
-    identity = program_identity(pid)
+    identity = program_identity(target.pid, procfs=target.procfs)
     final = False
     try:
-        client: ProbeClient | None = try_connect(pid, options, interval, wait_seconds)
+        client: ProbeClient | None = try_connect(target, options, interval, wait_seconds)
         why = ""
     except NoProbe as error:
         client, why, final = None, str(error), error.final
-        say_missing(pid, why, trying_again=not final)
-    source = ProbeSource(client, interval=interval, pid=pid, options=options,
+        say_missing(target.pid, why, trying_again=not final)
+    source = ProbeSource(client, interval=interval, target=target, options=options,
                          identity=identity, waiting=why, timeouts=timeouts)
     if final:
         source.give_up_until_exec()

@@ -18,7 +18,6 @@ from typing import Any
 from dlprof_agent.collectors.procfs import (
     PROC_ROOT,
     ProcessFiles,
-    inside_root,
     read_status,
     read_unix_sockets,
     socket_inodes,
@@ -47,6 +46,7 @@ from dlprof_agent.probe.protocol import (
 )
 from dlprof_agent.probe_link.reply_pacing import ReplyPacing
 from dlprof_agent.probe_link.samples import ProbeSample
+from dlprof_agent.reach.procfs import inside_root_path
 
 REPLY_SECONDS = 2.0  # the probe answers within milliseconds unless its process is stuck
 
@@ -79,7 +79,7 @@ def probe_socket_paths(pid: int, *, procfs: str = PROC_ROOT) -> Iterator[str]:
     given: set[str] = set()
     for path in itertools.chain(usual, _lazy(lambda: held_sockets(pid, set(names), procfs))):
         # As the process sees it: here, or in its container through its root.
-        for root in ("", inside_root(pid, "", root=procfs)):
+        for root in ("", inside_root_path(pid, "", procfs=procfs)):
             if root + path not in given and os.path.exists(root + path):
                 given.add(root + path)
                 yield root + path

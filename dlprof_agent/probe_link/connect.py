@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import (
     InjectionError,
     InjectionRefused,
@@ -25,9 +26,8 @@ from dlprof_agent.errors import (
     ProbeUnavailable,
     TraceUnavailable,
 )
+from dlprof_agent.probe_link import progress
 from dlprof_agent.probe_link.client import ProbeClient, probe_socket_paths
-from dlprof_agent.reach import progress
-from dlprof_agent.reach.procfs import running
 
 log = logging.getLogger("dlprof_agent")
 _T = TypeVar("_T")
@@ -69,15 +69,17 @@ def _start_options(options: ProbeOptions, interval: float) -> dict[str, object]:
     return started
 
 
-def _next_socket(pid: int, refused: Mapping[str, str]) -> str | None:
-    return next((path for path in probe_socket_paths(pid) if path not in refused), None)
+def _next_socket(target: Target, refused: Mapping[str, str]) -> str | None:
+    return next((path for path in probe_socket_paths(target.pid, procfs=target.procfs)
+                 if path not in refused), None)
 
 
-def _wait_for_socket(pid: int, seconds: float, refused: Mapping[str, str]) -> str | None:
+def _wait_for_socket(target: Target, seconds: float, refused: Mapping[str, str]
+                     ) -> str | None:
     deadline = time.monotonic() + seconds
     while True:
-        path = _next_socket(pid, refused)
-        if path is not None or time.monotonic() >= deadline or not running(pid):
+        path = _next_socket(target, refused)
+        if path is not None or time.monotonic() >= deadline or not target.is_running():
             return path
         time.sleep(0.05)
 
@@ -105,25 +107,26 @@ class NoProbe(Exception):
         self.final = final
 
 
-def _reach_probe(pid: int, options: ProbeOptions, wait_seconds: float,
+def _reach_probe(target: Target, options: ProbeOptions, wait_seconds: float,
                  connect: Callable[[str], _T]) -> _T:
-    """``connect(socket path)`` to the probe of ``pid``, injecting one first where
+    """``connect(socket path)`` to the probe of the target, injecting one first where
     there is none and the options allow it. Raises NoProbe. Each step is said to
     ``progress`` while it waits."""
     try:
-        return _reach_probe_steps(pid, options, wait_seconds, connect)
+        return _reach_probe_steps(target, options, wait_seconds, connect)
     finally:
-        progress.done(pid)
+        progress.done(target.pid)
 
 
-def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
+def _reach_probe_steps(target: Target, options: ProbeOptions, wait_seconds: float,
                        connect: Callable[[str], _T]) -> _T:
+    pid = target.pid
     # Sockets someone else serves, refused, with why: never the end of the search,
     # since the real probe may listen elsewhere (its usual directory taken).
     refused: dict[str, str] = {}
     if wait_seconds > 0:
         progress.waiting_for(pid, "the probe the job starts itself")
-    path = _wait_for_socket(pid, wait_seconds, refused)
+    path = _wait_for_socket(target, wait_seconds, refused)
     while path is not None:
         try:
             progress.waiting_for(pid, "the probe's first answer")
@@ -133,7 +136,7 @@ def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
         except ProbeImpostor as error:
             refused[path] = f"{error}; someone may be impersonating the probe"
             log.info("pid %d: %s", pid, refused[path])
-            path = _next_socket(pid, refused)
+            path = _next_socket(target, refused)
         except ProbeStale as error:
             if not options.inject:
                 raise NoProbe(f"the probe in it is gone: {error}") from None
@@ -154,13 +157,14 @@ def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
     try:
         progress.waiting_for(pid, "a thread of the job that waits in the kernel, to queue "
                              "the probe")
-        queued = inject.inject(pid, injection_code())
+        queued = inject.inject(target, injection_code(), say_waiting=lambda what, tries:
+                               progress.waiting_for(pid, what, tries=tries))
     except InjectionError as error:
         raise NoProbe(error.one_line(), final=isinstance(
             error, (NotPython, InjectionRefused, InjectionUnsafe))) from None
     progress.waiting_for(pid, "the queued probe to start (the job's main thread runs it "
                          "when it next runs Python code)")
-    path = _wait_for_socket(pid, options.wait_seconds, refused)
+    path = _wait_for_socket(target, options.wait_seconds, refused)
     if path is None:
         if queued is not None and queued.state() == "queued":
             raise NoProbe("the probe is queued in the job and starts by itself when its "
@@ -178,31 +182,33 @@ def _reach_probe_steps(pid: int, options: ProbeOptions, wait_seconds: float,
         raise NoProbe(f"the injected probe did not answer: {error}") from None
 
 
-def connect_probe(pid: int, options: ProbeOptions, *, interval: float,
+def connect_probe(target: Target, options: ProbeOptions, *, interval: float,
                   wait_seconds: float = 0.0) -> ProbeClient | None:
     """A started probe client, or None with the reason logged once."""
     try:
-        return try_connect(pid, options, interval, wait_seconds)
+        return try_connect(target, options, interval, wait_seconds)
     except NoProbe as why:
-        say_missing(pid, str(why))
+        say_missing(target.pid, str(why))
         return None
 
 
-def try_connect(pid: int, options: ProbeOptions, interval: float, wait_seconds: float
+def try_connect(target: Target, options: ProbeOptions, interval: float, wait_seconds: float
                 ) -> ProbeClient:
-    """A started probe client for ``pid``; raises NoProbe (or ProbeAlreadyAttached)."""
-    return _reach_probe(pid, options, wait_seconds,
-                        lambda path: _connect(pid, path, options, interval))
+    """A started probe client for the target; raises NoProbe (or ProbeAlreadyAttached)."""
+    return _reach_probe(target, options, wait_seconds,
+                        lambda path: _connect(target.pid, path, options, interval))
 
 
 TRACE_INTERVAL_SECONDS = 1.0  # the trace client's own session: it polls well within the lease
 
 
-def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, object]
+def open_trace_channel(target: Target, options: ProbeOptions, trace_args: dict[str, object]
                        ) -> tuple[ProbeClient, dict[str, Any] | None]:
-    """A connection to ask the probe of ``pid`` for a trace: our own session (the
+    """A connection to ask the probe of the target for a trace: our own session (the
     reply is None: say ``trace`` next), or, beside an attached agent, a second
     connection that said ``trace`` already (with the probe's reply)."""
+    pid = target.pid
+
     def connect(path: str) -> tuple[ProbeClient, dict[str, Any] | None]:
         try:
             return ProbeClient.connect(pid, path, _start_options(
@@ -211,7 +217,7 @@ def open_trace_channel(pid: int, options: ProbeOptions, trace_args: dict[str, ob
             return ProbeClient.connect_beside(pid, path, {"command": "trace",
                                                           "args": trace_args})
     try:
-        return _reach_probe(pid, options, 0.0, connect)
+        return _reach_probe(target, options, 0.0, connect)
     except ProbeBusy as busy:
         raise TraceUnavailable(
             f"process {pid} has an agent attached"

@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import DlprofError, TargetNotFound
+from dlprof_agent.probe_link import progress
 from dlprof_agent.probe_link.channel import (
     DEFAULT_TIMEOUTS,
     ChannelTimeouts,
@@ -21,7 +23,6 @@ from dlprof_agent.probe_link.channel import (
     open_probe,
 )
 from dlprof_agent.probe_link.connect import NoProbe, ProbeOptions, try_connect
-from dlprof_agent.reach import progress
 
 log = logging.getLogger("dlprof_agent")
 
@@ -33,16 +34,16 @@ SLOW_START_SECONDS = 5.0
 
 
 class ProbeStart:
-    """``open_probe`` for one pid, off the main thread. ``on_open`` gets the
+    """``open_probe`` for one target, off the main thread. ``on_open`` gets the
     channel once it is open (connected, or waiting for a probe that later passes
     keep trying to reach). After ``abandon`` the probe it reaches is stopped,
     whenever it comes up."""
 
-    def __init__(self, pid: int, options: ProbeOptions, *, interval: float,
+    def __init__(self, target: Target, options: ProbeOptions, *, interval: float,
                  wait_seconds: float = 0.0, timeouts: ChannelTimeouts = DEFAULT_TIMEOUTS,
                  on_open: Callable[[ProbeSource], None] = lambda source: None,
                  on_error: Callable[[Exception], None] | None = None) -> None:
-        self.pid = pid
+        self.target = target
         self._on_error = on_error
         self._options = options
         self._interval = interval
@@ -68,11 +69,11 @@ class ProbeStart:
         if self._wait_seconds > 0:
             return None  # `run`: the job has yet to start its probe
         try:
-            client = try_connect(self.pid, replace(self._options, inject=False),
+            client = try_connect(self.target, replace(self._options, inject=False),
                                  self._interval, 0.0)
         except NoProbe:
             return None
-        source = ProbeSource(client, interval=self._interval, pid=self.pid,
+        source = ProbeSource(client, interval=self._interval, target=self.target,
                              options=self._options, timeouts=self._timeouts)
         with self._lock:
             self._source = source
@@ -87,7 +88,7 @@ class ProbeStart:
 
     def _announce(self, source: ProbeSource) -> None:
         if (client := source.client) is not None:
-            log.info("probe active in pid %d after %.1f s (%s)", self.pid,
+            log.info("probe active in pid %d after %.1f s (%s)", self.target.pid,
                      time.monotonic() - self._started_at,
                      ", ".join(map(str, client.hello.get("frameworks", [])))
                      or "no framework imported yet")
@@ -112,7 +113,7 @@ class ProbeStart:
         source: ProbeSource | None = None
         failure: DlprofError | None = None
         try:
-            source = open_probe(self.pid, self._options, interval=self._interval,
+            source = open_probe(self.target, self._options, interval=self._interval,
                                 wait_seconds=self._wait_seconds, timeouts=self._timeouts)
         except TargetNotFound:
             pass  # the job ended meanwhile: the sampler sees it, and the attach ends as usual
@@ -140,7 +141,7 @@ class ProbeStart:
         """What the start waits for, for the progress line; "" once it is over."""
         if self._done.is_set():
             return ""
-        step = progress.current(self.pid)
+        step = progress.current(self.target.pid)
         seconds = time.monotonic() - self._started_at
         if step is None:
             return f"reaching for the probe ({seconds:.0f} s)"
@@ -155,11 +156,11 @@ class ProbeStart:
                 or time.monotonic() - self._started_at < SLOW_START_SECONDS):
             return
         self._said_slow = True
-        step = progress.current(self.pid)
+        step = progress.current(self.target.pid)
         log.info("still reaching for the probe in pid %d%s; /metrics serves the process, "
                  "thread and GPU metrics meanwhile, and the step and layer metrics join "
                  "them once it answers (Ctrl-C stops; `dlprof-agent run -- python ...` "
-                 "starts a job with the probe in it)", self.pid,
+                 "starts a job with the probe in it)", self.target.pid,
                  f": waiting for {step[0]}" if step is not None else "")
 
     def quiet(self) -> None:

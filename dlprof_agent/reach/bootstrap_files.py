@@ -16,8 +16,8 @@ import tempfile
 import threading
 import time
 
-from dlprof_agent.collectors.procfs import PROC_ROOT, inside_root, read_stat
-from dlprof_agent.errors import TargetGone
+from dlprof_agent.collectors.target import Target
+from dlprof_agent.reach.procfs import inside_root_path
 
 BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
 
@@ -30,14 +30,14 @@ class Bootstrap:
     """
 
     def __init__(self, tmp: str, seen_as_tmp: str, code: str,
-                 target: tuple[int, int] | None = None) -> None:
+                 job: Target | None = None) -> None:
         self._tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
         self._lock = threading.Lock()
         try:
             # The agent's pid in the name: a later agent removes it once this one is
             # gone. The target's pid and start time: not while a job that may still
             # take it (a main thread that waits, hours maybe) lives.
-            for_target = f"{target[0]}.{target[1]}-" if target is not None else ""
+            for_target = f"{job.pid}.{job.start_ticks}-" if job is not None else ""
             self._name = (f"dlprof-bootstrap-{os.getpid()}-{for_target}"
                           f"{secrets.token_hex(8)}")
             os.mkdir(self._name, 0o700, dir_fd=self._tmp_fd)
@@ -66,20 +66,21 @@ class Bootstrap:
             self._tmp_fd = -1
 
 
-def write_bootstrap(pid: int, code: str, *, procfs: str = PROC_ROOT,
-                    start_ticks: int | None = None) -> Bootstrap:
-    """Write ``code`` to a file process ``pid`` can open (at ``.seen_as``).
+def write_bootstrap(target: Target, code: str, *, outlive_agent: bool = False
+                    ) -> Bootstrap:
+    """Write ``code`` to a file the target can open (at ``.seen_as``).
 
     Prefers the target's own /tmp, reached through /proc/<pid>/root, so a job in another
-    container sees the file; falls back to the agent's temporary directory. With the
-    job's ``start_ticks``, the file outlives a killed agent as long as the job does.
+    container sees the file; falls back to the agent's temporary directory. With
+    ``outlive_agent``, the file outlives a killed agent as long as the job does.
     """
-    target = (pid, start_ticks) if start_ticks is not None else None
+    job = target if outlive_agent else None
     try:
-        return Bootstrap(inside_root(pid, "/tmp", root=procfs), "/tmp", code, target)
+        return Bootstrap(inside_root_path(target.pid, "/tmp", procfs=target.procfs), "/tmp",
+                         code, job)
     except OSError:
         local = tempfile.gettempdir()
-        return Bootstrap(local, local, code, target)
+        return Bootstrap(local, local, code, job)
 
 
 def remove_later(bootstrap: Bootstrap, seconds: float) -> None:
@@ -108,11 +109,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _job_alive(pid: int, start_ticks: int) -> bool:
-    try:
-        stat = read_stat(pid)
-    except (TargetGone, ValueError, IndexError):
-        return False
-    return stat is not None and stat.start_ticks == start_ticks
+    return Target(pid, start_ticks).is_running()
 
 
 def _remove_stale_in(tmp: str, now: float) -> list[str]:
@@ -166,14 +163,15 @@ def _remove_stale_in(tmp: str, now: float) -> list[str]:
     return removed
 
 
-def remove_stale_files(pid: int | None = None, *, now: float | None = None) -> list[str]:
+def remove_stale_files(target: Target | None = None, *, now: float | None = None
+                       ) -> list[str]:
     """Clean what agents killed during an injection left in the temporary directory
-    (and in the /tmp of process ``pid``, which may be another container's). Safe to
+    (and in the /tmp of the target, which may be another container's). Safe to
     call any time: it removes only files of dead agents. Returns the names removed."""
     when = time.time() if now is None else now
     places = [tempfile.gettempdir()]
-    if pid is not None:
-        places.append(inside_root(pid, "/tmp"))
+    if target is not None:
+        places.append(inside_root_path(target.pid, "/tmp", procfs=target.procfs))
     seen: set[tuple[int, int]] = set()
     removed: list[str] = []
     for place in places:

@@ -11,7 +11,7 @@ import contextlib
 import functools
 from typing import NamedTuple
 
-from dlprof_agent.collectors.procfs import Mapping, executable_path, read_executable
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, call_targets
@@ -23,7 +23,7 @@ from dlprof_agent.reach.mapped_files import (
     read_memory,
 )
 from dlprof_agent.reach.pending_mutex import pending_mutex_address
-from dlprof_agent.reach.procfs import memory_map
+from dlprof_agent.reach.procfs import Mapping, executable, executable_path, memory_map
 from dlprof_agent.reach.runtime import PythonRuntime
 from dlprof_agent.reach.safe_point import BusyStops
 from dlprof_agent.reach.shutdown import LifeWords, life_words
@@ -52,93 +52,93 @@ class CallAddresses(NamedTuple):
     life: LifeWords | None = None
 
 
-def plan_calls(pid: int, runtime: PythonRuntime) -> CallAddresses | None:
-    """Addresses in ``pid`` of Py_AddPendingCall, PyRun_SimpleString, mmap and an
+def plan_calls(target: Target, runtime: PythonRuntime) -> CallAddresses | None:
+    """Addresses in the target of Py_AddPendingCall, PyRun_SimpleString, mmap and an
     rt_sigreturn; None when one cannot be found and checked (then gdb is used)."""
-    maps = memory_map(pid)
+    maps = memory_map(target.pid, procfs=target.procfs)
     libc = libc_path(maps)
     if libc is None:
         return None
     try:
-        exe = read_executable(pid)
+        exe = executable(target.pid, procfs=target.procfs)
     except TargetGone:
         return None
     if exe is None:
         return None
     # Every file through the job's root (``mapped_files``): a job in a chroot or a
     # container has its own libc, never the agent's.
-    python_files = ([executable_path(pid)] if runtime.library == exe
-                    else mapped_file_paths(pid, runtime.library, maps))
-    add = function_address(pid, maps, runtime.library, python_files, "Py_AddPendingCall")
-    run = function_address(pid, maps, runtime.library, python_files, "PyRun_SimpleString")
-    allocate = function_address(pid, maps, libc, mapped_file_paths(pid, libc, maps), "mmap")
-    gadget = _find_sigreturn(pid, maps, libc)
+    python_files = ([executable_path(target.pid, procfs=target.procfs)] if runtime.library == exe
+                    else mapped_file_paths(target, runtime.library, maps))
+    add = function_address(target, maps, runtime.library, python_files, "Py_AddPendingCall")
+    run = function_address(target, maps, runtime.library, python_files, "PyRun_SimpleString")
+    allocate = function_address(target, maps, libc, mapped_file_paths(target, libc, maps), "mmap")
+    gadget = _find_sigreturn(target, maps, libc)
     if add is None or run is None or allocate is None or gadget is None:
         return None
     # Up to 3.12; 3.13 only where its pending-call mutex is found (``pending_mutex``)
-    mutex = (_pending_mutex(pid, maps, runtime.library, python_files)
+    mutex = (_pending_mutex(target, maps, runtime.library, python_files)
              if runtime.version == (3, 13) else None)
     busy = (BusyStops(frozenset({runtime.library, exe}),
-                      _function_extent(pid, maps, runtime.library, python_files,
+                      _function_extent(target, maps, runtime.library, python_files,
                                        "_PyEval_EvalFrameDefault"), mutex)
             if runtime.version is not None and (runtime.version < (3, 13) or mutex is not None)
             else None)
     lock_wait: LockWait | None = (
-        _parking_lot_wait(pid, maps, runtime.library, python_files)
+        _parking_lot_wait(target, maps, runtime.library, python_files)
         if runtime.version in PARKING_LOT_VERSIONS else
-        _function_extent(pid, maps, runtime.library, python_files,
+        _function_extent(target, maps, runtime.library, python_files,
                          "PyThread_acquire_lock_timed")
         if runtime.version is not None and runtime.version < (3, 13) else None)
     return CallAddresses(add, run, allocate, gadget, lock_wait, busy,
-                         runtime_life(pid, maps, runtime, python_files))
+                         runtime_life(target, maps, runtime, python_files))
 
 
-def runtime_life(pid: int, maps: list[Mapping], runtime: PythonRuntime, files: list[str]
+def runtime_life(target: Target, maps: list[Mapping], runtime: PythonRuntime, files: list[str]
                  ) -> LifeWords | None:
-    """The words of ``pid``'s _PyRuntime that say its interpreter runs (``shutdown``);
+    """The words of the target's _PyRuntime that say its interpreter runs (``shutdown``);
     None where they cannot be placed."""
-    runtime_state = data_address(pid, maps, runtime.library, files, "_PyRuntime")
+    runtime_state = data_address(target, maps, runtime.library, files, "_PyRuntime")
     return None if runtime_state is None else life_words(
-        runtime.version, runtime_state, functools.partial(read_memory, pid))
+        runtime.version, runtime_state, functools.partial(read_memory, target))
 
 
 PARKING_LOT_VERSIONS = ((3, 13), (3, 14))  # whose lock waits were read (``lock_wait``)
 
 
-def _pending_mutex(pid: int, maps: list[Mapping], path: str, files: list[str]) -> int | None:
-    """3.13's main-thread pending-call mutex in ``pid`` (``pending_mutex``), or None."""
-    runtime_state = data_address(pid, maps, path, files, "_PyRuntime")
-    adder = _function_extent(pid, maps, path, files, "_PyEval_AddPendingCall")
+def _pending_mutex(target: Target, maps: list[Mapping], path: str, files: list[str]) -> int | None:
+    """3.13's main-thread pending-call mutex in the target (``pending_mutex``), or None."""
+    runtime_state = data_address(target, maps, path, files, "_PyRuntime")
+    adder = _function_extent(target, maps, path, files, "_PyEval_AddPendingCall")
     if runtime_state is None or adder is None:
         return None
     try:
-        code = read_memory(pid, adder[0], adder[1] - adder[0])
+        code = read_memory(target, adder[0], adder[1] - adder[0])
     except OSError:
         return None
     return pending_mutex_address(runtime_state, code, adder[0])
 
 
-def _parking_lot_wait(pid: int, maps: list[Mapping], path: str, files: list[str]
+def _parking_lot_wait(target: Target, maps: list[Mapping], path: str, files: list[str]
                       ) -> ParkingLotWait | None:
-    semaphore_wait = _function_extent(pid, maps, path, files, "_PySemaphore_Wait")
-    park = _function_extent(pid, maps, path, files, "_PyParkingLot_Park")
-    event_wait = _function_extent(pid, maps, path, files, "PyEvent_WaitTimed")
+    semaphore_wait = _function_extent(target, maps, path, files, "_PySemaphore_Wait")
+    park = _function_extent(target, maps, path, files, "_PyParkingLot_Park")
+    event_wait = _function_extent(target, maps, path, files, "PyEvent_WaitTimed")
     if semaphore_wait is None or park is None:
         return None
     # The copy of Park that PyEvent_WaitTimed calls (3.14), where it is not Park itself
     at, code = event_wait[0] if event_wait else 0, b""
     with contextlib.suppress(OSError):
-        code = read_memory(pid, at, event_wait[1] - at) if event_wait else b""
+        code = read_memory(target, at, event_wait[1] - at) if event_wait else b""
     bound = 2 * (park[1] - park[0])
     return ParkingLotWait(semaphore_wait, park, tuple(
         (copy, copy + bound) for copy in sorted(set(call_targets(at, code)) - {park[0]})
         if any(start <= copy < end and "x" in rights for start, end, rights, *_ in maps)))
 
 
-def _function_extent(pid: int, maps: list[Mapping], path: str, files: list[str],
+def _function_extent(target: Target, maps: list[Mapping], path: str, files: list[str],
                      name: str) -> tuple[int, int] | None:
-    """[start, end) of function ``name`` in ``pid``, checked as _function_address is."""
-    start = function_address(pid, maps, path, files, name)
+    """[start, end) of function ``name`` in the target, checked as _function_address is."""
+    start = function_address(target, maps, path, files, name)
     if start is None:
         return None
     for file in files:
@@ -150,12 +150,12 @@ def _function_extent(pid: int, maps: list[Mapping], path: str, files: list[str],
     return None
 
 
-def _find_sigreturn(pid: int, maps: list[Mapping], libc: str) -> int | None:
+def _find_sigreturn(target: Target, maps: list[Mapping], libc: str) -> int | None:
     for start, end, permissions, _, path in maps:
         if path != libc or "x" not in permissions or end - start > _MAX_CODE_BYTES:
             continue
         try:
-            code = read_memory(pid, start, end - start)
+            code = read_memory(target, start, end - start)
         except OSError:
             continue
         for gadget in _SIGRETURN:

@@ -34,14 +34,7 @@ import signal
 import subprocess
 import time
 
-from dlprof_agent.collectors.procfs import (
-    PROC_ROOT,
-    Mapping,
-    executable_path,
-    inside_root,
-    read_executable,
-    read_state,
-)
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow, InjectionUnsafe, TargetGone
 from dlprof_agent.reach.call_plan import runtime_life
 from dlprof_agent.reach.gdb_versions import XSAVE_SIZED_GDB, gdb_version, xstate_refusal
@@ -54,7 +47,16 @@ from dlprof_agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.reach.procfs import memory_map, raise_if_gone, running, start_ticks
+from dlprof_agent.reach.procfs import (
+    Mapping,
+    executable,
+    executable_path,
+    inside_root_path,
+    memory_map,
+    raise_if_gone,
+    running,
+    state,
+)
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
 from dlprof_agent.reach.shutdown import exiting
@@ -63,7 +65,6 @@ from dlprof_agent.reach.threads import (
     exited_during_injection,
     in_kernel,
     no_safe_point,
-    same_process,
     thread_syscalls,
 )
 from dlprof_agent.reach.xsave_layout import LayoutUnknown, XsaveLayout, host_layout
@@ -224,58 +225,59 @@ gdb.execute("detach", to_string=True)
 """
 
 
-def _threads_in_kernel(pid: int) -> int:
-    """How many threads of ``pid`` wait in a system call now. Raises TargetNotFound."""
-    threads = thread_syscalls(pid)
-    if not threads or not running(pid):
-        raise_if_gone(pid)
+def _threads_in_kernel(target: Target) -> int:
+    """How many threads of the target wait in a system call now. Raises TargetNotFound."""
+    threads = thread_syscalls(target)
+    if not threads or not running(target.pid, procfs=target.procfs):
+        raise_if_gone(target.pid, procfs=target.procfs)
     return sum(in_kernel(fields) for _, fields in threads)
 
 
-def _wait_for_a_thread_in_kernel(pid: int, deadline: float) -> bool:
-    while not _threads_in_kernel(pid):
+def _wait_for_a_thread_in_kernel(target: Target, deadline: float) -> bool:
+    while not _threads_in_kernel(target):
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_SECONDS)
     return True
 
 
-def checked_addresses(pid: int, runtime: PythonRuntime | None) -> dict[str, int]:
+def checked_addresses(target: Target, runtime: PythonRuntime | None) -> dict[str, int]:
     """The functions gdb is to call, where the agent finds them in the job and their
     bytes match the job's own files (``mapped_files``); those it cannot check are left
     out."""
-    maps = memory_map(pid)
+    maps = memory_map(target.pid, procfs=target.procfs)
     libc = libc_path(maps)
     files: dict[str, tuple[str, list[str]]] = {}
     if libc is not None:
-        files["mmap"] = (libc, mapped_file_paths(pid, libc, maps))
+        files["mmap"] = (libc, mapped_file_paths(target, libc, maps))
     if runtime is not None:
-        python = (runtime.library, _python_files(pid, runtime, maps))
+        python = (runtime.library, _python_files(target, runtime, maps))
         files["Py_AddPendingCall"] = files["PyRun_SimpleString"] = python
-    found = {name: function_address(pid, maps, path, paths, name)
+    found = {name: function_address(target, maps, path, paths, name)
              for name, (path, paths) in files.items()}
     return {name: address for name, address in found.items() if address is not None}
 
 
-def _python_files(pid: int, runtime: PythonRuntime, maps: list[Mapping]) -> list[str]:
+def _python_files(target: Target, runtime: PythonRuntime, maps: list[Mapping]) -> list[str]:
     try:
-        exe = read_executable(pid)
+        exe = executable(target.pid, procfs=target.procfs)
     except TargetGone:
         exe = None
-    return ([executable_path(pid)] if runtime.library == exe
-            else mapped_file_paths(pid, runtime.library, maps))
+    return ([executable_path(target.pid, procfs=target.procfs)] if runtime.library == exe
+            else mapped_file_paths(target, runtime.library, maps))
 
 
-def _life(pid: int, runtime: PythonRuntime | None) -> tuple[int, int | None, int | None] | None:
+def _life(target: Target, runtime: PythonRuntime | None
+          ) -> tuple[int, int | None, int | None] | None:
     if runtime is None:
         return None
-    maps = memory_map(pid)
-    words = runtime_life(pid, maps, runtime, _python_files(pid, runtime, maps))
+    maps = memory_map(target.pid, procfs=target.procfs)
+    words = runtime_life(target, maps, runtime, _python_files(target, runtime, maps))
     return None if words is None else (words.finalizing, words.initialized,
                                        words.interpreters)
 
 
-def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | None = None,
+def _gdb_command(gdb: str, target: Target, payload: bytes, checked: dict[str, int] | None = None,
                  life: tuple[int, int | None, int | None] | None = None) -> list[str]:
     script = _GDB_PYTHON.format(
         mark=GDB_MARK, page=mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
@@ -289,47 +291,48 @@ def _gdb_command(gdb: str, pid: int, payload: bytes, checked: dict[str, int] | N
             # The job's own files, through its root: in a chroot or a container gdb
             # would otherwise read the agent's libc by the same name and call its
             # addresses in the job.
-            "-iex", f"set sysroot {inside_root(pid, '')}", "-se", executable_path(pid),
-            "-p", str(pid), "-ex", f"python exec(bytes.fromhex('{script.encode().hex()}'))"]
+            "-iex", f"set sysroot {inside_root_path(target.pid, '', procfs=target.procfs)}",
+            "-se", executable_path(target.pid, procfs=target.procfs), "-p", str(target.pid),
+            "-ex", f"python exec(bytes.fromhex('{script.encode().hex()}'))"]
 
 
 
-def _refuse_unsafe_gdb(pid: int, gdb: str) -> None:
+def _refuse_unsafe_gdb(target: Target, gdb: str) -> None:
     try:
         layout: XsaveLayout | None = host_layout()
     except LayoutUnknown:
         layout = None  # not x86-64, or no XSAVE: nothing gdb could cut short
     why = xstate_refusal(gdb_version(gdb), layout)
     if why is not None:
-        raise _unsafe(pid, why)
+        raise _unsafe(target, why)
 
 
-def _unsafe(pid: int, why: str) -> InjectionUnsafe:
+def _unsafe(target: Target, why: str) -> InjectionUnsafe:
     return InjectionUnsafe(
-        f"not injecting into process {pid} with gdb: {why}",
-        "install gdb {}.{} or newer, {}".format(*XSAVE_SIZED_GDB, _RUN_INSTEAD), pid=pid)
+        f"not injecting into process {target.pid} with gdb: {why}",
+        "install gdb {}.{} or newer, {}".format(*XSAVE_SIZED_GDB, _RUN_INSTEAD), pid=target.pid)
 
 
-def inject_with_gdb(pid: int, code: str, wait_seconds: float,
+def inject_with_gdb(target: Target, code: str, wait_seconds: float,
                     runtime: PythonRuntime | None = None) -> QueuedBootstrap:
+    pid = target.pid
     gdb = shutil.which("gdb")
     if gdb is None:
         raise InjectionFailed(
             f"cannot inject into process {pid}: gdb is not installed",
             "install it (e.g. apt install gdb) to inject into a running Python before 3.14, "
             "or start the job with `dlprof-agent run -- python ...`", pid=pid)
-    _refuse_unsafe_gdb(pid, gdb)
-    queued = pending_bootstrap(pid)
+    _refuse_unsafe_gdb(target, gdb)
+    queued = pending_bootstrap(target)
     if queued is not None:
         return queued
-    start_time = start_ticks(pid)
-    command = _gdb_command(gdb, pid, pending_payload(code), checked_addresses(pid, runtime),
-                           _life(pid, runtime))
+    command = _gdb_command(gdb, target, pending_payload(code),
+                           checked_addresses(target, runtime), _life(target, runtime))
     deadline = time.monotonic() + wait_seconds
     while True:
-        if not _wait_for_a_thread_in_kernel(pid, deadline):
-            raise no_safe_point(pid, wait_seconds)
-        output = _run_gdb(pid, command)
+        if not _wait_for_a_thread_in_kernel(target, deadline):
+            raise no_safe_point(target, wait_seconds)
+        output = _run_gdb(target, command)
         said = [line.split()[1:] for line in output.splitlines()
                 if line.startswith(GDB_MARK + " ")]
         verdict = next((words for words in said if words and words[0] != "unrestored"),
@@ -337,24 +340,23 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
         if verdict and verdict[0] == "no-thread-in-kernel" and time.monotonic() < deadline:
             continue  # it left the kernel between our look and gdb's stop: look again
         break
-    _check_restored(pid, next((words for words in said if words[:1] == ["unrestored"]),
+    _check_restored(target, next((words for words in said if words[:1] == ["unrestored"]),
                               None))
     if verdict and verdict[0] == "queued" and len(verdict) == 3:
         if verdict[2] != "0":
             raise InjectionNotNow(f"process {pid} has a full queue of pending calls",
                                   "the agent tries again on its next passes", pid=pid)
-        return remember(QueuedBootstrap(pid, start_time or 0, int(verdict[1], 16),
-                                        time.monotonic()))
-    if not same_process(pid, start_time):
-        raise exited_during_injection(pid)
+        return remember(QueuedBootstrap(target, int(verdict[1], 16), time.monotonic()))
+    if not target.is_running():
+        raise exited_during_injection(target)
     if "ptrace: Operation not permitted" in output:
-        raise refused(pid, PROC_ROOT, "ptrace was denied")
+        raise refused(target, "ptrace was denied")
     if verdict and verdict[0] == "no-thread-in-kernel":
-        raise no_safe_point(pid, wait_seconds)
+        raise no_safe_point(target, wait_seconds)
     if verdict and verdict[0] == "shutting-down":
-        raise exiting(pid)
+        raise exiting(target)
     if verdict and verdict[0] == "xstate-unwritable":
-        raise _unsafe(pid, "it cannot write the extended registers (XSAVE) of this CPU: "
+        raise _unsafe(target, "it cannot write the extended registers (XSAVE) of this CPU: "
                       + " ".join(verdict[1:]).rstrip("."))
     if verdict and verdict[0] == "other-file":
         raise InjectionFailed(
@@ -369,31 +371,31 @@ def inject_with_gdb(pid: int, code: str, wait_seconds: float,
                           pid=pid)
 
 
-def _check_restored(pid: int, unrestored: list[str] | None) -> None:
+def _check_restored(target: Target, unrestored: list[str] | None) -> None:
     """gdb's script says which registers of the thread it called into gdb had not put
     back, and which of those it could not put back itself."""
     if unrestored is None or len(unrestored) < 3:
         return
     if unrestored[2] != "-":
-        raise _unsafe(pid, f"it left registers {unrestored[2]} of the thread it called "
+        raise _unsafe(target, f"it left registers {unrestored[2]} of the thread it called "
                       "into changed; the job may fail")
     log.warning("pid %d: gdb did not put back registers %s of the thread it called into; "
-                "the agent did", pid, unrestored[1])
+                "the agent did", target.pid, unrestored[1])
 
 
-def _stops_within(pid: int, seconds: float) -> bool:
+def _stops_within(target: Target, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while read_state(pid) != "T":
+    while state(target.pid, procfs=target.procfs) != "T":
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_SECONDS)
     return True
 
 
-def _run_gdb(pid: int, command: list[str]) -> str:
+def _run_gdb(target: Target, command: list[str]) -> str:
     # gdb gets its own session so that a Ctrl-C meant for the agent does not stop it
     # halfway; a kill of the whole agent side is what the pending-call design makes safe.
-    stopped_before = read_state(pid) == "T"
+    stopped_before = state(target.pid, procfs=target.procfs) == "T"
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -409,9 +411,9 @@ def _run_gdb(pid: int, command: list[str]) -> str:
         # A gdb killed between its attach and its wait leaves the SIGSTOP of
         # PTRACE_ATTACH to stop the job once detached (ptrace(2)): that stop is ours.
         if not stopped_before and process.returncode == -signal.SIGKILL \
-                and _stops_within(pid, _STOP_DELIVERY_SECONDS):
+                and _stops_within(target, _STOP_DELIVERY_SECONDS):
             log.warning("pid %d: gdb was killed while attached and left the job stopped; "
-                        "the agent continues it", pid)
+                        "the agent continues it", target.pid)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+                os.kill(target.pid, signal.SIGCONT)
 

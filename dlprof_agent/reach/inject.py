@@ -41,6 +41,7 @@ import os
 import platform
 import sys
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import (
     InjectionFailed,
     InjectionNotNow,
@@ -54,7 +55,7 @@ from dlprof_agent.reach.gdb import inject_with_gdb
 from dlprof_agent.reach.lock_wait import ParkingLotWait
 from dlprof_agent.reach.pending import QueuedBootstrap, pending_bootstrap
 from dlprof_agent.reach.procfs import comm
-from dlprof_agent.reach.ptrace import inject_with_ptrace
+from dlprof_agent.reach.ptrace import SayWaiting, inject_with_ptrace, say_nothing
 from dlprof_agent.reach.remote_debug import (
     find_remote_debug,
     inject_with_remote_debug,
@@ -77,9 +78,9 @@ REMOTE_DEBUG_VERSION = (3, 14)  # PEP 768: the interpreter runs a script it is h
 _PARKED_WAIT_SECONDS = 2.0
 
 
-def inject(pid: int, code: str, *, wait_seconds: float | None = None
-           ) -> QueuedBootstrap | None:
-    """Have process ``pid`` run ``code`` once, on its main thread, with the GIL held.
+def inject(target: Target, code: str, *, wait_seconds: float | None = None,
+           say_waiting: SayWaiting = say_nothing) -> QueuedBootstrap | None:
+    """Have the target run ``code`` once, on its main thread, with the GIL held.
 
     The job runs it at its own next safe point, which may come after this returns: the
     result (gdb) tells whether it has run yet, and while it has not, injecting again
@@ -88,16 +89,23 @@ def inject(pid: int, code: str, *, wait_seconds: float | None = None
     Raises NotPython (nothing was done to the process), InjectionRefused (the kernel
     would not let the agent attach), InjectionNotNow (nothing was done; a later try may
     work) or InjectionFailed. A pid with no live process, or one that exits meanwhile,
-    raises ``dlprof_agent.errors.TargetNotFound``, like every other place the agent
+    (or whose pid now names another process) raises
+    ``dlprof_agent.errors.TargetNotFound``, like every other place the agent
     meets a missing target, so the command line exits with the same code (3).
     Errors in ``code`` itself happen in the target and print to its stderr.
+    ``say_waiting(what, tries)`` hears what the injector waits for while it does.
     """
+    pid = target.pid
     if pid == os.getpid():
         raise InjectionFailed("cannot inject into the agent's own process",
                               "give the training job's pid", pid=pid)
-    runtime = find_python_runtime(pid)
+    runtime = find_python_runtime(target)
+    if not target.is_running():
+        # Whatever runs under its pid now is not the process the agent was given.
+        raise TargetNotFound(f"process {pid} has exited", "attach to a running job", pid=pid)
     if runtime is None:
-        raise NotPython(f"process {pid} ({comm(pid)}) is not a Python process the probe can run in",
+        raise NotPython(f"process {pid} ({comm(pid, procfs=target.procfs)}) is not a Python "
+                        "process the probe can run in",
                         "give the pid of the python process running the training script; "
                         f"for a launcher or shell, list its children with `pgrep -a -P {pid}`",
                         pid=pid)
@@ -106,45 +114,48 @@ def inject(pid: int, code: str, *, wait_seconds: float | None = None
         raise NotPython(f"process {pid} runs python {major}.{minor}, too old for the probe",
                         "the probe needs python {}.{} or newer".format(*MIN_TARGET_VERSION),
                         pid=pid)
-    remove_stale_files(pid)
+    remove_stale_files(target)
     try:
-        return _inject(pid, code, runtime,
-                       SAFE_POINT_WAIT_SECONDS if wait_seconds is None else wait_seconds)
+        return _inject(target, code, runtime,
+                       SAFE_POINT_WAIT_SECONDS if wait_seconds is None else wait_seconds,
+                       say_waiting)
     except TargetNotFound:
         # It was there a moment ago: say so, rather than that no such process exists.
-        raise exited_during_injection(pid) from None
+        raise exited_during_injection(target) from None
 
 
-def _inject(pid: int, code: str, runtime: PythonRuntime, wait_seconds: float
-            ) -> QueuedBootstrap | None:
+def _inject(target: Target, code: str, runtime: PythonRuntime, wait_seconds: float,
+            say_waiting: SayWaiting) -> QueuedBootstrap | None:
     remote_exec = getattr(sys, "remote_exec", None)
     if remote_exec is not None and runtime.version == sys.version_info[:2]:
-        inject_with_remote_exec(pid, code, remote_exec)
+        inject_with_remote_exec(target, code, remote_exec)
         return None
-    queued = pending_bootstrap(pid)
+    queued = pending_bootstrap(target)
     if queued is not None:
         return queued
     calls = None
     if runtime.version is not None and runtime.version >= REMOTE_DEBUG_VERSION:
         # Another Python than the agent's: PEP 768's protocol by hand, before ptrace.
-        target = find_remote_debug(pid, runtime)
-        if target is not None:
-            calls = plan_calls(pid, runtime) if platform.machine() == "x86_64" else None
-            if calls is not None and _parked(pid, calls) and opted_out(pid, target) is None:
+        table = find_remote_debug(target, runtime)
+        if table is not None:
+            calls = plan_calls(target, runtime) if platform.machine() == "x86_64" else None
+            if calls is not None and _parked(target, calls) and opted_out(target, table) is None:
                 # A main thread in a lock wait would take the script only when the
                 # wait returns: the ptrace injector ends that wait with EINTR and
                 # queues a pending call, which the interpreter runs before it waits
                 # again. Where it cannot, nothing is queued: PEP 768's turn.
                 with contextlib.suppress(InjectionNotNow, InjectionRefused):
-                    return inject_with_ptrace(pid, code, calls, _PARKED_WAIT_SECONDS)
-            return inject_with_remote_debug(pid, code, target)
+                    return inject_with_ptrace(target, code, calls, _PARKED_WAIT_SECONDS,
+                                              say_waiting=say_waiting)
+            return inject_with_remote_debug(target, code, table)
     if calls is None and platform.machine() == "x86_64":
-        calls = plan_calls(pid, runtime)
+        calls = plan_calls(target, runtime)
     if calls is not None:
-        return inject_with_ptrace(pid, code, calls, wait_seconds)
-    return inject_with_gdb(pid, code, wait_seconds, runtime)
+        return inject_with_ptrace(target, code, calls, wait_seconds,
+                                  say_waiting=say_waiting)
+    return inject_with_gdb(target, code, wait_seconds, runtime)
 
 
-def _parked(pid: int, calls: CallAddresses) -> bool:
+def _parked(target: Target, calls: CallAddresses) -> bool:
     return isinstance(calls.lock_wait, ParkingLotWait) and main_thread_parked(
-        pid, calls.lock_wait)
+        target, calls.lock_wait)

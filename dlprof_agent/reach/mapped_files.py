@@ -19,15 +19,15 @@ import itertools
 import mmap
 import os
 
-from dlprof_agent.collectors.procfs import (
-    PROC_ROOT,
+from dlprof_agent.collectors.target import Target
+from dlprof_agent.reach.elf import ElfScan, scan_elf_file
+from dlprof_agent.reach.procfs import (
     Mapping,
-    inside_root,
-    mapped_file,
+    inside_root_path,
+    mapped_file_path,
     open_memory,
     read_root,
 )
-from dlprof_agent.reach.elf import ElfScan, scan_elf_file
 
 _DELETED = " (deleted)"
 _USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
@@ -43,16 +43,17 @@ def job_view(path: str, job_root: str | None) -> str:
     return path[len(prefix):] if path.startswith(prefix + "/") else path
 
 
-def mapped_file_paths(pid: int, path: str, maps: list[Mapping], *, procfs: str = PROC_ROOT
-                      ) -> list[str]:
-    """Paths through which the agent may open the file ``path`` mapped in ``pid`` (as
+def mapped_file_paths(target: Target, path: str, maps: list[Mapping]) -> list[str]:
+    """Paths through which the agent may open the file ``path`` mapped in the target (as
     its memory map names it), the likeliest first; each to be tried in turn."""
+    pid, procfs = target.pid, target.procfs
     clean = path.removesuffix(_DELETED)
-    paths = [inside_root(pid, job_view(clean, read_root(pid, root=procfs)), root=procfs)]
+    paths = [inside_root_path(pid, job_view(clean, read_root(pid, procfs=procfs)),
+                              procfs=procfs)]
     start = next(((start, end) for start, end, _, offset, mapped in maps
                   if mapped == path and offset == 0), None)
     if start is not None:
-        paths.append(mapped_file(pid, *start, root=procfs))
+        paths.append(mapped_file_path(pid, *start, procfs=procfs))
     return list(dict.fromkeys(paths))
 
 
@@ -78,23 +79,23 @@ def first_readable_elf(files: list[str]) -> tuple[str, ElfScan] | None:
     return None
 
 
-def function_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
-                     *, procfs: str = PROC_ROOT) -> int | None:
+def function_address(target: Target, maps: list[Mapping], path: str, files: list[str],
+                     name: str) -> int | None:
     """Where ``name``, defined in the file mapped as ``path`` and opened through the first
-    of ``files`` that can be read, is in process ``pid``; None unless the bytes there are
+    of ``files`` that can be read, is in the target; None unless the bytes there are
     the file's own (a wrong address is never called)."""
-    return _symbol_address(pid, maps, path, files, name, procfs=procfs, checked=True)
+    return _symbol_address(target, maps, path, files, name, checked=True)
 
 
-def data_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
-                 *, procfs: str = PROC_ROOT) -> int | None:
-    """Where the data symbol ``name`` of the file mapped as ``path`` is in ``pid``:
+def data_address(target: Target, maps: list[Mapping], path: str, files: list[str],
+                 name: str) -> int | None:
+    """Where the data symbol ``name`` of the file mapped as ``path`` is in the target:
     as ``function_address``, less the check of its bytes, which the job changes."""
-    return _symbol_address(pid, maps, path, files, name, procfs=procfs, checked=False)
+    return _symbol_address(target, maps, path, files, name, checked=False)
 
 
-def _symbol_address(pid: int, maps: list[Mapping], path: str, files: list[str], name: str,
-                    *, procfs: str, checked: bool) -> int | None:
+def _symbol_address(target: Target, maps: list[Mapping], path: str, files: list[str],
+                    name: str, *, checked: bool) -> int | None:
     readable = first_readable_elf(files)
     if readable is None:
         return None
@@ -116,14 +117,14 @@ def _symbol_address(pid: int, maps: list[Mapping], path: str, files: list[str], 
         with open(file, "rb") as source:
             source.seek(offset)
             expected = source.read(_CHECKED_BYTES)
-        found = read_memory(pid, base + value, _CHECKED_BYTES, procfs)
+        found = read_memory(target, base + value, _CHECKED_BYTES)
     except OSError:
         return None
     return base + value if len(expected) == _CHECKED_BYTES and found == expected else None
 
 
-def read_memory(pid: int, address: int, size: int, procfs: str = PROC_ROOT) -> bytes:
-    with open_memory(pid, root=procfs) as memory:
+def read_memory(target: Target, address: int, size: int) -> bytes:
+    with open_memory(target.pid, procfs=target.procfs) as memory:
         memory.seek(address)
         return memory.read(size)
 

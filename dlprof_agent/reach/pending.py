@@ -19,8 +19,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from dlprof_agent.collectors.procfs import open_memory
-from dlprof_agent.reach.procfs import start_ticks
+from dlprof_agent.collectors.target import Target
+from dlprof_agent.reach.procfs import open_memory
 
 FLAG_BYTES = 16  # at the start of the page: the job writes b"ran" there; the code follows
 ADDRESS_PLACEHOLDER = "0xDLPROFAGENTADDR0"  # as wide as "%#018x" of a 64-bit address
@@ -65,21 +65,20 @@ class QueuedBootstrap:
     """A bootstrap queued in a job as a pending call: the job runs it when its main
     thread next executes Python bytecode, which may be much later (a long C call)."""
 
-    pid: int
-    start_time: int  # field 22 of /proc/<pid>/stat: tells the job from a reused pid
+    target: Target  # with its start time: tells the job from a reused pid
     address: int  # of the page in the job holding the flag and the code
     queued_at: float  # time.monotonic() in the agent
 
     def state(self) -> str:
         """"queued", "ran" (the job has started running the code), or "gone"."""
-        if start_ticks(self.pid) != self.start_time:
+        if not self.target.is_running():
             return "gone"
         try:
-            with open_memory(self.pid) as memory:
+            with open_memory(self.target.pid, procfs=self.target.procfs) as memory:
                 memory.seek(self.address)
                 flag = memory.read(len(_RAN))
         except OSError:
-            return "gone" if start_ticks(self.pid) != self.start_time else "queued"
+            return "queued" if self.target.is_running() else "gone"
         return "ran" if flag == _RAN else "queued"
 
 
@@ -87,17 +86,17 @@ _queued: dict[int, QueuedBootstrap] = {}
 _queued_lock = threading.Lock()
 
 
-def pending_bootstrap(pid: int) -> QueuedBootstrap | None:
-    """The bootstrap this agent queued in process ``pid`` that the job has not run yet.
+def pending_bootstrap(target: Target) -> QueuedBootstrap | None:
+    """The bootstrap this agent queued in the target that the job has not run yet.
     Injecting again meanwhile queues nothing: ``inject`` returns this one."""
     with _queued_lock:
-        queued = _queued.get(pid)
+        queued = _queued.get(target.pid)
     if queued is None:
         return None
     if queued.state() != "queued":
         with _queued_lock:
-            if _queued.get(pid) is queued:
-                del _queued[pid]
+            if _queued.get(target.pid) is queued:
+                del _queued[target.pid]
         return None
     return queued
 
@@ -105,7 +104,7 @@ def pending_bootstrap(pid: int) -> QueuedBootstrap | None:
 def remember(queued: QueuedBootstrap) -> QueuedBootstrap:
     """Keep ``queued`` for ``pending_bootstrap`` until the job has run it."""
     with _queued_lock:
-        _queued[queued.pid] = queued
+        _queued[queued.target.pid] = queued
     return queued
 
 

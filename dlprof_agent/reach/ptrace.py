@@ -51,9 +51,8 @@ import signal
 import time
 from collections.abc import Callable
 
-from dlprof_agent.collectors.procfs import PROC_ROOT, Mapping, open_memory
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionFailed, InjectionNotNow
-from dlprof_agent.reach import progress
 from dlprof_agent.reach.call_plan import CallAddresses
 from dlprof_agent.reach.frame import (
     REGISTERS,
@@ -71,7 +70,7 @@ from dlprof_agent.reach.pending import (
     pending_payload,
     remember,
 )
-from dlprof_agent.reach.procfs import memory_map, start_ticks
+from dlprof_agent.reach.procfs import Mapping, memory_map, open_memory
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.register_state import Detour, cpu_layout, put_back, unsafe
 from dlprof_agent.reach.safe_point import BusyStops, in_signal_handler
@@ -82,7 +81,6 @@ from dlprof_agent.reach.threads import (
     borrowable,
     exited_during_injection,
     no_safe_point,
-    same_process,
     waiting_threads,
 )
 from dlprof_agent.reach.tracer import (
@@ -111,15 +109,27 @@ _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its det
 # which a main thread in a lock wait may not do for hours.
 _PREFER_MAIN_SECONDS = 0.5
 
+# What the injector waits for, in a few words, and how many tries it has made: said to
+# whoever shows the agent's progress.
+SayWaiting = Callable[[str, int], None]
 
-def _write_memory(pid: int, address: int, data: bytes) -> None:
-    with open_memory(pid, writable=True) as memory:
+
+def say_nothing(what: str, tries: int) -> None:
+    pass
+
+
+def _write_memory(target: Target, address: int, data: bytes) -> None:
+    with open_memory(target.pid, writable=True, procfs=target.procfs) as memory:
         memory.seek(address)
         if memory.write(data) != len(data):
-            raise OSError(f"short write to process {pid}")
+            raise OSError(f"short write to process {target.pid}")
 
 
-def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...], int],
+def _maps(target: Target) -> list[Mapping]:
+    return memory_map(target.pid, procfs=target.procfs)
+
+
+def _detour(ptrace: Tracer, target: Target, tid: int, call: tuple[int, tuple[int, ...], int],
             maps: list[Mapping], *, lock_function: LockWait | None = None,
             busy: BusyStops | None = None,
             hold_others: Callable[[], bool] | None = None) -> Detour | None:
@@ -140,20 +150,20 @@ def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...]
     orig = signed(r["orig_rax"])
     arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
     stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
-    interrupt = (tid == pid and lock_function is not None and stack is not None
-                 and in_lock_wait(r, lambda address, size: read_memory(pid, address, size),
+    interrupt = (tid == target.pid and lock_function is not None and stack is not None
+                 and in_lock_wait(r, lambda address, size: read_memory(target, address, size),
                                   stack[1], lock_function))
     if orig < 0:
         if busy is None or stack is None or not busy.accepts(r["rip"], maps) or (
-                in_signal_handler(lambda address, size: read_memory(pid, address, size),
+                in_signal_handler(lambda address, size: read_memory(target, address, size),
                                   r["rsp"], stack[1], gadget)) or (
                 hold_others is not None and not hold_others()):
             return None
     elif not interrupt and (not borrowable(orig, arguments)
                             or signed(r["rax"]) == _ERESTART_RESTARTBLOCK):
         return None
-    layout = cpu_layout(pid)
-    blocked = blocked_signals(pid, tid)
+    layout = cpu_layout(target)
+    blocked = blocked_signals(target, tid)
     xstate = ptrace.xstate(tid)
     gap = max(_FRAME_GAP, 8 + 304 + 64 + frame_state_bytes(xstate) + 64)
     at = ((r["rsp"] - _RED_ZONE - gap) & ~15) - 8  # a call's entry: rsp % 16 == 8
@@ -163,10 +173,10 @@ def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...]
         frame = signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget,
                              interrupt=interrupt, xstate=xstate, layout=layout)
     except StateNotKept as error:
-        raise unsafe(pid, f"thread {tid}: {error}") from None
+        raise unsafe(target, f"thread {tid}: {error}") from None
     if at + len(frame) > r["rsp"] - _RED_ZONE:
         return None
-    _write_memory(pid, at, frame)
+    _write_memory(target, at, frame)
     # The direction flag cleared, as a call requires and the kernel does for a handler:
     # a busy thread may be stopped inside a backward string copy.
     new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1,
@@ -177,18 +187,19 @@ def _detour(ptrace: Tracer, pid: int, tid: int, call: tuple[int, tuple[int, ...]
     return Detour(at + 8, xstate, layout)  # rt_sigreturn runs with the gadget popped
 
 
-def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, ...],
+def _borrow_a_thread(ptrace: Tracer, target: Target, function: int, args: tuple[int, ...],
                      gadget: int, *, lock_function: LockWait | None = None,
                      busy: BusyStops | None = None, main_only: bool = False,
                      life: LifeWords | None = None) -> bool:
-    """Have one waiting thread of ``pid`` call ``function(*args)`` and go back to its wait.
+    """Have one waiting thread of the target call ``function(*args)`` and go back to its wait.
     Only that thread stops, for microseconds at a time; it needs nothing more from us
     once it is set on its way, so the agent may die at any moment. False when none could be had.
     Where none waits (or with ``main_only``, where the main thread does not), the main
     thread is taken busy, at a safe PC, given ``busy``: it runs the pending call itself.
     Raises InjectionNotNow where ``life`` says the interpreter is shutting down."""
-    maps = memory_map(pid)
-    waiting = waiting_threads(pid)
+    pid = target.pid
+    maps = _maps(target)
+    waiting = waiting_threads(target)
     if main_only:
         candidates = [pid] if pid in waiting or busy is not None else []
         busy = None if pid in waiting else busy
@@ -200,7 +211,7 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
             ptrace(PTRACE_SEIZE, tid)
         except OSError as error:
             if error.errno == errno.EPERM:
-                raise refused(pid, PROC_ROOT, "ptrace was denied") from None
+                raise refused(target, "ptrace was denied") from None
             continue
         stopped, signal_to_pass = False, 0
         held: dict[int, int] = {}  # other threads stopped meanwhile -> a signal to pass on
@@ -216,11 +227,11 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
                 continue
             if os.WSTOPSIG(status) != signal.SIGTRAP:
                 continue  # a group stop (someone stopped the job): leave it as it is
-            if life is not None and shutting_down(life, functools.partial(read_memory, pid)):
-                raise exiting(pid)
+            if life is not None and shutting_down(life, functools.partial(read_memory, target)):
+                raise exiting(target)
             hold = None if mutex is None else functools.partial(
-                _hold_with_the_mutex_free, ptrace, pid, held, mutex)
-            detour = _detour(ptrace, pid, tid, (function, args, gadget), maps,
+                _hold_with_the_mutex_free, ptrace, target, held, mutex)
+            detour = _detour(ptrace, target, tid, (function, args, gadget), maps,
                              lock_function=lock_function, busy=busy, hold_others=hold)
             if detour is not None:
                 # Its call is set: whatever happens now, it is done, and its frame
@@ -230,7 +241,7 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
                     signal_to_pass, returned = until_it_returns(ptrace, tid,
                                                                 detour.sigreturn_rsp)
                     if returned:
-                        put_back(ptrace, pid, tid, detour)
+                        put_back(ptrace, target, tid, detour)
                 return True
         except OSError:
             continue
@@ -241,21 +252,22 @@ def _borrow_a_thread(ptrace: Tracer, pid: int, function: int, args: tuple[int, .
     return False
 
 
-def _hold_with_the_mutex_free(ptrace: Tracer, pid: int, held: dict[int, int], mutex: int
-                              ) -> bool:
-    """Every other thread of ``pid`` held, and 3.13's pending-call PyMutex at ``mutex``
+def _hold_with_the_mutex_free(ptrace: Tracer, target: Target, held: dict[int, int],
+                              mutex: int) -> bool:
+    """Every other thread of the target held, and 3.13's pending-call PyMutex at ``mutex``
     free: its byte 0, unlocked with no waiter parked."""
     try:
-        return hold_other_threads(ptrace, pid, held) and read_memory(pid, mutex, 1) == b"\0"
+        return (hold_other_threads(ptrace, target, held)
+                and read_memory(target, mutex, 1) == b"\0")
     except OSError:
         return False
 
 
-def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: float
-                       ) -> QueuedBootstrap:
-    """Queue ``code`` as a pending call in ``pid``: a borrowed thread maps a page, the
+def inject_with_ptrace(target: Target, code: str, calls: CallAddresses, wait_seconds: float,
+                       *, say_waiting: SayWaiting = say_nothing) -> QueuedBootstrap:
+    """Queue ``code`` as a pending call in the target: a borrowed thread maps a page, the
     agent writes the code there, and a borrowed thread queues it."""
-    start_time = start_ticks(pid)
+    pid = target.pid
     payload = pending_payload(code)
     size = -(-len(payload) // mmap.PAGESIZE) * mmap.PAGESIZE
     ptrace = Tracer()
@@ -264,12 +276,12 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
     def borrow_once(function: int, args: tuple[int, ...], *, pending: bool,
                     main_until: float) -> bool:
         if pending:  # the main thread, for a while: from another the call may wait long
-            return _borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
+            return _borrow_a_thread(ptrace, target, function, args, calls.sigreturn,
                                     lock_function=calls.lock_wait, busy=calls.busy_stops,
                                     main_only=time.monotonic() < main_until, life=calls.life)
         # mmap: a main thread in a lock wait is left in it for the pending call, unless
         # it is the only thread there is to borrow
-        return any(_borrow_a_thread(ptrace, pid, function, args, calls.sigreturn,
+        return any(_borrow_a_thread(ptrace, target, function, args, calls.sigreturn,
                                     lock_function=lock_function, busy=calls.busy_stops,
                                     life=calls.life)
                    for lock_function in (None, calls.lock_wait))
@@ -279,18 +291,17 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
         main_until = time.monotonic() + _PREFER_MAIN_SECONDS
         while not borrow_once(function, args, pending=pending, main_until=main_until):
             tries += 1
-            progress.waiting_for(pid, "a thread of the job that waits in the kernel, or a "
-                                 "busy main thread in the eval loop or outside Python and "
-                                 "libc, to queue the probe", tries=tries)
-            if not same_process(pid, start_time):
-                raise exited_during_injection(pid)
+            say_waiting("a thread of the job that waits in the kernel, or a busy main thread "
+                        "in the eval loop or outside Python and libc, to queue the probe", tries)
+            if not target.is_running():
+                raise exited_during_injection(target)
             if time.monotonic() >= deadline:
-                raise no_safe_point(pid, wait_seconds)
+                raise no_safe_point(target, wait_seconds)
             # A random pause: a loop whose period matches a fixed one would be met at
             # the same unsafe PC every time.
             time.sleep(POLL_SECONDS * random.uniform(1.0, 4.0))
 
-    page = free_address(memory_map(pid), size)
+    page = free_address(_maps(target), size)
     if page is None:
         raise InjectionFailed(f"found no free address range in process {pid}",
                               "start the job with `dlprof-agent run -- python ...` instead",
@@ -298,14 +309,14 @@ def inject_with_ptrace(pid: int, code: str, calls: CallAddresses, wait_seconds: 
     borrow(calls.mmap, (page, size, mmap.PROT_READ | mmap.PROT_WRITE,
                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0))
     chain_deadline = time.monotonic() + _CHAIN_SECONDS
-    while not any(start == page for start, *_ in memory_map(pid)):
-        if not same_process(pid, start_time):
-            raise exited_during_injection(pid)
+    while not any(start == page for start, *_ in _maps(target)):
+        if not target.is_running():
+            raise exited_during_injection(target)
         if time.monotonic() >= chain_deadline:
             raise InjectionNotNow(f"process {pid} did not map a page for the probe's bootstrap",
                                   "the agent tries again on its next passes", pid=pid)
         time.sleep(POLL_SECONDS)
-    _write_memory(pid, page, payload.replace(ADDRESS_PLACEHOLDER.encode(),
+    _write_memory(target, page, payload.replace(ADDRESS_PLACEHOLDER.encode(),
                                              f"{page:#018x}".encode(), 1))
     borrow(calls.add_pending_call, (calls.run_simple_string, page + FLAG_BYTES), pending=True)
-    return remember(QueuedBootstrap(pid, start_time or 0, page, time.monotonic()))
+    return remember(QueuedBootstrap(target, page, time.monotonic()))

@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import os
 
-from dlprof_agent.collectors.procfs import read_ptrace_scope
-from dlprof_agent.collectors.target import owner, user_name
+from dlprof_agent.collectors.target import Target, owner, user_name
 from dlprof_agent.errors import InjectionRefused
-from dlprof_agent.reach.procfs import comm, status_of
+from dlprof_agent.reach.procfs import comm, read_ptrace_scope, status_of
 
 CAP_SYS_PTRACE = 19  # bit in /proc/<pid>/status CapEff
 
 
-def refused(pid: int, procfs: str, what: str) -> InjectionRefused:
+def refused(target: Target, what: str) -> InjectionRefused:
     """The one-line refusal, with what would make the kernel say yes here."""
+    pid, procfs = target.pid, target.procfs
     status = status_of(pid, procfs=procfs)
     tracer = 0 if status is None else status.tracer_pid
     if tracer:
         return InjectionRefused(
             f"cannot attach to process {pid}: it is already traced by pid {tracer} "
-            f"({comm(tracer, procfs)})",
+            f"({comm(tracer, procfs=procfs)})",
             "only one tracer at a time: detach that debugger or profiler, then retry", pid=pid)
     own_status = status_of("self", procfs=procfs)
     own_caps = (own_status.cap_eff if own_status is not None else None) or 0
@@ -39,7 +39,7 @@ def refused(pid: int, procfs: str, what: str) -> InjectionRefused:
     else:
         hint = ("the job may run in a parent user namespace, or a security module (AppArmor, "
                 "SELinux) forbids ptrace: run the agent inside the job's container")
-    scope = read_ptrace_scope(root=procfs) or ""
+    scope = read_ptrace_scope(procfs=procfs) or ""
     if scope == "1":
         hint += ("; kernel.yama.ptrace_scope is 1: only a parent process may attach unless "
                  "the agent has CAP_SYS_PTRACE, so the same user is not enough")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionUnsafe
 from dlprof_agent.reach.frame import component_names, state_differences
 from dlprof_agent.reach.tracer import Tracer
@@ -25,22 +26,22 @@ class Detour(NamedTuple):
     layout: XsaveLayout
 
 
-def cpu_layout(pid: int) -> XsaveLayout:
+def cpu_layout(target: Target) -> XsaveLayout:
     try:
         return host_layout()
     except LayoutUnknown as error:
-        raise unsafe(pid, f"this CPU's XSAVE layout is unknown: {error}") from None
+        raise unsafe(target, f"this CPU's XSAVE layout is unknown: {error}") from None
 
 
-def unsafe(pid: int, why: str) -> InjectionUnsafe:
+def unsafe(target: Target, why: str) -> InjectionUnsafe:
     return InjectionUnsafe(
-        f"not injecting into process {pid}: a borrowed thread could not get its whole "
+        f"not injecting into process {target.pid}: a borrowed thread could not get its whole "
         f"register state back ({why})",
         "the agent reads the job from outside only; start the job with "
-        "`dlprof-agent run -- python ...` for its probe", pid=pid)
+        "`dlprof-agent run -- python ...` for its probe", pid=target.pid)
 
 
-def put_back(ptrace: Tracer, pid: int, tid: int, detour: Detour) -> None:
+def put_back(ptrace: Tracer, target: Target, tid: int, detour: Detour) -> None:
     """With ``tid`` stopped at the end of its detour's rt_sigreturn: any register
     state the kernel did not restore from the frame goes back through ptrace."""
     if detour.xstate is None:
@@ -52,4 +53,4 @@ def put_back(ptrace: Tracer, pid: int, tid: int, detour: Detour) -> None:
     if lost:
         ptrace.set_xstate(tid, detour.xstate)
         log.warning("pid %d: thread %d came back from its detour without its %s "
-                    "state; put back through ptrace", pid, tid, component_names(lost))
+                    "state; put back through ptrace", target.pid, tid, component_names(lost))

@@ -41,13 +41,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dlprof_agent.collectors.procfs import (
-    PROC_ROOT,
-    executable_path,
-    open_memory,
-    read_environ,
-    read_executable,
-)
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import (
     InjectionFailed,
     InjectionRefused,
@@ -65,7 +59,14 @@ from dlprof_agent.reach.debug_offsets import (
 )
 from dlprof_agent.reach.mapped_files import first_readable_elf, mapped_file_paths
 from dlprof_agent.reach.pending import QueuedBootstrap, remember
-from dlprof_agent.reach.procfs import memory_map, running, start_ticks
+from dlprof_agent.reach.procfs import (
+    environment_value,
+    executable,
+    executable_path,
+    memory_map,
+    open_memory,
+    running,
+)
 from dlprof_agent.reach.refusal import refused
 from dlprof_agent.reach.runtime import PythonRuntime
 
@@ -77,28 +78,28 @@ _OPT_OUT_HINT = ("the job turned off remote debugging, so the agent leaves it al
 
 
 @dataclass(frozen=True)
-class RemoteDebugTarget:
-    """A job whose debug offsets were read: where its _PyRuntime is, and the table."""
+class DebugTable:
+    """A job's debug offsets, as read from it, and where its _PyRuntime is."""
 
-    pid: int
     runtime_address: int
     offsets: DebugOffsets
 
 
-def _runtime_address(pid: int, runtime: PythonRuntime, procfs: str) -> int | None:
-    """Where ``_PyRuntime`` is in ``pid``: its symbol's value, plus the load base of
+def _runtime_address(target: Target, runtime: PythonRuntime) -> int | None:
+    """Where ``_PyRuntime`` is in the target: its symbol's value, plus the load base of
     the file for a PIE or a shared library."""
+    pid, procfs = target.pid, target.procfs
     try:
-        exe = read_executable(pid, root=procfs)
+        exe = executable(pid, procfs=procfs)
     except TargetGone:
         return None
-    maps = memory_map(pid)
+    maps = memory_map(pid, procfs=procfs)
     mapped = [start for start, _, _, offset, path in maps
               if path == runtime.library and offset == 0]
     # The executable through its link; a libpython through the job's root, then
     # map_files (``mapped_files``).
-    files = ([executable_path(pid, root=procfs)] if runtime.library == exe
-             else mapped_file_paths(pid, runtime.library, maps, procfs=procfs))
+    files = ([executable_path(pid, procfs=procfs)] if runtime.library == exe
+             else mapped_file_paths(target, runtime.library, maps))
     found = first_readable_elf(files)
     scan = found[1] if found is not None else None
     location = scan.location("_PyRuntime") if scan is not None else None
@@ -117,12 +118,12 @@ class QueuedRemoteExec(QueuedBootstrap):
 
     def state(self) -> str:
         """"queued", "ran" (the job took the script), or "gone"."""
-        if start_ticks(self.pid) != self.start_time:
+        if not self.target.is_running():
             return "gone"
         try:
-            flag = struct.unpack("<i", _read(self.pid, self.address, 4, PROC_ROOT))[0]
+            flag = struct.unpack("<i", _read(self.target, self.address, 4))[0]
         except OSError:
-            return "gone" if start_ticks(self.pid) != self.start_time else "queued"
+            return "queued" if self.target.is_running() else "gone"
         return "queued" if flag == 1 else "ran"
 
     def withdraw(self) -> None:
@@ -130,7 +131,7 @@ class QueuedRemoteExec(QueuedBootstrap):
         the job then never opens a file that is about to be removed."""
         if self.state() == "queued":
             with contextlib.suppress(OSError):
-                _write(self.pid, self.address, struct.pack("<i", 0), PROC_ROOT)
+                _write(self.target, self.address, struct.pack("<i", 0))
 
 
 def _keep_until_taken(queued: QueuedRemoteExec, bootstrap: Bootstrap) -> None:
@@ -149,94 +150,87 @@ def _keep_until_taken(queued: QueuedRemoteExec, bootstrap: Bootstrap) -> None:
         bootstrap.remove()
 
     atexit.register(leave)
-    threading.Thread(target=watch, name=f"dlprof-remote-exec-{queued.pid}",
+    threading.Thread(target=watch, name=f"dlprof-remote-exec-{queued.target.pid}",
                      daemon=True).start()
 
 
-def _read(pid: int, address: int, size: int, procfs: str) -> bytes:
-    with open_memory(pid, root=procfs) as memory:
+def _read(target: Target, address: int, size: int) -> bytes:
+    with open_memory(target.pid, procfs=target.procfs) as memory:
         memory.seek(address)
         data = memory.read(size)
     if len(data) != size:
-        raise OSError(f"short read from process {pid}")
+        raise OSError(f"short read from process {target.pid}")
     return data
 
 
-def _write(pid: int, address: int, data: bytes, procfs: str) -> None:
-    with open_memory(pid, writable=True, root=procfs) as memory:
+def _write(target: Target, address: int, data: bytes) -> None:
+    with open_memory(target.pid, writable=True, procfs=target.procfs) as memory:
         memory.seek(address)
         if memory.write(data) != len(data):
-            raise OSError(f"short write to process {pid}")
+            raise OSError(f"short write to process {target.pid}")
 
 
-def _pointer(pid: int, address: int, procfs: str) -> int:
-    value: int = struct.unpack("<Q", _read(pid, address, 8, procfs))[0]
+def _pointer(target: Target, address: int) -> int:
+    value: int = struct.unpack("<Q", _read(target, address, 8))[0]
     return value
 
 
-def find_remote_debug(pid: int, runtime: PythonRuntime, *, procfs: str = PROC_ROOT
-                      ) -> RemoteDebugTarget | None:
+def find_remote_debug(target: Target, runtime: PythonRuntime) -> DebugTable | None:
     """The job's debug offsets, when it is a Python whose table is known here (3.14);
     None otherwise (an older or newer Python, a pre-release, no _PyRuntime symbol):
     another injector is used. Raises InjectionRefused when its memory may not be read."""
-    address = _runtime_address(pid, runtime, procfs)
+    address = _runtime_address(target, runtime)
     if address is None:
         return None
     try:
-        raw = _read(pid, address, READ_BYTES, procfs)
+        raw = _read(target, address, READ_BYTES)
     except PermissionError:
-        raise refused(pid, procfs, "cannot read its memory") from None
+        raise refused(target, "cannot read its memory") from None
     except OSError:
         return None
     if raw[:len(COOKIE)] != COOKIE:
         return None
     try:
-        return RemoteDebugTarget(pid, address, parse_debug_offsets(raw))
+        return DebugTable(address, parse_debug_offsets(raw))
     except UnknownDebugOffsets:
         return None
 
 
-def opted_out(pid: int, target: RemoteDebugTarget, procfs: str = PROC_ROOT) -> str | None:
+def opted_out(target: Target, table: DebugTable) -> str | None:
     """Why the job does not take remote debugging, in words; None when it does."""
-    offsets = target.offsets
-    interpreter = _pointer(pid, target.runtime_address + offsets.interpreters_head, procfs)
+    pid, offsets = target.pid, table.offsets
+    interpreter = _pointer(target, table.runtime_address + offsets.interpreters_head)
     if interpreter == 0:
         raise InjectionFailed(f"process {pid} has no running interpreter yet (or any more)",
                               "attach once the job has started", pid=pid)
-    enabled = struct.unpack("<i", _read(pid, interpreter + offsets.remote_debugging_enabled,
-                                        4, procfs))[0]
+    enabled = struct.unpack("<i", _read(target, interpreter + offsets.remote_debugging_enabled,
+                                        4))[0]
     if enabled == 1:
         return None
-    try:
-        environment = read_environ(pid, root=procfs) or {}
-    except TargetGone:
-        environment = {}
-    if environment.get(DISABLE_ENV):
+    if environment_value(pid, DISABLE_ENV, procfs=target.procfs):
         return f"{DISABLE_ENV} is set in its environment"
     return "it was started with -X disable-remote-debug (or built without remote debugging)"
 
 
-def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
-                             procfs: str = PROC_ROOT) -> QueuedRemoteExec:
-    """Have the main thread of ``pid`` run ``code`` at its next eval-breaker check;
+def inject_with_remote_debug(target: Target, code: str, table: DebugTable
+                             ) -> QueuedRemoteExec:
+    """Have the main thread of the target run ``code`` at its next eval-breaker check;
     returns it, queued, until the job takes it. Raises InjectionRefused when the job
     opted out (nothing was written to it), TargetNotFound when it exits meanwhile,
     InjectionFailed otherwise."""
-    offsets = target.offsets
-    start_time = start_ticks(pid, procfs)
+    pid, offsets = target.pid, table.offsets
     try:
-        why = opted_out(pid, target, procfs)
+        why = opted_out(target, table)
         if why is not None:
             raise InjectionRefused(f"process {pid} does not allow remote debugging: {why}",
                                    _OPT_OUT_HINT, pid=pid)
-        interpreter = _pointer(pid, target.runtime_address + offsets.interpreters_head,
-                               procfs)
-        main = _pointer(pid, interpreter + offsets.threads_main, procfs)
+        interpreter = _pointer(target, table.runtime_address + offsets.interpreters_head)
+        main = _pointer(target, interpreter + offsets.threads_main)
         if main == 0:
             raise InjectionFailed(f"process {pid} has no main thread state",
                                   "attach once the job has started", pid=pid)
         try:
-            bootstrap = write_bootstrap(pid, code, procfs=procfs, start_ticks=start_time)
+            bootstrap = write_bootstrap(target, code, outlive_agent=True)
         except OSError as error:
             raise InjectionFailed(f"cannot write the bootstrap script: {error}",
                                   "make a temporary directory writable (TMPDIR)",
@@ -248,15 +242,15 @@ def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
                                   "the job's remote-debugger buffer",
                                   "set TMPDIR to a shorter directory", pid=pid)
         support = main + offsets.remote_debugger_support
-        queued = QueuedRemoteExec(pid, start_time or 0, support + offsets.debugger_pending_call,
+        queued = QueuedRemoteExec(target, support + offsets.debugger_pending_call,
                                   time.monotonic())
         try:
             # Path first, then the flag, then the breaker: the job reads them in that order.
-            _write(pid, support + offsets.debugger_script_path, path, procfs)
-            _write(pid, support + offsets.debugger_pending_call, struct.pack("<i", 1), procfs)
-            breaker = _pointer(pid, main + offsets.eval_breaker, procfs)
-            _write(pid, main + offsets.eval_breaker,
-                   struct.pack("<Q", breaker | EVAL_PLEASE_STOP_BIT), procfs)
+            _write(target, support + offsets.debugger_script_path, path)
+            _write(target, support + offsets.debugger_pending_call, struct.pack("<i", 1))
+            breaker = _pointer(target, main + offsets.eval_breaker)
+            _write(target, main + offsets.eval_breaker,
+                   struct.pack("<Q", breaker | EVAL_PLEASE_STOP_BIT))
         except BaseException:
             bootstrap.remove()
             raise
@@ -266,9 +260,9 @@ def inject_with_remote_debug(pid: int, code: str, target: RemoteDebugTarget, *,
         remember(queued)
         return queued
     except PermissionError:
-        raise refused(pid, procfs, "cannot write its memory") from None
+        raise refused(target, "cannot write its memory") from None
     except OSError as error:
-        if isinstance(error, ProcessLookupError) or not running(pid, procfs):
+        if isinstance(error, ProcessLookupError) or not running(pid, procfs=target.procfs):
             raise TargetNotFound(f"process {pid} exited before the probe could be injected",
                                  "attach to a running job", pid=pid) from None
         raise InjectionFailed(f"remote exec into process {pid} failed: {error}",

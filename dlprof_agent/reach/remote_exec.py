@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dlprof_agent.collectors.procfs import PROC_ROOT
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionFailed, TargetNotFound
 from dlprof_agent.reach.bootstrap_files import (
     BOOTSTRAP_FILE_SECONDS,
@@ -16,11 +16,12 @@ from dlprof_agent.reach.bootstrap_files import (
 from dlprof_agent.reach.refusal import refused
 
 
-def inject_with_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str], object]
-                            ) -> None:
+def inject_with_remote_exec(target: Target, code: str,
+                            remote_exec: Callable[[int, str], object]) -> None:
     """``remote_exec`` is ``sys.remote_exec`` (a stand-in in tests)."""
+    pid = target.pid
     try:
-        bootstrap = write_bootstrap(pid, code)
+        bootstrap = write_bootstrap(target, code)
     except OSError as error:
         raise InjectionFailed(f"cannot write the bootstrap script: {_first_line(error)}",
                               "make a temporary directory writable (TMPDIR)", pid=pid) from None
@@ -31,7 +32,7 @@ def inject_with_remote_exec(pid: int, code: str, remote_exec: Callable[[int, str
         raise TargetNotFound(f"process {pid} exited before the probe could be injected",
                              "attach to a running job", pid=pid) from None
     except PermissionError:
-        raise refused(pid, PROC_ROOT, "sys.remote_exec was denied") from None
+        raise refused(target, "sys.remote_exec was denied") from None
     except (OSError, RuntimeError, ValueError) as error:
         raise InjectionFailed(f"sys.remote_exec into process {pid} failed: {_first_line(error)}",
                               "the job must not disable remote debugging "

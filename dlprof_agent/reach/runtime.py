@@ -9,17 +9,17 @@ import os
 import re
 from dataclasses import dataclass
 
-from dlprof_agent.collectors.procfs import (
-    PROC_ROOT,
-    Mapping,
-    executable_path,
-    read_executable,
-    read_memory_map,
-)
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.reach.elf import ElfScan, scan_elf_file
 from dlprof_agent.reach.mapped_files import mapped_file_paths
-from dlprof_agent.reach.procfs import raise_if_gone
+from dlprof_agent.reach.procfs import (
+    Mapping,
+    executable,
+    executable_path,
+    raise_if_gone,
+    read_memory_map,
+)
 from dlprof_agent.reach.refusal import refused
 
 # What the injectors call in the job (besides libc's mmap); both must be defined in the
@@ -56,11 +56,10 @@ def _libpython_mappings(maps: list[Mapping]) -> dict[str, tuple[int, int]]:
     return found
 
 
-def _scan_mapped(pid: int, procfs: str, path: str, addresses: tuple[int, int]
-                 ) -> ElfScan | None:
+def _scan_mapped(target: Target, path: str, addresses: tuple[int, int]) -> ElfScan | None:
     # Through the target's root first (its mount namespace, its chroot); then
     # map_files, which still opens a library deleted or replaced since it was loaded.
-    candidates = mapped_file_paths(pid, path, [(*addresses, "", 0, path)], procfs=procfs)
+    candidates = mapped_file_paths(target, path, [(*addresses, "", 0, path)])
     denied: PermissionError | None = None
     for candidate in candidates:
         try:
@@ -75,8 +74,8 @@ def _scan_mapped(pid: int, procfs: str, path: str, addresses: tuple[int, int]
     return None
 
 
-def find_python_runtime(pid: int, *, procfs: str = PROC_ROOT) -> PythonRuntime | None:
-    """The ELF file through which process ``pid`` exports the CPython C API.
+def find_python_runtime(target: Target) -> PythonRuntime | None:
+    """The ELF file through which the target exports the CPython C API.
 
     None when the process is not a CPython we can inject into: neither its executable
     nor a mapped ``libpython3*.so*`` defines all of REQUIRED_SYMBOLS (PyGILState_Ensure,
@@ -85,35 +84,36 @@ def find_python_runtime(pid: int, *, procfs: str = PROC_ROOT) -> PythonRuntime |
     Raises TargetNotFound when there is no such (live) process, and InjectionRefused
     when the process exists but the agent may not read its executable or mappings.
     """
+    pid, procfs = target.pid, target.procfs
     try:
-        exe_path = read_executable(pid, root=procfs)
+        exe_path = executable(pid, procfs=procfs)
         if exe_path is None:
             raise PermissionError(pid)
         if not exe_path:  # a kernel thread has no executable
             return None
         # Opening the link itself reaches the file even across mount namespaces.
-        exe_scan = scan_elf_file(executable_path(pid, root=procfs))
+        exe_scan = scan_elf_file(executable_path(pid, procfs=procfs))
     except PermissionError:
-        raise refused(pid, procfs, "cannot read its executable") from None
+        raise refused(target, "cannot read its executable") from None
     except (OSError, TargetGone):  # an exited process has no /proc entry
-        raise_if_gone(pid, procfs)
+        raise_if_gone(pid, procfs=procfs)
         return None
     exe_version = _version_from_name(exe_path.removesuffix(" (deleted)"))
     if exe_scan is not None and exe_scan.defined >= REQUIRED_SYMBOLS:
         return PythonRuntime(exe_path, exe_scan.py_version or exe_version)
 
     try:
-        maps = read_memory_map(pid, root=procfs)
+        maps = read_memory_map(pid, procfs=procfs)
     except TargetGone:
-        raise_if_gone(pid, procfs)
+        raise_if_gone(pid, procfs=procfs)
         return None
     if maps is None:
-        raise refused(pid, procfs, "cannot read its memory map")
+        raise refused(target, "cannot read its memory map")
     for path, addresses in _libpython_mappings(maps).items():
         try:
-            scan = _scan_mapped(pid, procfs, path, addresses)
+            scan = _scan_mapped(target, path, addresses)
         except PermissionError:
-            raise refused(pid, procfs, f"cannot read {path}") from None
+            raise refused(target, f"cannot read {path}") from None
         if scan is not None and scan.defined >= REQUIRED_SYMBOLS:
             clean = path.removesuffix(" (deleted)")
             return PythonRuntime(clean, scan.py_version or _version_from_name(clean) or exe_version)

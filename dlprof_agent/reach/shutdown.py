@@ -23,6 +23,7 @@ import struct
 from collections.abc import Callable
 from typing import NamedTuple
 
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionNotNow
 from dlprof_agent.reach.debug_offsets import COOKIE
 
@@ -78,8 +79,8 @@ def shutting_down(words: LifeWords, read: Read) -> bool:
                 or (words.interpreters is not None and not word(words.interpreters, 8)))
 
 
-def exiting(pid: int) -> InjectionNotNow:
+def exiting(target: Target) -> InjectionNotNow:
     return InjectionNotNow(
-        f"process {pid} is shutting its Python interpreter down; nothing was done to it",
+        f"process {target.pid} is shutting its Python interpreter down; nothing was done to it",
         "a job at its exit takes no probe: the agent reads it from outside until it ends",
-        pid=pid)
+        pid=target.pid)

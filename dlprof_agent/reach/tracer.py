@@ -12,9 +12,10 @@ import os
 import signal
 import time
 
-from dlprof_agent.collectors.procfs import list_tasks
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
 from dlprof_agent.reach.frame import MAX_XSTATE_BYTES, NT_X86_XSTATE, REGISTERS
+from dlprof_agent.reach.procfs import list_tasks
 
 PTRACE_GETREGS, PTRACE_SETREGS, PTRACE_GETFPREGS, PTRACE_DETACH = 12, 13, 14, 17
 PTRACE_GETREGSET, PTRACE_SETREGSET = 0x4204, 0x4205
@@ -79,12 +80,13 @@ class Tracer:
         return bytes(area)
 
 
-def hold_other_threads(ptrace: Tracer, pid: int, held: dict[int, int]) -> bool:
-    """Stop every thread of ``pid`` but the main one, recording each in ``held`` (with
+def hold_other_threads(ptrace: Tracer, target: Target, held: dict[int, int]) -> bool:
+    """Stop every thread of the target but the main one, recording each in ``held`` (with
     a signal that arrived meanwhile, to pass on). True when all are stopped and no
     thread appeared meanwhile."""
+    pid, procfs = target.pid, target.procfs
     try:
-        others = [tid for tid in list_tasks(pid) if tid != pid]
+        others = [tid for tid in list_tasks(pid, procfs=procfs) if tid != pid]
     except TargetGone:
         return False
     for tid in others:
@@ -104,7 +106,8 @@ def hold_other_threads(ptrace: Tracer, pid: int, held: dict[int, int]) -> bool:
         if status >> 16 != PTRACE_EVENT_STOP:
             held[tid] = os.WSTOPSIG(status)
     try:
-        return sorted(tid for tid in list_tasks(pid) if tid != pid) == sorted(others)
+        return sorted(tid for tid in list_tasks(pid, procfs=procfs)
+                      if tid != pid) == sorted(others)
     except TargetGone:
         return False
 

@@ -8,28 +8,24 @@ from __future__ import annotations
 
 import contextlib
 
-from dlprof_agent.collectors.procfs import open_memory
+from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.lock_wait import ParkingLotWait, waits_in_parking_lot
+from dlprof_agent.reach.mapped_files import read_memory
 from dlprof_agent.reach.procfs import memory_map
 from dlprof_agent.reach.threads import thread_syscalls
 
 
-def _read(pid: int, address: int, size: int) -> bytes:
-    with open_memory(pid) as memory:
-        memory.seek(address)
-        return memory.read(size)
-
-
-def main_thread_parked(pid: int, wait: ParkingLotWait) -> bool:
-    """The main thread of ``pid`` waits in the parking lot, described by ``wait``, for
+def main_thread_parked(target: Target, wait: ParkingLotWait) -> bool:
+    """The main thread of the target waits in the parking lot, described by ``wait``, for
     a caller that retries."""
-    main = next((fields for tid, fields in thread_syscalls(pid) if tid == pid), None)
+    main = next((fields for tid, fields in thread_syscalls(target) if tid == target.pid),
+                None)
     if main is None or len(main) < 9:
         return False
     with contextlib.suppress(ValueError):
         stack_pointer = int(main[7], 16)
-        stack = next((end for start, end, *_ in memory_map(pid)
+        stack = next((end for start, end, *_ in memory_map(target.pid, procfs=target.procfs)
                       if start <= stack_pointer < end), None)
         return stack is not None and waits_in_parking_lot(
-            main, lambda address, size: _read(pid, address, size), stack, wait)
+            main, lambda address, size: read_memory(target, address, size), stack, wait)
     return False

@@ -1,6 +1,7 @@
 """What reaching a process's probe is waiting for right now, in a few words, so
-that the agent can show it while it waits (``attach``'s progress line). The
-injectors and ``connect`` say each step here; nothing is waited on through it."""
+that the agent can show it while it waits (``attach``'s progress line). ``connect``
+says each step here, the injector's own waits through the ``say_waiting`` it is
+handed; nothing is waited on through it."""
 
 from __future__ import annotations
 
