@@ -193,3 +193,24 @@ def test_the_package_is_plain_folders() -> None:
     # Links hide files from tools (every file twice, or imports unresolved).
     links = [p for p in PACKAGE.rglob("*") if p.is_symlink()]
     assert not links, links
+
+
+# The injector's /proc front reads by pid; bootstrap_files.py reads the pids of
+# other agents and jobs from the names of files they left behind.
+BARE_PID_ALLOWED = {"dlprof_agent.reach.procfs", "dlprof_agent.reach.bootstrap_files"}
+
+
+def test_the_injectors_take_the_job_as_a_target_not_a_pid() -> None:
+    """A job reaches reach/ as one Target (collectors/target.py), made where its pid
+    was given or found: an injector that took a bare pid would read the start time
+    again, or not at all, and the job's trip through the rooms grows again."""
+    bare = []
+    for module, path in MODULES.items():
+        if not module.startswith("dlprof_agent.reach.") or module in BARE_PID_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                bare += [f"{module}.{node.name}" for argument in arguments
+                         if argument.arg == "pid"]
+    assert bare == []
