@@ -2,7 +2,7 @@
 
 Both ends use these types: the probe builds its replies as them (the connection
 handlers, ``Recorder.snapshot()``, the kernel tracer's tables), and the agent
-reads them (``collectors/probe_samples.py``), where every value is still checked:
+reads them (``probe_link/samples.py``), where every value is still checked:
 what arrives on the socket may come from anything.
 
 A frame holds one JSON object (``protocol.py``). A row is a JSON array of fixed

@@ -1,4 +1,4 @@
-"""The sampler's channel to the probe in the target, kept across its loss: late
+"""The agent's channel to the probe in the target, kept across its loss: late
 replies, a probe that stops answering, a connection that breaks (reached, or
 injected, again off the sampling pass with a growing pause), and an exec that
 puts another program behind the pid."""
@@ -72,7 +72,7 @@ class ProbeCondition(NamedTuple):
 
 
 class ProbeSource:
-    """The sampler's view of the probe: a sample per pass, or None while there is
+    """The agent's view of the probe: a sample per pass, or None while there is
     none to be had.
 
     It is on the sampling pass, so it never waits long: a reply gets half an interval

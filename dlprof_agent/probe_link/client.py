@@ -1,6 +1,6 @@
 """The agent's side of the probe channel: finds a probe's socket, checks who
 serves it, starts the probe and asks it for snapshots, which
-``probe_samples.py`` decodes into typed samples."""
+``samples.py`` decodes into typed samples."""
 
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class ReplyLate(TimeoutError):
 
 
 class ProbeClient:
-    """One connection to one probe. Not thread-safe: the sampler owns it."""
+    """One connection to one probe. Not thread-safe: its channel (channel.py) owns it."""
 
     def __init__(self, pid: int, connection: socket.socket, hello: Mapping[str, Any],
                  *, layers: bool = True) -> None:

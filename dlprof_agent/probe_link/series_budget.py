@@ -213,7 +213,7 @@ class SeriesBudget:
                 continue
             folded = self._fold(sample, max(0, self.per_target - beside), folds)
             # All of it: what the reply's rows lost to this budget before they were
-            # built (probe_samples, reply_rows) is counted here, once per pass.
+            # built (samples, reply_rows) is counted here, once per pass.
             per_target.append((folded, beside, folded.series_folded))
         dropped = dict.fromkeys(REASONS, 0)
         dropped["target_budget"] = sum(count for _, _, count in per_target)

@@ -116,7 +116,7 @@ class ProbeStart:
             source = open_probe(self.target, self._options, interval=self._interval,
                                 wait_seconds=self._wait_seconds, timeouts=self._timeouts)
         except TargetNotFound:
-            pass  # the job ended meanwhile: the sampler sees it, and the attach ends as usual
+            pass  # the job ended meanwhile: the next pass sees it, and the attach ends as usual
         except DlprofError as error:
             failure = error
         except Exception as error:  # the job's process metrics go on regardless
