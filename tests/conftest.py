@@ -435,3 +435,12 @@ def prometheus(tmp_path: Path, agent: tuple[subprocess.Popen[bytes], int]
         f"    static_configs: [{{targets: ['127.0.0.1:{agent[1]}']}}]\n")
     with running_prometheus(config, tmp_path / "data") as server:
         yield server
+
+
+@pytest.fixture
+def python_sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A Python process that sleeps for a minute, killed after the test."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield process
+    process.kill()
+    process.wait()

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import itertools
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,14 +23,6 @@ from tests.helpers import wait_until
 class BrokenHost(HostCollector):
     def sample(self) -> HostSample:
         raise OSError("no /proc/stat")
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield process
-    process.kill()
-    process.wait()
 
 
 class OneJob:
@@ -60,28 +50,28 @@ def make_sampler(pid: int, errors: ErrorLog, host: HostCollector | None = None) 
 
 
 def test_a_failing_collector_is_counted_and_the_others_still_publish(
-        sleeper: subprocess.Popen[bytes]) -> None:
+        python_sleeper: subprocess.Popen[bytes]) -> None:
     errors = ErrorLog(("process", "host"))
-    sampler = make_sampler(sleeper.pid, errors, host=BrokenHost())
+    sampler = make_sampler(python_sleeper.pid, errors, host=BrokenHost())
     first = sampler.sample_once()
     second = sampler.sample_once()
     assert first.host is None and second.host is None
-    assert [p.pid for p in second.processes] == [sleeper.pid]
+    assert [p.pid for p in second.processes] == [python_sleeper.pid]
     assert dict(second.collector_errors) == {"process": 0, "host": 2}
     assert second.samples_total == 2
     assert sampler.agent.latest is not None
-    assert target_snapshot(sampler.agent.latest, sleeper.pid) == second
+    assert target_snapshot(sampler.agent.latest, python_sleeper.pid) == second
 
 
 def test_the_loop_ends_with_target_down_when_the_target_exits(
-        sleeper: subprocess.Popen[bytes]) -> None:
-    sampler = make_sampler(sleeper.pid, ErrorLog())
+        python_sleeper: subprocess.Popen[bytes]) -> None:
+    sampler = make_sampler(python_sleeper.pid, ErrorLog())
     seen: list[Snapshot] = []
     loop = threading.Thread(target=sampler.run, args=(threading.Event(), seen))
     loop.start()
     wait_until(lambda: seen, 10, what="the loop's first pass")
-    sleeper.kill()
-    sleeper.wait()
+    python_sleeper.kill()
+    python_sleeper.wait()
     loop.join(5)
     assert not loop.is_alive()
     assert seen[0].target_up and seen[0].target is not None
@@ -91,8 +81,8 @@ def test_the_loop_ends_with_target_down_when_the_target_exits(
 
 @pytest.mark.slow  # a timing window: half a second of passes, counted
 def test_the_loop_keeps_to_its_interval_and_stops_on_request(
-        sleeper: subprocess.Popen[bytes]) -> None:
-    sampler = make_sampler(sleeper.pid, ErrorLog())
+        python_sleeper: subprocess.Popen[bytes]) -> None:
+    sampler = make_sampler(python_sleeper.pid, ErrorLog())
     stop = threading.Event()
     seen: list[Snapshot] = []
     loop = threading.Thread(target=sampler.run, args=(stop, seen))
@@ -107,15 +97,15 @@ def test_the_loop_keeps_to_its_interval_and_stops_on_request(
     assert min(gaps) > 0.02
 
 
-def test_the_agent_reports_its_own_footprint(sleeper: subprocess.Popen[bytes]) -> None:
-    snapshot = make_sampler(sleeper.pid, ErrorLog()).sample_once()
+def test_the_agent_reports_its_own_footprint(python_sleeper: subprocess.Popen[bytes]) -> None:
+    snapshot = make_sampler(python_sleeper.pid, ErrorLog()).sample_once()
     assert snapshot.agent is not None
     assert snapshot.agent.cpu_seconds > 0
     assert 0 < snapshot.agent.rss_bytes <= snapshot.agent.rss_peak_bytes
 
 
 def test_a_stop_signal_landing_in_a_guarded_read_ends_the_loop(
-        sleeper: subprocess.Popen[bytes]) -> None:
+        python_sleeper: subprocess.Popen[bytes]) -> None:
     # The SIGTERM handler raises its stop exception wherever the main thread is,
     # often inside a collector read whose failures are counted and swallowed.
     from dlprof_agent.agent.loop import StopRequested
@@ -126,5 +116,5 @@ def test_a_stop_signal_landing_in_a_guarded_read_ends_the_loop(
 
     errors = ErrorLog()
     with pytest.raises(StopRequested):
-        make_sampler(sleeper.pid, errors, host=StoppedHost()).sample_once()
+        make_sampler(python_sleeper.pid, errors, host=StoppedHost()).sample_once()
     assert errors.counts() == {}

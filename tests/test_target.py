@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -14,29 +13,22 @@ from dlprof_agent.collectors.target import Target, open_target
 from dlprof_agent.errors import TargetGone, TargetNotFound, UsageError
 
 
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield process
-    process.kill()
-    process.wait()
-
-
 def test_a_target_is_its_pid_and_start_time_until_it_exits(
-        sleeper: subprocess.Popen[bytes]) -> None:
-    target = open_target(sleeper.pid)
-    assert target == Target.of(sleeper.pid)  # the same start time, read twice
-    assert target.is_running() and str(target) == f"process {sleeper.pid}"
+        python_sleeper: subprocess.Popen[bytes]) -> None:
+    target = open_target(python_sleeper.pid)
+    assert target == Target.of(python_sleeper.pid)  # the same start time, read twice
+    assert target.is_running() and str(target) == f"process {python_sleeper.pid}"
     assert target.name().startswith("python")
-    sleeper.kill()
-    sleeper.wait()
+    python_sleeper.kill()
+    python_sleeper.wait()
     assert not target.is_running()
     with pytest.raises(TargetGone):
-        Target.of(sleeper.pid)
+        Target.of(python_sleeper.pid)
 
 
-def test_a_reused_pid_is_another_target(sleeper: subprocess.Popen[bytes]) -> None:
-    earlier = replace(Target.of(sleeper.pid), start_ticks=Target.of(sleeper.pid).start_ticks - 1)
+def test_a_reused_pid_is_another_target(python_sleeper: subprocess.Popen[bytes]) -> None:
+    now = Target.of(python_sleeper.pid)
+    earlier = replace(now, start_ticks=now.start_ticks - 1)
     assert not earlier.is_running()
 
 
