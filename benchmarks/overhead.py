@@ -29,7 +29,6 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from benchmarks.common import (
     positive_int,
     str_list,
 )
-from benchmarks.overhead_report import add_comparison, add_workload
+from benchmarks.overhead_report import Config, Measured, add_comparison, add_workload
 from benchmarks.paired import Pairs, ProbeDriver, TrainingJob, run_pairs
 
 NAME = "overhead"
@@ -61,21 +60,6 @@ MEASURES = ("dlprof_agent/probe", "benchmarks/overhead.py", "benchmarks/paired.p
             "benchmarks/training_job.py")
 PLANTED = 0.005
 SETTLE_STEPS = 5  # a block's first steps: the probe finds the model, a profiler starts
-
-
-@dataclass(frozen=True)
-class Config:
-    key: str
-    label: str
-    probe: dict[str, Any] | None = None  # StartArgs for the on block; None: no probe
-    keep: bool = False  # one session, paused between on blocks (a duty cycle's state)
-    mode: str = "plain"  # the job's mode in the on block (training_job)
-    py_spy: bool = False
-    first_only: bool = False  # the method's own checks, the comparison: first job only
-    method: bool = False  # the method's own checks: --method-pairs pairs
-    compared: bool = False  # also run against --compare's code
-    by_mean: bool = False  # only some steps pay (paired.Pairs)
-    gpu_only: bool = False  # CUPTI's part: nothing to measure without a GPU
 
 
 CONFIGS = (
@@ -147,19 +131,6 @@ def py_spy_problem(pid: int) -> str | None:
         why = (check.stderr or check.stdout).strip().splitlines()
         return "py-spy cannot attach: " + (why[-1] if why else f"exit {check.returncode}")
     return None
-
-
-@dataclass
-class Measured:
-    """One job's configurations: their pairs and the probe's own price."""
-
-    label: str  # the workload, its threads and the code's version
-    framework: str
-    batch: int
-    steps: int
-    device: str
-    pairs: dict[str, Pairs] = field(default_factory=dict)
-    own_cpu_per_step: dict[str, float] = field(default_factory=dict)
 
 
 def _switches(config: Config, job: TrainingJob, processes: Processes,

@@ -1,14 +1,42 @@
-"""The overhead benchmark's tables and targets, from its paired blocks."""
+"""The overhead benchmark's configurations and what it measured of each, and its
+tables and targets, from its paired blocks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from benchmarks.common import Column, Result, Table, TargetCheck
-from benchmarks.paired import difference_interval
+from benchmarks.paired import Pairs, difference_interval
 
-if TYPE_CHECKING:
-    from benchmarks.overhead import Config, Measured
+
+@dataclass(frozen=True)
+class Config:
+    key: str
+    label: str
+    probe: dict[str, Any] | None = None  # StartArgs for the on block; None: no probe
+    keep: bool = False  # one session, paused between on blocks (a duty cycle's state)
+    mode: str = "plain"  # the job's mode in the on block (training_job)
+    py_spy: bool = False
+    first_only: bool = False  # the method's own checks, the comparison: first job only
+    method: bool = False  # the method's own checks: --method-pairs pairs
+    compared: bool = False  # also run against --compare's code
+    by_mean: bool = False  # only some steps pay (paired.Pairs)
+    gpu_only: bool = False  # CUPTI's part: nothing to measure without a GPU
+
+
+@dataclass
+class Measured:
+    """One job's configurations: their pairs and the probe's own price."""
+
+    label: str  # the workload, its threads and the code's version
+    framework: str
+    batch: int
+    steps: int
+    device: str
+    pairs: dict[str, Pairs] = field(default_factory=dict)
+    own_cpu_per_step: dict[str, float] = field(default_factory=dict)
+
 
 STEPS_TARGET = 0.005
 LAYERS_TARGET = 0.01
