@@ -66,6 +66,10 @@ class AgentOptions:
     node_name: str = ""  # dlprof_target_info's node (--node-name, resolved)
     children: bool = True  # a target's descendants are read with it
     probe_wait_seconds: float = 0.0  # `run`: the probe appears once Python has started
+    # Take a probe that already listens within the pass that finds its target, so
+    # that `attach`'s first sample holds its figures; the daemon reaches every probe
+    # off its loop, where a stopped job cannot hold up a pass.
+    probe_first: bool = False
 
 
 @dataclass
@@ -222,15 +226,14 @@ class Agent:
                            timeouts=self.options.channel, on_open=watch.attach_probe,
                            on_error=lambda error: self.errors.record("probe", error))
         watch.start = start
-        try:
-            # A probe that already listens is taken at once, so that the first
-            # pass holds its figures; one to inject is reached off the loop.
-            start.open_running()
-        except DlprofError as error:
-            self._on_probe_failure(watch, error)
-            return
+        if self.options.probe_first:
+            try:
+                start.open_running()
+            except DlprofError as error:
+                self._on_probe_failure(watch, error)
+                return
         if not start.done:
-            start.start()
+            start.start()  # one to inject, or any for the daemon: off the loop
 
     def _drop(self, watch: TargetWatch, why: str, wait_seconds: float = 0.0) -> None:
         del self.targets[watch.pid]

@@ -39,6 +39,7 @@ log = logging.getLogger("dlprof_agent")
 class ServeOptions(AgentOptions):
     """The core's options, and how one job's agent serves and ends."""
 
+    probe_first: bool = True  # the first sample holds a running probe's figures
     listen: str = DEFAULT_LISTEN
     port: int = DEFAULT_PORT
     duration: float | None = None
