@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -327,7 +327,3 @@ def _say_no_probe(watch: TargetWatch, error: DlprofError) -> None:
 def _name(pid: int, table: ProcessTable | None) -> str:
     entry = table.entries.get(pid) if table is not None else None
     return entry.comm if entry is not None else "?"
-
-
-def snapshots_of(node: NodeSnapshot | None) -> Iterable[Snapshot]:
-    return () if node is None else node.targets
