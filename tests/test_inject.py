@@ -504,3 +504,25 @@ def test_libpython_found_through_the_targets_maps(tmp_path: Path, deleted: bool)
     target.write_bytes(elf(64, "<", PYTHON_SYMBOLS))  # no Py_Version: the name tells
     runtime = find_python_runtime(Target.of(pid, procfs=str(procfs)))
     assert runtime == PythonRuntime(library, (3, 13))
+
+
+def test_the_agents_temporary_directory_is_found_without_writing_to_it(tmp_path: Path) -> None:
+    """tempfile.gettempdir()'s first call writes and removes a test file: an agent killed
+    between the two left it in $TMPDIR (seen once in the kill tests). Cleaning stale files
+    finds the directory as gettempdir would, and leaves it as it was."""
+    empty = tmp_path / "agent-tmp"
+    empty.mkdir()
+    code = ("from dlprof_agent.reach.bootstrap_files import remove_stale_files, "
+            "temporary_directory\n"
+            "remove_stale_files()\n"
+            "print(temporary_directory())\n")
+    found = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(empty)},
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert found.strip() == str(empty)
+    assert list(empty.iterdir()) == []
+    unusable = {**os.environ, "TMPDIR": str(tmp_path / "missing")}
+    found = subprocess.run([sys.executable, "-c", code], env=unusable, capture_output=True,
+                           text=True, timeout=60, check=True).stdout
+    assert found.strip() == subprocess.run(
+        [sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], env=unusable,
+        capture_output=True, text=True, timeout=60, check=True).stdout.strip()

@@ -41,7 +41,7 @@ def return_large_buffers() -> bool:
     if not done:
         log.debug("mallopt(M_MMAP_THRESHOLD) refused")
     # One arena for every thread: they allocate under the GIL all the same, and an
-    # arena of its own per probe-exchange and render thread kept what each freed.
+    # arena of its own per probe-exchange and serving thread kept what each freed.
     if not mallopt(_M_ARENA_MAX, 1):
         log.debug("mallopt(M_ARENA_MAX) refused")
     return done

@@ -4,8 +4,9 @@ optionally behind TLS and basic authentication (``exporters.web_config``).
 A fixed set of threads serves it, whatever the load: one I/O thread accepts,
 completes TLS handshakes and reads requests whole without blocking, and a few
 workers answer complete requests; idle and half-sent connections are closed
-after a timeout. The serving threads run under SCHED_IDLE, so the job's threads
-preempt them; renders run on a thread of the agent's own priority.
+after a timeout. The serving threads run at nice 10: the job's threads preempt
+them, yet a job that keeps every core busy cannot starve a scrape past
+Prometheus's timeout, as SCHED_IDLE (and, through the GIL, nice 19) did.
 
 A scrape renders the latest sample at most once per format and encoding: with
 ``version`` (a value that changes when a new sample is published), the bytes
@@ -52,7 +53,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -90,18 +90,17 @@ TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # overflowed the old 5 (Linux caps it at net.core.somaxconn, 4096 by default).
 LISTEN_BACKLOG = 1024
 # Threads that answer requests. The I/O thread reads requests until they are whole, so a
-# worker never waits on a slow or idle client; the bound is 1 + WORKERS + 1 render thread,
-# and 1 checking thread with basic authentication.
+# worker never waits on a slow or idle client; the bound is 1 + WORKERS, and 1 checking
+# thread with basic authentication.
 WORKERS = 2
 # A connection that has not sent its whole request this long after it opened (or a
 # client that takes this long to read the answer) is closed.
 REQUEST_TIMEOUT_SECONDS = 10.0
 MAX_CONNECTIONS = 1000  # open at once, besides the listening socket
 MAX_REQUEST_BYTES = 65536
-# Lower than any nice value: the job's threads preempt the serving threads at once.
-SERVING_POLICY = getattr(os, "SCHED_IDLE", None)
-# The nice value of the agent's other working threads (sampling, rendering): under
-# contention the job gets about ten times their CPU share.
+# The serving threads' nice value: under contention the job gets about ten times
+# their CPU share. Not lower: a thread that waits seconds for a core holds the GIL
+# through them, and every other thread of the agent with it.
 AGENT_NICE = 10
 
 log = logging.getLogger("dlprof_agent")
@@ -115,15 +114,6 @@ def nice_this_thread(nice: int = AGENT_NICE) -> None:
         thread = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, thread) < nice:
             os.setpriority(os.PRIO_PROCESS, thread, nice)
-
-
-def lower_thread_priority() -> None:
-    """Put the calling thread under SCHED_IDLE where the platform has it."""
-    if SERVING_POLICY is None:
-        return
-    # Not permitted (some containers): then served at the process's priority.
-    with contextlib.suppress(OSError):
-        os.sched_setscheduler(0, SERVING_POLICY, os.sched_param(0))  # 0: this thread
 
 
 @dataclass
@@ -213,7 +203,6 @@ class MetricsServer:
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(5)
-        self._renderer.close()
         self._listener.close()
         self._wake_read.close()
         self._wake_write.close()
@@ -221,7 +210,7 @@ class MetricsServer:
     # The I/O thread.
 
     def _serve_io(self) -> None:
-        lower_thread_priority()
+        nice_this_thread()
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ, None)
         selector.register(self._wake_read, selectors.EVENT_READ, None)
@@ -357,7 +346,7 @@ class MetricsServer:
     # The workers.
 
     def _answer(self) -> None:
-        lower_thread_priority()
+        nice_this_thread()
         while True:
             connection = self._requests.get()
             if connection is None:
@@ -392,7 +381,7 @@ class MetricsServer:
     # The checking thread: one, so that a flood costs at most one core.
 
     def _check_credentials(self) -> None:
-        lower_thread_priority()
+        nice_this_thread()
         assert self._web_config is not None
         while True:
             connection = self._checks.get()
@@ -448,19 +437,8 @@ class _Renderer:
         self._version = version
         self._lock = threading.Lock()
         self._cached: dict[tuple[str, bool], tuple[object, str, bytes]] = {}
-        # Renders run on a thread of their own, started here so that it runs at nice 10
-        # and not under the serving threads' SCHED_IDLE (threads inherit it): a render
-        # is once per sample, and a job that fills every core must not starve it.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="dlprof-render")
-        self._executor.submit(nice_this_thread).result()
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
 
     def render(self, accept: str, gzipped: bool) -> tuple[str, bytes]:
-        return self._executor.submit(self._render, accept, gzipped).result()
-
-    def _render(self, accept: str, gzipped: bool) -> tuple[str, bytes]:
         if self._version is None:
             return render_for(self._registry, accept, gzipped)
         key = ("text" if _accepts_text(accept) else accept, gzipped)

@@ -20,6 +20,22 @@ from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.procfs import inside_root_path
 
 BOOTSTRAP_FILE_SECONDS = 120.0  # how long a remote_exec script stays on disk
+# Where tempfile.gettempdir() looks, in its order, before the working directory.
+_TEMP_VARIABLES = ("TMPDIR", "TEMP", "TMP")
+_TEMP_DIRECTORIES = ("/tmp", "/var/tmp", "/usr/tmp")
+
+
+def temporary_directory() -> str:
+    """The agent's temporary directory, as tempfile chooses it but without writing:
+    gettempdir's first call creates and removes a test file there, which an agent
+    killed in between (as the kill tests do, at random moments) leaves behind."""
+    if tempfile.tempdir is not None:
+        return tempfile.tempdir
+    candidates = [os.environ.get(name) for name in _TEMP_VARIABLES]
+    for candidate in (*candidates, *_TEMP_DIRECTORIES):
+        if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK):
+            return os.path.abspath(candidate)
+    return os.getcwd()
 
 
 class Bootstrap:
@@ -79,7 +95,7 @@ def write_bootstrap(target: Target, code: str, *, outlive_agent: bool = False
         return Bootstrap(inside_root_path(target.pid, "/tmp", procfs=target.procfs), "/tmp",
                          code, job)
     except OSError:
-        local = tempfile.gettempdir()
+        local = temporary_directory()
         return Bootstrap(local, local, code, job)
 
 
@@ -169,7 +185,7 @@ def remove_stale_files(target: Target | None = None, *, now: float | None = None
     (and in the /tmp of the target, which may be another container's). Safe to
     call any time: it removes only files of dead agents. Returns the names removed."""
     when = time.time() if now is None else now
-    places = [tempfile.gettempdir()]
+    places = [temporary_directory()]
     if target is not None:
         places.append(inside_root_path(target.pid, "/tmp", procfs=target.procfs))
     seen: set[tuple[int, int]] = set()
