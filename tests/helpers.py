@@ -12,8 +12,8 @@ from typing import TypeVar
 import pytest
 
 T = TypeVar("T")
-# A client's wait for the agent's answer: it serves at nice 10, so on a machine whose
-# cores are busy (a parallel run) an answer may wait seconds for a CPU.
+# A client's wait for the agent's answer: on a machine whose cores are busy (a
+# parallel run on two cores) an answer may wait seconds for a CPU.
 SCRAPE_TIMEOUT_SECONDS = 60.0
 
 

@@ -12,8 +12,8 @@
   with its line, never an abort.
 
 Each exit's time after SIGTERM is printed: a few tenths of a second on an idle machine.
-The agent serves at nice 10, so on cores the tests keep busy it may wait its turn
-for seconds; only an agent still there after ``STOP_SECONDS`` fails (a hang).
+On cores the tests keep busy the agent may wait its turn for seconds; only an agent
+still there after ``STOP_SECONDS`` fails (a hang).
 
 The figures each test measures are printed (`pytest -s`) for docs/security.md."""
 
