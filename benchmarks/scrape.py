@@ -353,8 +353,8 @@ def _niced_scrapers(port: int, count: int) -> list[Scraper]:
 def _crowd(settings: dict[str, Any], progress: Progress, busy: HostBusy, result: Result
            ) -> Table:
     """A 1-thread job pinned to core 0, ``--crowd`` back-to-back scrapers pinned to the
-    other cores, and the server as the agent runs (renders once per 1 s sample, at the
-    agent's priority), free to run anywhere: the job's step time with and
+    other cores, and the server as the agent runs (renders once per 1 s sample, serving
+    threads at nice 10), free to run anywhere: the job's step time with and
     without the crowd, in interleaved blocks."""
     rounds, crowd = int(settings["rounds"]), int(settings["crowd"])
     table = Table("crowd", f"{crowd} concurrent scrapers against a 1-thread job, pinned", [

@@ -4,11 +4,9 @@ optionally behind TLS and basic authentication (``exporters.web_config``).
 A fixed set of threads serves it, whatever the load: one I/O thread accepts,
 completes TLS handshakes and reads requests whole without blocking, and a few
 workers answer complete requests; idle and half-sent connections are closed
-after a timeout. The I/O thread and the workers keep the agent's priority: they
-share the GIL with its sampler, and one preempted while holding it holds up
-every thread of the agent, so a lower priority (SCHED_IDLE, nice 19, nice 10)
-left scrapes waiting seconds beside a job that keeps every core busy. What they
-take from the job is the CPU they use, a few milliseconds a scrape.
+after a timeout. The serving threads run at nice 10: the job's threads preempt
+them, yet a job that keeps every core busy cannot starve a scrape past
+Prometheus's timeout, as SCHED_IDLE (and, through the GIL, nice 19) did.
 
 A scrape renders the latest sample at most once per format and encoding: with
 ``version`` (a value that changes when a new sample is published), the bytes
@@ -100,15 +98,18 @@ WORKERS = 2
 REQUEST_TIMEOUT_SECONDS = 10.0
 MAX_CONNECTIONS = 1000  # open at once, besides the listening socket
 MAX_REQUEST_BYTES = 65536
-# The password-checking thread's nice value: a flood of unknown passwords (bcrypt,
-# which runs without the GIL) then gets about a tenth of a busy core's share.
-CHECKING_NICE = 10
+# The serving threads' nice value: under contention the job gets about ten times
+# their CPU share. Not lower: a thread that waits seconds for a core holds the GIL
+# through them, and every other thread of the agent with it.
+AGENT_NICE = 10
 
 log = logging.getLogger("dlprof_agent")
 
 
-def nice_this_thread(nice: int) -> None:
-    """Lower the calling thread (and the threads it starts later) to ``nice``."""
+def nice_this_thread(nice: int = AGENT_NICE) -> None:
+    """Lower the calling thread (and the threads it starts later) to ``nice``. Only
+    threads: the thread that injects the probe keeps its priority, because gdb, which
+    stops the job while it works, inherits it."""
     with contextlib.suppress(OSError):  # Linux keeps a nice value per thread
         thread = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, thread) < nice:
@@ -209,6 +210,7 @@ class MetricsServer:
     # The I/O thread.
 
     def _serve_io(self) -> None:
+        nice_this_thread()
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ, None)
         selector.register(self._wake_read, selectors.EVENT_READ, None)
@@ -344,6 +346,7 @@ class MetricsServer:
     # The workers.
 
     def _answer(self) -> None:
+        nice_this_thread()
         while True:
             connection = self._requests.get()
             if connection is None:
@@ -378,7 +381,7 @@ class MetricsServer:
     # The checking thread: one, so that a flood costs at most one core.
 
     def _check_credentials(self) -> None:
-        nice_this_thread(CHECKING_NICE)
+        nice_this_thread()
         assert self._web_config is not None
         while True:
             connection = self._checks.get()
