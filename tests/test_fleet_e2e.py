@@ -174,21 +174,34 @@ def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not
     """Each rank pinned to a CPU of its own, the slow rank's shared with two busy
     threads: its own time per step grows by a few milliseconds of a step of about 12
     (printed), and its main thread waits for its CPU. The straggler alert names it
-    with cause cpu_starved; while it holds, DlprofSlowExchange does not fire."""
+    with cause cpu_starved; while it holds, DlprofSlowExchange does not fire.
+    Everything else the test starts (daemons, Prometheus, launchers) runs on the slow
+    rank's CPU too: on two cores, beside the fast rank, it made that rank wait for
+    its CPU a third of the time, and the two were not told apart."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs two CPUs: one per rank")
     if not os.path.exists("/proc/self/schedstat"):
         pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO)")
-    ports = [start_daemon(processes, node) for node in (0, 1)]
     slow_cpu = cpus[int(SLOW_RANK) % len(cpus)]
+    own_cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {slow_cpu})  # inherited by whatever this thread starts
+    try:
+        starved_rank_of_a_short_step_job(processes, tmp_path, cpus, slow_cpu)
+    finally:
+        os.sched_setaffinity(0, own_cpus)
+
+
+def starved_rank_of_a_short_step_job(processes: list[subprocess.Popen[bytes]],
+                                     tmp_path: Path, cpus: list[int], slow_cpu: int) -> None:
+    ports = [start_daemon(processes, node) for node in (0, 1)]
     processes += [pinned(slow_cpu, BUSY_LOOP) for _ in range(STARVING_THREADS)]
     with running_prometheus(rules_config(tmp_path, ports), tmp_path / "data") as prometheus:
         master_port = free_port()
         launchers = len(processes)
         for node in (0, 1):
-            start_node(processes, tmp_path, node, master_port, "--pin", "--batch",
-                       str(SHORT_STEP_BATCH))
+            start_node(processes, tmp_path, node, master_port, "--pin",
+                       "--cpus", ",".join(map(str, cpus)), "--batch", str(SHORT_STEP_BATCH))
         try:
             try:
                 alerts = wait_for(lambda: firing(prometheus, ".*[Ss]traggler.*"),

@@ -24,10 +24,13 @@ def main() -> int:
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--input-sleep-ms", type=float, default=20.0)
     parser.add_argument("--pin", action="store_true")
+    parser.add_argument("--cpus", default="",
+                        help="with --pin, the CPUs to pin the ranks to (default: this one's)")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     if args.pin:
-        cpus = sorted(os.sched_getaffinity(0))
+        cpus = ([int(cpu) for cpu in args.cpus.split(",")] if args.cpus
+                else sorted(os.sched_getaffinity(0)))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     args.step_log = f"{args.step_log}.{rank}"
     enable_probe()
