@@ -304,8 +304,10 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def gdb_refusal() -> str | None:
-    """Why the agent will not inject with gdb on this machine (a skip's reason), or
-    None: gdb missing, or one that cannot restore this CPU's register state (AMX)."""
+    """Why gdb cannot be trusted here to call into a job and put its thread back (a
+    skip's reason), or None: gdb missing, or one that cannot restore this CPU's register
+    state (AMX). Only tests in which gdb makes its calls need this; a test that ends
+    before any call uses ``force_gdb``."""
     from dlprof_agent.reach.gdb_versions import gdb_version, xstate_refusal
     from dlprof_agent.reach.xsave_layout import LayoutUnknown, XsaveLayout, host_layout
     gdb_path = shutil.which("gdb")
@@ -316,6 +318,21 @@ def gdb_refusal() -> str | None:
     except LayoutUnknown:
         layout = None
     return xstate_refusal(gdb_version(gdb_path), layout)
+
+
+def force_gdb(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gdb path for the rest of the test, even where the agent would refuse gdb
+    (AMX): for tests in which the agent or gdb's script stops before gdb calls
+    anything in the job (a job gone, at exit, no safe point, another file, XSAVE not
+    writable), so that their code paths run on every CPU. Skips only without gdb."""
+    if hasattr(sys, "remote_exec"):
+        pytest.skip("from Python 3.14 the agent injects with sys.remote_exec, not gdb")
+    if shutil.which("gdb") is None:
+        pytest.skip("gdb is not installed")
+    from dlprof_agent.reach import gdb as gdb_module
+    from dlprof_agent.reach import inject as inject_module
+    monkeypatch.setattr(inject_module, "plan_calls", lambda target, runtime: None)
+    monkeypatch.setattr(gdb_module, "_refuse_unsafe_gdb", lambda target, gdb: None)
 
 
 def free_port() -> int:

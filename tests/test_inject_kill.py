@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,9 +27,8 @@ from dlprof_agent.probe.bootstrap import injection_code
 from dlprof_agent.reach import bootstrap_files, pending
 from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
-from dlprof_agent.reach.runtime import find_python_runtime
-from tests.conftest import agent_env, gdb_refusal
-from tests.helpers import without_eval_loop_stops
+from tests.conftest import agent_env, force_gdb, gdb_refusal
+from tests.helpers import wait_until, without_eval_loop_stops
 
 pytestmark = pytest.mark.skipif(
     hasattr(sys, "remote_exec") or (platform.machine() != "x86_64" and not shutil.which("gdb")),
@@ -241,25 +239,27 @@ def test_code_that_raises_leaves_the_job_running(
     assert interrupted.exists() == (raises == "raise KeyboardInterrupt")
 
 
+@pytest.mark.parametrize("injector", ["ptrace", "gdb"])
 def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
-        processes: list[subprocess.Popen[str]], tmp_path: Path,
+        injector: str, processes: list[subprocess.Popen[str]], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The job ends after the agent looked at it and before gdb attaches: that is what
-    the message says, not a refusal of ptrace."""
-    refused = gdb_refusal()
-    if refused is not None:
-        pytest.skip(refused)
+    """The job ends after the agent found its runtime and saw it running, and before the
+    injector attaches: that is what the message says, not a refusal of ptrace, nor that
+    no such process was ever there. gdb never calls into a job that is gone, so its
+    path runs wherever gdb does, AMX included."""
+    if injector == "gdb":
+        force_gdb(monkeypatch)
+    elif platform.machine() != "x86_64":
+        pytest.skip("the agent's own ptrace injector is x86-64's")
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
-    find_runtime: Callable[..., object] = find_python_runtime
+    def exit_before_the_injector(target: Target) -> list[str]:
+        assert target.pid == job.pid and target.is_running()
+        os.kill(target.pid, signal.SIGKILL)
+        # Not reaped: the pid is a zombie, as it is in a race.
+        wait_until(lambda: status(target.pid, "State") == "Z", 10, what="the job's exit")
+        return bootstrap_files.remove_stale_files(target)
 
-    def exit_next(pid: int) -> object:
-        runtime = find_runtime(pid)
-        os.kill(pid, signal.SIGKILL)
-        while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
-            time.sleep(0.01)
-        return runtime  # not reaped: the pid is a zombie, as it is in a race
-
-    monkeypatch.setattr(inject_module, "find_python_runtime", exit_next)
+    monkeypatch.setattr(inject_module, "remove_stale_files", exit_before_the_injector)
     with pytest.raises(TargetNotFound, match=f"process {job.pid} exited during the injection"):
         inject(Target.of(job.pid), "pass")
 
@@ -376,26 +376,30 @@ def test_stale_bootstrap_files_of_dead_agents_are_removed_and_nothing_else(
     assert (target / "bootstrap.py").exists()
 
 
-@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 def test_where_the_agent_cannot_inject_itself_gdb_queues_the_code(
         processes: list[subprocess.Popen[str]], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off x86-64 (forced here), gdb makes the same two calls; the job goes on, untraced,
-    and a job with no thread waiting in the kernel is left alone."""
+    """Off x86-64 (forced here), gdb makes the same two calls; the job goes on,
+    untraced. gdb must put the thread it called into back whole: not on AMX before
+    gdb 14.1."""
     refused = gdb_refusal()
     if refused is not None:
         pytest.skip(refused)
-    monkeypatch.setattr(inject_module, "plan_calls", lambda target, runtime: None)
+    force_gdb(monkeypatch)
     out = tmp_path / "ran"
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
     queued = inject(Target.of(job.pid), f"open({str(out)!r}, 'w').write('x')")
     assert queued is not None
-    deadline = time.monotonic() + 5
-    while not out.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert out.exists()
+    wait_until(out.exists, 5, what="the code gdb queued to run")
     assert queued.state() == "ran"
     assert training_goes_on(job) is None
+
+
+def test_gdb_leaves_a_job_with_no_thread_waiting_in_the_kernel_alone(
+        processes: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """gdb borrows only a thread that waits in the kernel: a job that never waits is not
+    touched (so this runs wherever gdb does, AMX included)."""
+    force_gdb(monkeypatch)
     spin = "print('ready', flush=True)\nwhile True: pass\n"
     spinner = start([sys.executable, "-c", spin], processes)
     with pytest.raises(InjectionFailed, match="reached no safe point"):

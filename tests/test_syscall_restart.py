@@ -32,11 +32,10 @@ import pytest
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionUnsafe
 from dlprof_agent.reach import gdb as gdb_module
-from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.gdb_versions import parse_gdb_version, xstate_refusal
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.xsave_layout import Component, XsaveLayout
-from tests.conftest import gdb_refusal
+from tests.conftest import force_gdb, gdb_refusal
 from tests.helpers import wait_until
 
 MACHINE = platform.machine()
@@ -226,17 +225,19 @@ def _gdb_refused_here() -> str | None:
     return gdb_refusal()
 
 
-def _force_gdb(monkeypatch: pytest.MonkeyPatch) -> None:
+def _gdb_calling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gdb's turn, for a test in which gdb calls into the job and must put its thread
+    back whole: skipped where it cannot (AMX before gdb 14.1)."""
     refused = _gdb_refused_here()
     if refused is not None:
         pytest.skip(refused)
-    monkeypatch.setattr(inject_module, "plan_calls", lambda target, runtime: None)
+    force_gdb(monkeypatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gdb_leaves_every_wait_its_result(kind: str, jobs: list[Job], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    _force_gdb(monkeypatch)
+    _gdb_calling(monkeypatch)
     _interrupted_wait_returns_its_result(kind, jobs, tmp_path)
 
 
@@ -257,7 +258,7 @@ _LOSE_ORIG_RAX = _CALLS + "        gdb.execute('set $orig_rax = -1', to_string=T
 def test_registers_gdb_did_not_put_back_go_back(jobs: list[Job], tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    _force_gdb(monkeypatch)
+    _gdb_calling(monkeypatch)
     _script_with(monkeypatch, _CALLS, _LOSE_ORIG_RAX)
     with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
         _interrupted_wait_returns_its_result("read", jobs, tmp_path)
@@ -270,7 +271,7 @@ def test_without_putting_them_back_the_restart_code_reaches_the_job(
         jobs: list[Job], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the check above prevents, as it failed on Sapphire Rapids: the kernel
     restarts nothing, and read() returns -1 with errno 512 (ERESTARTSYS)."""
-    _force_gdb(monkeypatch)
+    _gdb_calling(monkeypatch)
     _script_with(monkeypatch, _CALLS, _LOSE_ORIG_RAX)
     _script_with(monkeypatch, "_put_back(saved) if saved", "([], []) if saved")
     marker = tmp_path / "ran"
@@ -288,8 +289,9 @@ def test_without_putting_them_back_the_restart_code_reaches_the_job(
 def test_a_gdb_that_cannot_write_the_xsave_area_calls_nothing(
         jobs: list[Job], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its write of a vector register fails (as gdb 13's does on an AMX CPU): refused
-    before any call, in one line, and the job's wait is as it was."""
-    _force_gdb(monkeypatch)
+    before any call, in one line, and the job's wait is as it was. Nothing is called, so
+    this runs wherever gdb does, with the agent's own refusal (AMX) set aside."""
+    force_gdb(monkeypatch)
     _script_with(monkeypatch, '"set $xmm15.v2_int64[0] = %d" % (word ^ 1)',
                  '"set $xmm15.no_such_lane = 1"')
     marker = tmp_path / "ran"

@@ -37,7 +37,7 @@ from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.mapped_files import read_memory
 from dlprof_agent.reach.runtime import find_python_runtime
 from dlprof_agent.reach.shutdown import shutting_down
-from tests.conftest import agent_env, gdb_refusal
+from tests.conftest import agent_env, force_gdb, gdb_refusal
 from tests.helpers import wait_until
 from tests.test_main_thread_waits import RESULTS, WAITS
 from tests.test_pure_python_loop import (
@@ -190,7 +190,8 @@ def test_gdb_reads_the_jobs_own_files_and_the_job_lives(
 
 def test_gdb_refuses_to_call_an_address_other_than_the_jobs(
         job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
-    _needs_gdb()
+    """Refused before any call, so it runs wherever gdb does, AMX included."""
+    force_gdb(monkeypatch)
     process = job(_COUNTS)
     runtime = find_python_runtime(Target.of(process.pid))
     checked = gdb.checked_addresses(Target.of(process.pid), runtime)
