@@ -1,7 +1,11 @@
 """Aggregates what the framework hooks see into bounded counters.
 
 Hooks run on the training thread, so every method here is a few additions;
-the agent reads a copy once per interval through ``snapshot()``. Memory is
+the agent reads a copy once per interval through ``snapshot()``. PyTorch's
+default hooks do not even call these: they stamp events into a ring
+(``events``, ``torch_steps``) that ``drain()`` replays in order, on the probe's
+thread at each snapshot, or on the job's thread first thing in any method here
+that adds to the totals, so every addition lands in the step it happened in. Memory is
 bounded: fixed histogram buckets and at most ``max_layers`` layer names.
 
 Layer time is duty-cycled (``LayerSampling``): the layer hooks are installed
@@ -38,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dlprof_agent.probe.messages import DEFAULT_WARMUP_STEPS, OTHER, SPLIT, RecorderSnapshot
 
@@ -67,6 +71,17 @@ COST_SAMPLES = 15  # timed steps' extra times kept: their median is the cost
 MIN_COST_SAMPLES = 3
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+class StampedEvents(Protocol):
+    """What a framework's hot path stamps instead of calling the recorder
+    (``torch_steps.StepEvents``): replayed in order by ``Recorder.drain``."""
+
+    def pending(self) -> bool: ...
+
+    def replay(self, recorder: Recorder) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 def priced(hook: _Hook) -> _Hook:
@@ -150,6 +165,10 @@ class Recorder:
         self.max_layers = max_layers
         self.clock = clock
         self._lock = threading.Lock()
+        # Stamped events waiting to be replayed (torch_steps), and the lock that keeps
+        # one replay at a time; taken before ``_lock``, never inside it.
+        self.events: StampedEvents | None = None
+        self._drain_lock = threading.Lock()
         self.step_source = ""
         self._last_boundary: float | None = None
         self._pending_samples = 0
@@ -203,9 +222,37 @@ class Recorder:
 
     # Hot path: called by hooks on the training thread.
 
+    def _catch_up(self) -> None:
+        events = self.events
+        if events is not None and events.pending():
+            self.drain()
+
+    def drain(self) -> None:
+        """Replay the stamped events not yet replayed, in order."""
+        events = self.events
+        if events is None or not events.pending():
+            return
+        with self._drain_lock:
+            events.replay(self)
+
     def step_boundary(self, source: str, now: float | None = None) -> None:
         """A step ended (and the next began) at ``now``, as seen by ``source``."""
         now = self.clock() if now is None else now
+        self._catch_up()
+        self.step_boundary_unchecked(source, now)
+        self.tell_layer_listeners()
+
+    def tell_layer_listeners(self) -> None:
+        """Whether the open step is timed, to the hooks that put layer hooks in and
+        take them out: on the job's thread only, never from a replay on the probe's
+        (a module's hooks changed while the job iterates them would break its call)."""
+        layer_step = self.layer_step
+        for listener in self.layer_listeners:
+            listener(layer_step)
+
+    def step_boundary_unchecked(self, source: str, now: float) -> None:
+        """``step_boundary`` for the replay, which is itself the catching up; the
+        listeners are the caller's to tell."""
         rank = SOURCE_RANK.get(source, 0)
         with self._lock:
             current = SOURCE_RANK.get(self.step_source, 0)
@@ -226,19 +273,21 @@ class Recorder:
                 self._pending_layers.clear()
             else:
                 self._close_step(now - previous)
-            layer_step = self.layer_step
             # As _close_step will weigh this step's layer time when it closes.
             sampling = self._layer_sampling
             self.layer_weight = (sampling.since_sample + 1
-                                 if layer_step and sampling is not None else 1)
-        for listener in self.layer_listeners:
-            listener(layer_step)
+                                 if self.layer_step and sampling is not None else 1)
 
     def add_samples(self, count: int) -> None:
+        self._catch_up()
+        self._pending_samples += count
+
+    def add_samples_unchecked(self, count: int) -> None:
         self._pending_samples += count
 
     def add_layer_time(self, layer: str, phase: str, seconds: float) -> None:
         """Called for every layer call: kept to a few additions."""
+        self._catch_up()
         if not self.steady:
             return  # warm-up layers (first calls, allocator growth) would skew the split
         stats = self._pending_layers.get(layer)
@@ -256,11 +305,22 @@ class Recorder:
 
     def phase_mark(self) -> float:
         """Taken where a phase starts, for ``add_phase_time(since=...)`` at its end."""
+        self._catch_up()
+        return self._phase_total
+
+    @property
+    def phase_total(self) -> float:
+        """``phase_mark`` for the replay."""
         return self._phase_total
 
     def add_phase_time(self, phase: str, seconds: float, since: float | None = None) -> None:
         """``seconds`` of ``phase`` in the open step; with ``since`` (a ``phase_mark``),
         less the phases recorded meanwhile, which were inside it."""
+        self._catch_up()
+        self.add_phase_time_unchecked(phase, seconds, since)
+
+    def add_phase_time_unchecked(self, phase: str, seconds: float,
+                                 since: float | None = None) -> None:
         if since is not None:
             seconds = max(0.0, seconds - (self._phase_total - since))
         self._phase_total += seconds
@@ -274,6 +334,13 @@ class Recorder:
     def resume(self) -> None:
         """The hooks are back after a pause: the next boundary starts a step, not
         one as long as the pause."""
+        self.drain()
+        if self.events is not None:
+            self.events.reset()
+        self.restart_steps()
+
+    def restart_steps(self) -> None:
+        """The next boundary starts a step: what came before it was not all seen."""
         with self._lock:
             self._last_boundary = None
 
@@ -387,6 +454,7 @@ class Recorder:
         return parts
 
     def snapshot(self) -> RecorderSnapshot:
+        self.drain()
         with self._lock:
             snapshot: RecorderSnapshot = {
                 "step_source": self.step_source,

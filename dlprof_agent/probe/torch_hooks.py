@@ -25,23 +25,30 @@ kernel launched meanwhile to the layer and phase. CUPTI keeps those ids per
 thread, and autograd runs backward on its own threads: a backward id is popped
 on the thread that pushed it, the next time a hook runs there.
 
-Phases (``split=True``, the default): every step, the model's forward
-runs from its pre-hook to its forward hook and its backward from the moment
-autograd reaches the node of the model's output to the end of that pass: two
-hooks on the model and one on a node per step, whatever its number of layers.
-The optimizer's step is timed less what ran inside it: an optimizer called
-with a closure (Lightning's automatic optimization) runs forward and backward
-inside its ``step``; the closure is wrapped so that its own time, the loss and
-``zero_grad``, is ``other`` and not the optimizer's. ``split=False``: no phase
-hook, closure wrapper or collective timing, and the split says it was turned off.
+Phases (``split=True``, the default): a step meets four hooks, the model's
+forward pre and post hooks and the optimizer's step pre and post hooks, and each
+only stamps an event into a ring that the recorder replays later
+(``torch_steps``). Forward runs from the model's pre-hook to its forward hook;
+backward, derived, from there to the optimizer's step (the loss included); the
+optimizer's step is timed less what ran inside it: an optimizer called with a
+closure (Lightning's automatic optimization) runs forward and backward inside its
+``step``, and the closure is wrapped so that its own time, ``zero_grad`` and what
+precedes the forward, is ``other`` and backward ends with it. Where no optimizer
+step ends backward (a loop without ``torch.optim``, several forwards a step) or DDP
+must be told apart, the output's autograd node gets a pre-hook each step and an
+end-of-backward callback marks backward's end. ``split=False``: no phase hook,
+closure wrapper or collective timing, and the split says it was turned off.
 Waiting for other ranks (DDP, torch.distributed) is ``exchange``: ``torch_exchange``.
 
 Samples per step are the first dimension of the model's first tensor input,
 positional or keyword (Hugging Face's ``model(**batch)``), or of the first
 tensor in a dict of them (a ``BatchEncoding``).
 
-The step and phase hooks are ``priced``: their time is the probe's reported cost.
-The layer hooks are not; what a timed step adds is measured whole (LayerSampling).
+The probe reports its own cost: the four stamping hooks time themselves on one
+step in ``PRICE_EVERY`` (from the stamp to their return, times ``PRICE_EVERY``),
+the rarer hooks every call (``priced``). Neither sees torch's dispatch into a hook.
+The layer hooks are not priced; what a timed step adds is measured whole
+(LayerSampling).
 
 Modules, tensors, autograd nodes and hook handles are torch's objects (Any).
 
@@ -57,8 +64,18 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from dlprof_agent.probe.recorder import OTHER_PHASE, Recorder, priced
+from dlprof_agent.probe.recorder import Recorder, priced
 from dlprof_agent.probe.torch_exchange import CollectiveTiming, DdpWait, holds_ddp
+from dlprof_agent.probe.torch_steps import (
+    CLOSURE_ENDED,
+    CLOSURE_STARTED,
+    FORWARD_ENDED,
+    FORWARD_STARTED,
+    OPTIMIZER_ENDED,
+    OPTIMIZER_STARTED,
+    WORDS_PER_EVENT,
+    StepEvents,
+)
 from dlprof_agent.probe.torch_values import (
     batch_dimension,
     batch_tensor,
@@ -70,6 +87,7 @@ if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import LayerCorrelator, LayerIdSource
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
+PRICE_EVERY = 16  # the stamping hooks time themselves on one step in this many
 
 
 class TorchHooks:
@@ -86,11 +104,12 @@ class TorchHooks:
         # Set by the first optimizer step: from there on, iterations are seen whole.
         self._whole_iteration = False
         self._step_optimizer: int | None = None
-        self._optimizer_started = 0.0
-        self._optimizer_mark = 0.0
-        self._forward_started = 0.0  # phases (split): the model's forward and backward
-        self._forward_mark = 0.0
-        self._backward_started = 0.0
+        self._events = StepEvents()
+        self._forward_open = False  # a training forward's start was stamped
+        self._grad_enabled: Any = None  # torch.is_grad_enabled, bound at install
+        self._pricing = False  # this step's stamping hooks time themselves
+        self._price_countdown = PRICE_EVERY
+        self._backward_started = 0.0  # hooked backward (no optimizer, DDP): its start
         self._backward_mark = 0.0
         self._layer_started: dict[int, float] = {}
         self._labels: dict[int, str] = {}  # id of a hooked leaf module -> its name
@@ -125,10 +144,13 @@ class TorchHooks:
             register_optimizer_step_pre_hook,
         )
 
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+        self.recorder.drain()  # an earlier session's events first
+        self.recorder.events = self._events
+        self._grad_enabled = self._torch.is_grad_enabled
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_ended))
         self._discovery = register_module_forward_pre_hook(self._discover)
         if self.split:  # the optimizer's own time; its end is the step's, split or not
-            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+            self._handles.append(register_optimizer_step_pre_hook(self._optimizer_started))
             self._collectives.install(self._torch)
 
     def remove(self) -> None:
@@ -152,58 +174,88 @@ class TorchHooks:
 
     # Hooks, on the training thread. Each catches everything: the job never sees them fail.
 
-    @priced
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+    # The four stamping hooks: an event each, written inline into the ring (a call
+    # less per hook), then the step's rare work. ``now`` is taken first: the event's
+    # time, and where the hook's own price starts.
+
+    def _optimizer_started(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        now = self._clock()
         try:
-            self._optimizer_mark = self.recorder.phase_mark()
-            self._optimizer_started = self._clock()
+            events = self._events
+            written = events.written
+            at = (written & events.mask) * WORDS_PER_EVENT
+            words = events.words
+            words[at] = OPTIMIZER_STARTED
+            words[at + 1] = now
+            events.written = written + 1
+            replaced = None
             closure = kwargs.get("closure") if kwargs else None
             if closure is not None:
-                return args, {**kwargs, "closure": self._timed_closure(closure)}
-            if len(args) > 1 and callable(args[1]):  # args: the optimizer, the closure
-                return (args[0], self._timed_closure(args[1]), *args[2:]), kwargs
+                replaced = args, {**kwargs, "closure": self._timed_closure(closure)}
+            elif len(args) > 1 and callable(args[1]):  # args: the optimizer, the closure
+                replaced = (args[0], self._timed_closure(args[1]), *args[2:]), kwargs
+            if self._pricing:
+                self.recorder.hook_seconds += (self._clock() - now) * PRICE_EVERY
+            return replaced
         except Exception as error:
             self.recorder.hook_failed("optimizer_pre", error)
         return None
 
     def _timed_closure(self, closure: Any) -> Any:
-        """The closure, timed as a phase of its own: forward and backward inside it
-        count as themselves, the rest (the loss, zero_grad) as other, and none of
-        it as the optimizer's."""
-        recorder, clock = self.recorder, self._clock
+        """The closure, stamped at its start and end: forward and backward inside it
+        count as themselves, backward ends with it, and the rest (zero_grad, what
+        precedes the forward) is other, none of it the optimizer's."""
+        events, clock = self._events, self._clock
 
         def timed_closure() -> Any:
-            mark, started = recorder.phase_mark(), clock()
+            events.stamp(CLOSURE_STARTED, clock())
             try:
                 return closure()
             finally:
-                recorder.add_phase_time(OTHER_PHASE, clock() - started, since=mark)
+                events.stamp(CLOSURE_ENDED, clock())
 
         return timed_closure
 
-    @priced
-    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_ended(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        now = self._clock()
         try:
-            now = self._clock()
-            if self._optimizer_started:
-                self.recorder.add_phase_time("optimizer", now - self._optimizer_started,
-                                             since=self._optimizer_mark)
-                self._optimizer_started = 0.0
             # With several optimizers (a GAN, say) the first one to step marks the steps.
-            if self._step_optimizer is None:
-                self._step_optimizer = id(optimizer)
-            if id(optimizer) == self._step_optimizer:
-                self.recorder.step_boundary("optimizer", now)
+            marks_steps = self._step_optimizer is None or id(optimizer) == self._step_optimizer
+            events = self._events
+            written = events.written
+            at = (written & events.mask) * WORDS_PER_EVENT
+            words = events.words
+            words[at] = OPTIMIZER_ENDED
+            words[at + 1] = now
+            words[at + 2] = 1.0 if marks_steps else 0.0
+            events.written = written + 1
+            if marks_steps:
+                if self._step_optimizer is None:
+                    self._step_optimizer = id(optimizer)
                 if self._discovery is not None:
-                    # The probe may have arrived mid-forward, having seen only inner
-                    # modules: decide on the next step, after a whole iteration.
-                    if self._whole_iteration and self._seen:
-                        self._finish_discovery()
-                    else:
-                        self._seen.clear()
-                        self._whole_iteration = True
+                    self._discovery_step()
+                self._boundary_here()
+            if self._pricing:
+                self.recorder.hook_seconds += (self._clock() - now) * PRICE_EVERY
         except Exception as error:
             self.recorder.hook_failed("optimizer_post", error)
+
+    def _boundary_here(self) -> None:
+        """A step boundary was stamped: where layer hooks go in or out at boundaries
+        (``--layers``, a trace window), replay it now, on the job's thread."""
+        recorder = self.recorder
+        if recorder.layer_listeners or recorder.capture is not None:
+            recorder.drain()
+            recorder.tell_layer_listeners()
+
+    def _discovery_step(self) -> None:
+        # The probe may have arrived mid-forward, having seen only inner modules:
+        # decide on the next step, after a whole iteration.
+        if self._whole_iteration and self._seen:
+            self._finish_discovery()
+        else:
+            self._seen.clear()
+            self._whole_iteration = True
 
     @priced
     def _discover(self, module: Any, args: Any) -> None:
@@ -234,9 +286,11 @@ class TorchHooks:
             self._observed["device"] = first.device.type
         self._batch_dim = batch_dimension(root, self._torch.nn.RNNBase)
         self._ddp_wait.ddp = holds_ddp(self._torch, root)
-        self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(root.register_forward_pre_hook(self._forward_started,
+                                                            with_kwargs=True))
         if self.split:
-            self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+            self._handles.append(root.register_forward_hook(self._forward_ended,
+                                                            always_call=True))
         if self.layers:
             self._hook_layers(root)
 
@@ -278,39 +332,66 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("layer_sampling", error)
 
-    @priced
-    def _root_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+    def _forward_started(self, module: Any, args: Any, kwargs: Any) -> None:
+        now = self._clock()
         try:
-            if not (module.training and self._torch.is_grad_enabled()):
+            if not (module.training and self._grad_enabled()):
                 return
-            recorder = self.recorder
-            recorder.step_boundary("forward")
-            self._segment_label = None  # a backward pass that failed never closed
-            batch = batch_tensor(args, kwargs, self._torch.Tensor)
+            batch = args[0] if args else None
+            if not isinstance(batch, self._torch.Tensor) or not batch.dim():
+                batch = batch_tensor(args, kwargs, self._torch.Tensor)
+            samples = 0
             if batch is not None:
-                dim = self._batch_dim if batch.dim() > self._batch_dim else 0
-                recorder.add_samples(int(batch.shape[dim]))
-            if self._root_calls % SETTINGS_EVERY_CALLS == 0:
+                samples = batch.shape[self._batch_dim if batch.dim() > self._batch_dim else 0]
+            events = self._events
+            written = events.written
+            at = (written & events.mask) * WORDS_PER_EVENT
+            words = events.words
+            words[at] = FORWARD_STARTED
+            words[at + 1] = now
+            words[at + 2] = samples
+            events.written = written + 1
+            self._forward_open = self.split
+            self._segment_label = None  # a backward pass that failed never closed
+            calls = self._root_calls
+            self._root_calls = calls + 1
+            if calls % SETTINGS_EVERY_CALLS == 0:
                 self._observe(batch)
-            self._root_calls += 1
-            if self.split:
-                self._forward_mark = recorder.phase_mark()
-                self._forward_started = self._clock()
+            if self._step_optimizer is None:
+                self._boundary_here()  # the forward marks the steps
+            countdown = self._price_countdown - 1
+            if countdown:
+                self._price_countdown, self._pricing = countdown, False
+            else:  # this step's stamping hooks time themselves, this one included
+                self._price_countdown, self._pricing = PRICE_EVERY, True
+                self.recorder.hook_seconds += (self._clock() - now) * PRICE_EVERY
         except Exception as error:
             self.recorder.hook_failed("model_forward", error)
 
-    @priced
-    def _root_post(self, module: Any, args: Any, output: Any) -> None:
-        """The model's forward ended: its time, and a hook where backward will begin."""
+    def _forward_ended(self, module: Any, args: Any, output: Any) -> None:
+        """The model's forward ended; where backward's end is not derived, a hook
+        where backward will begin."""
+        now = self._clock()
         try:
-            started, self._forward_started = self._forward_started, 0.0
-            if not started:
+            if not self._forward_open:
                 return  # not a training forward (or the probe came in during it)
-            self.recorder.add_phase_time("forward", self._clock() - started,
-                                         since=self._forward_mark)
-            node = output_node(output, self._torch.Tensor)
-            if node is not None:
-                node.register_prehook(self._backward_started_hook)
+            self._forward_open = False
+            derived = not (self._step_optimizer is None or self._ddp_wait.ddp
+                           or self._events.several_forwards)
+            events = self._events
+            written = events.written
+            at = (written & events.mask) * WORDS_PER_EVENT
+            words = events.words
+            words[at] = FORWARD_ENDED
+            words[at + 1] = now
+            words[at + 2] = 1.0 if derived else 0.0
+            events.written = written + 1
+            if not derived:
+                node = output_node(output, self._torch.Tensor)
+                if node is not None:
+                    node.register_prehook(self._backward_started_hook)
+            if self._pricing:
+                self.recorder.hook_seconds += (self._clock() - now) * PRICE_EVERY
         except Exception as error:
             self.recorder.hook_failed("model_forward", error)
 
