@@ -103,18 +103,21 @@ def test_layers_are_not_counted_during_warmup() -> None:
     assert recorder.snapshot()["layers"] == [["conv", 0.5, 1, 0.0, 0]]
 
 
-def timed_steps(recorder: Recorder, steps: int, *, step: float, cost: float) -> list[bool]:
-    """Steps of ``step`` seconds, ``cost`` more when timed, each timed one with
-    a 0.2 s forward and 0.3 s backward in ``conv``; which steps were timed."""
+def timed_steps(recorder: Recorder, steps: int, *, step: float, cost: float,
+                after: float = 0.0) -> list[bool]:
+    """Steps of ``step`` seconds, ``cost`` more when timed and ``after`` more in the
+    step after a timed one (the hooks taken out), each timed one with a 0.2 s forward
+    and 0.3 s backward in ``conv``; which steps were timed."""
     clock = recorder.clock
     assert isinstance(clock, Clock)
-    timed = []
+    timed: list[bool] = []
     for _ in range(steps):
+        follows = bool(timed) and timed[-1]
         timed.append(recorder.layer_step)
         if recorder.layer_step:
             recorder.add_layer_time("conv", "forward", 0.2 * step)
             recorder.add_layer_time("conv", "backward", 0.3 * step)
-        clock.now += step + (cost if recorder.layer_step else 0.0)
+        clock.now += step + (cost if recorder.layer_step else 0.0) + (after if follows else 0.0)
         recorder.step_boundary("optimizer")
     return timed
 
@@ -159,6 +162,20 @@ def test_the_layer_part_of_the_probes_cost_is_what_timed_steps_added() -> None:
     # Each timed step added 0.05 s over the untimed ones before it.
     assert recorder.cpu_seconds()["layers"] == pytest.approx(0.05 * sum(timed))
     assert "layers" not in Recorder(warmup_steps=0).cpu_seconds()  # no layer timing
+
+
+def test_what_taking_the_layer_hooks_out_costs_the_next_step_is_priced_too() -> None:
+    """The step after a timed one pays for taking the hooks out (and for the caches
+    they left): the duty cycle counts it with the timed step, so a budget of 1% holds
+    for what the job pays, not only for the timed steps."""
+    sampling = LayerSampling(budget=0.01)
+    recorder = Recorder(warmup_steps=0, clock=Clock(), layer_sampling=sampling)
+    recorder.step_boundary("optimizer")
+    timed_steps(recorder, 2000, step=1.0, cost=0.03, after=0.02)
+    assert sampling.cost_ratio == pytest.approx(0.05)
+    assert sampling.interval == 5
+    timed = timed_steps(recorder, 1000, step=1.0, cost=0.03, after=0.02)
+    assert sum(timed) * 0.05 / 1000 <= 0.01 * 1.05
 
 
 class Hooks:

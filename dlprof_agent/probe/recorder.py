@@ -139,6 +139,12 @@ class LayerSampling:
             self.since_sample += 1
             if not self._after_sample:
                 self._baseline.append(seconds)
+            elif self._costs:
+                # Taking the hooks out lands in the step after a timed one (and the
+                # caches they left cold): part of what timing a step costs.
+                after = seconds - statistics.median(self._baseline)
+                self._costs[-1] += after
+                self.cost_seconds += max(0.0, after)
             self._after_sample = False
         if not self.every and len(self._costs) >= MIN_COST_SAMPLES and self._baseline:
             cost = max(0.0, statistics.median(self._costs))
