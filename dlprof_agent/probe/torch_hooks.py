@@ -337,12 +337,12 @@ class TorchHooks:
         try:
             if not (module.training and self._grad_enabled()):
                 return
-            batch = args[0] if args else None
-            if not isinstance(batch, self._torch.Tensor) or not batch.dim():
+            batch: Any = args[0] if args else None  # model(x): the batch, at once
+            dims = batch.dim() if isinstance(batch, self._torch.Tensor) else 0
+            if not dims:
                 batch = batch_tensor(args, kwargs, self._torch.Tensor)
-            samples = 0
-            if batch is not None:
-                samples = batch.shape[self._batch_dim if batch.dim() > self._batch_dim else 0]
+                dims = batch.dim() if batch is not None else 0
+            samples = batch.size(self._batch_dim if dims > self._batch_dim else 0) if dims else 0
             events = self._events
             written = events.written
             at = (written & events.mask) * WORDS_PER_EVENT
