@@ -381,6 +381,8 @@ class TensorFlowHooks:
                     self._install_keras()
                 finally:
                     self._lock.release()
+            if self.recorder.step_source == "keras":
+                return False  # Keras's fit marks the steps, and outranks any tf.function
             if function is self._choose_step_function(function):
                 recorder = self.recorder
                 recorder.step_boundary("tf_function")
