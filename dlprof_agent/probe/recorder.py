@@ -77,7 +77,8 @@ class StampedEvents(Protocol):
     """What a framework's hot path stamps instead of calling the recorder
     (``torch_steps.StepEvents``): replayed in order by ``Recorder.drain``."""
 
-    def pending(self) -> bool: ...
+    read: int  # events replayed, and written: the ring is caught up when they are equal
+    written: int
 
     def replay(self, recorder: Recorder) -> None: ...
 
@@ -230,13 +231,13 @@ class Recorder:
 
     def _catch_up(self) -> None:
         events = self.events
-        if events is not None and events.pending():
+        if events is not None and events.read != events.written:
             self.drain()
 
     def drain(self) -> None:
         """Replay the stamped events not yet replayed, in order."""
         events = self.events
-        if events is None or not events.pending():
+        if events is None or events.read == events.written:
             return
         with self._drain_lock:
             events.replay(self)
@@ -293,7 +294,9 @@ class Recorder:
 
     def add_layer_time(self, layer: str, phase: str, seconds: float) -> None:
         """Called for every layer call: kept to a few additions."""
-        self._catch_up()
+        events = self.events
+        if events is not None and events.read != events.written:  # _catch_up, inline
+            self.drain()
         if not self.steady:
             return  # warm-up layers (first calls, allocator growth) would skew the split
         stats = self._pending_layers.get(layer)

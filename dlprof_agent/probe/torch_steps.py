@@ -76,6 +76,7 @@ class StepEvents:
         self.written = written + 1
 
     def pending(self) -> bool:
+        """Events written and not replayed yet."""
         return self.read != self.written
 
     def reset(self) -> None:
