@@ -4,10 +4,8 @@ its own footprint."""
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import threading
-import time
 
 import pytest
 
@@ -79,7 +77,7 @@ def test_the_loop_ends_with_target_down_when_the_target_exits(
     assert sum(1 for s in seen if not s.target_up) == 1
 
 
-@pytest.mark.slow  # a timing window: half a second of passes, counted
+@pytest.mark.slow  # passes of a real sampler, counted over their own span
 def test_the_loop_keeps_to_its_interval_and_stops_on_request(
         python_sleeper: subprocess.Popen[bytes]) -> None:
     sampler = make_sampler(python_sleeper.pid, ErrorLog())
@@ -87,14 +85,17 @@ def test_the_loop_keeps_to_its_interval_and_stops_on_request(
     seen: list[Snapshot] = []
     loop = threading.Thread(target=sampler.run, args=(stop, seen))
     loop.start()
-    time.sleep(0.5)
+    wait_until(lambda: len(seen) >= 10, 30, what="ten passes")
     stop.set()
     loop.join(5)
     assert not loop.is_alive()
-    # 0.05 s interval over 0.5 s: about ten passes, never a burst or a stall.
-    assert 4 <= len(seen) <= 12
-    gaps = [b.monotonic_seconds - a.monotonic_seconds for a, b in itertools.pairwise(seen)]
-    assert min(gaps) > 0.02
+    # Deadlines are multiples of the 0.05 s interval: a pass made late by the machine's
+    # load delays only itself, and missed ticks are skipped, never caught up in a
+    # burst. So the passes never outnumber the intervals they span (plus one for the
+    # jitter of the moment within a pass that a snapshot is stamped).
+    times = [snapshot.monotonic_seconds for snapshot in seen]
+    assert times == sorted(times)
+    assert len(times) - 1 <= (times[-1] - times[0]) / 0.05 + 1
 
 
 def test_the_agent_reports_its_own_footprint(python_sleeper: subprocess.Popen[bytes]) -> None:
