@@ -3,7 +3,9 @@
 Steps come from the global optimizer hooks; loops without ``torch.optim``
 fall back to the start of each training-mode forward of the model. The model
 is found by watching module calls for one iteration: the outermost module with
-parameters. After that only a hook on the model remains, so a step costs a
+parameters. In a job that has ``torch.compile(module)`` wrappers, only those are
+watched, each with a hook of its own: while any global module hook is in, every
+call of such a wrapper warns on the job's stderr. After that only a hook on the model remains, so a step costs a
 handful of Python calls.
 
 Layer timing is duty-cycled (``recorder.LayerSampling``): hooks go on the leaf
@@ -59,6 +61,7 @@ Kept in one file: discovery, step, phase and layer hooks share one step's state
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import threading
@@ -88,6 +91,29 @@ if TYPE_CHECKING:
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
 PRICE_EVERY = 16  # the stamping hooks time themselves on one step in this many
+
+
+def compiled_modules() -> list[Any]:
+    """The job's ``torch.compile(module)`` wrappers (OptimizedModule), found with one
+    scan of the garbage collector's objects; none, without a scan, where torch.compile
+    was never used."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None:
+        return []
+    # type(), not isinstance: isinstance reads __class__, which some proxies warn on.
+    return [found for found in gc.get_objects() if issubclass(type(found), optimized)]
+
+
+class HandleGroup:
+    """Hook handles removed as one."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class TorchHooks:
@@ -148,7 +174,14 @@ class TorchHooks:
         self.recorder.events = self._events
         self._grad_enabled = self._torch.is_grad_enabled
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_ended))
-        self._discovery = register_module_forward_pre_hook(self._discover)
+        compiled = compiled_modules()
+        if compiled:
+            # torch.compile(module) warns on the job's stderr at each call while any
+            # global module hook is in: discover among the compiled modules instead.
+            self._discovery = HandleGroup([module.register_forward_pre_hook(self._discover)
+                                           for module in compiled])
+        else:
+            self._discovery = register_module_forward_pre_hook(self._discover)
         if self.split:  # the optimizer's own time; its end is the step's, split or not
             self._handles.append(register_optimizer_step_pre_hook(self._optimizer_started))
             self._collectives.install(self._torch)
