@@ -5,8 +5,8 @@ fall back to the start of each training-mode forward of the model. The model
 is found by watching module calls for one iteration: the outermost module with
 parameters. In a job that has ``torch.compile(module)`` wrappers, only those are
 watched, each with a hook of its own: while any global module hook is in, every
-call of such a wrapper warns on the job's stderr. After that only a hook on the model remains, so a step costs a
-handful of Python calls.
+call of such a wrapper warns on the job's stderr. After that only hooks on the
+model remain, so a step costs a handful of Python calls.
 
 Layer timing is duty-cycled (``recorder.LayerSampling``): hooks go on the leaf
 modules at the step boundary before a timed step and come off at the next
