@@ -372,3 +372,27 @@ def test_demo_trains_injects_and_shows_what_prometheus_gets() -> None:
                for line in scraped)
     assert any(line.startswith("dlprof_steps_total{") and 'phase="steady"' in line
                for line in scraped)
+
+
+def test_attaching_and_detaching_write_nothing_to_the_jobs_output(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """Injected into, timed layer by layer, then left: the job's stdout and stderr stay
+    empty (no line of the probe's, no warning a framework gave because of its hooks)."""
+    log, out, err = tmp_path / "job.jsonl", tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        process = subprocess.Popen([sys.executable, JOB, "--log", str(log), "--steps", "100000"],
+                                   env=agent_env(), stdout=stdout, stderr=stderr)
+    processes.append(process)
+    job = Job(process, log)
+    wait_for_steps(job, 5)
+    agent, port = start_agent(processes, "attach", str(process.pid), "--warmup-steps", "3",
+                              "--layers")
+    wait_for(lambda: steady_steps(port) >= 20, "steady steps from the injected probe", 60)
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(30) == 0
+    left = len(job.ends())
+    wait_for_steps(job, left + 5)  # it trains on, on its own again
+    assert process.poll() is None
+    process.kill()
+    process.wait(10)
+    assert (out.read_bytes(), err.read_bytes()) == (b"", b"")
