@@ -31,6 +31,9 @@ phases, DDP's wait for its gradient all-reduce at the end of backward
 (``torch_hooks``). Like every phase it is innermost: a collective inside the
 forward (SyncBatchNorm's) is taken out of the forward. A rank's own time per
 step is the step time less its exchange.
+
+Kept in one file: the totals, the duty cycle that decides which steps are timed, and
+the replay's unchecked adders share one step's state and its lock.
 """
 
 from __future__ import annotations
