@@ -35,6 +35,7 @@ from typing import Any
 from benchmarks.common import Processes, median_interval, percentile
 from dlprof_agent.probe_link.client import ProbeClient, find_probe_socket
 
+KEPT_SESSION_LEASE_SECONDS = 600.0  # a paused session waits out whole blocks
 POLL_SECONDS = 1.0  # the agent's default interval
 
 
@@ -134,8 +135,12 @@ class ProbeDriver:
                 path = find_probe_socket(self.pid)
                 if path is None:
                     raise RuntimeError(f"the job {self.pid} has no probe socket")
+                # The session is kept paused across other configurations' blocks, which
+                # on a loaded machine outlast a lease drawn from the poll interval: the
+                # probe then took the harness for gone and closed it (a broken pipe).
                 self._client = ProbeClient.connect(self.pid, path, {
-                    "interval_seconds": POLL_SECONDS, "warmup_steps": 0, **options})
+                    "interval_seconds": POLL_SECONDS, "warmup_steps": 0,
+                    "lease_seconds": KEPT_SESSION_LEASE_SECONDS, **options})
             elif self._paused:
                 self._request("configure", {"paused": False})
                 self._paused = False
