@@ -117,14 +117,16 @@ def run(args: argparse.Namespace) -> int:
 def _screen(agent: Agent, pid: int) -> TopScreen:
     """The screen of ``pid``, reading the agent's latest pass as a scrape would."""
     collector = NodeCollector(lambda: agent.latest, interval_seconds=agent.options.interval)
+    layers = [agent.options.probe is not None and agent.options.probe.layers]
 
-    def layers() -> str:
+    def toggle_layers() -> str:
         watch = agent.targets.get(pid)
         probe = None if watch is None else watch.probe
         if probe is None:
-            return "no probe in the job: no layer timing"
-        probe.set_layers(not probe.layers)
-        return f"layer timing {'on' if probe.layers else 'off'} from the next pass"
+            return "no probe in the job (yet): no layer timing"
+        layers[0] = not layers[0]
+        probe.set_layers(layers[0])
+        return f"layer timing {'on' if layers[0] else 'off'} from the next pass"
 
     return TopScreen(pid, lambda: collected(collector) if agent.latest else None,
-                     keys={"l": layers})
+                     keys={"l": toggle_layers})

@@ -143,18 +143,8 @@ class ProbeSource:
     def condition(self) -> ProbeCondition:
         return self._condition
 
-    @property
-    def layers(self) -> bool:
-        """Layer timing is on, or asked for."""
-        if self._layers_wanted is not None:
-            return self._layers_wanted
-        if self.client is not None:
-            return self.client.layers
-        return self._options is not None and self._options.layers
-
     def set_layers(self, layers: bool) -> None:
-        """Layer timing on or off (`top`'s l key): sent on the next pass, before its
-        snapshot, and kept for a probe reached again."""
+        """Layer timing on or off (`top`'s l): sent at the next pass, kept for a reach."""
         with self._lock:
             self._layers_wanted = layers
             if self._options is not None:
@@ -163,14 +153,13 @@ class ProbeSource:
     def _send_layers(self, client: ProbeClient) -> None:
         with self._lock:
             wanted, self._layers_wanted = self._layers_wanted, None
-        if wanted is None or wanted == client.layers:
-            return
-        try:
-            client.set_layers(wanted)
-        except ReplyLate:  # its answer is taken before the next snapshot's
-            client.layers = wanted
-        except Exception:  # a closed socket: the snapshot below meets it too, and drops it
-            log.debug("layer timing not changed in pid %d", client.pid, exc_info=True)
+        if wanted is not None and wanted != client.layers:
+            try:
+                client.set_layers(wanted)
+            except ReplyLate:  # its answer is taken before the next snapshot's
+                client.layers = wanted
+            except Exception:  # a closed socket: the snapshot below meets it and drops it
+                pass
 
     def sample(self) -> ProbeSample | None:
         with self._reading:
