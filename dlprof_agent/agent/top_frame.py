@@ -185,6 +185,10 @@ def build_frame(now: Readings, before: Readings | None, pid: int) -> Frame:
     elif steady and step_sum:
         step_seconds = step_sum / steady  # nothing new this refresh: the mean so far
     samples_rate = _rate(samples, samples_before, seconds)
+    steps_rate = _rate(steady, steady_before, seconds)
+    if steady_before is None and step_seconds:  # the probe's first answer: its means so far
+        steps_rate = 1 / step_seconds
+        samples_rate = samples / step_sum if samples and step_sum else None
 
     # The split and layers over the refresh when steps ended in it, else since attach.
     interval = bool(steps_in) and before is not None
@@ -239,7 +243,7 @@ def build_frame(now: Readings, before: Readings | None, pid: int) -> Frame:
         up=bool(_sum(now, "dlprof_target_up", own)),
         probe="stale" if probe_up and stale else "up" if probe_up else "none",
         interval_seconds=seconds, steps_total=int((steady or 0.0) + warmup),
-        steps_per_second=_rate(steady, steady_before, seconds),
+        steps_per_second=steps_rate,
         step_seconds=step_seconds,
         samples_per_second=samples_rate if samples_rate else None,
         split=split, split_state=split_rows[0] if split_rows else "",

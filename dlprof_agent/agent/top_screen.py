@@ -243,6 +243,5 @@ class TopScreen:
         live.update(self.renderable(frame, width, height), refresh=True)
 
     def renderable(self, frame: Frame, width: int, height: int) -> RenderableType:
-        if self.note and not self.state.message:
-            self.state.message = self.note
+        self.state.note = self.note
         return render(frame, self.state, width, height)

@@ -6,11 +6,12 @@ lowest priority first, so that what is drawn is never cut through."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -41,6 +42,7 @@ class ViewState:
     sort: str = "time"
     help: bool = False
     message: str = ""  # the last thing said: a key's effect, an agent's log line
+    note: str = ""  # what the probe's start waits for, while it runs
     history: list[float] = field(default_factory=list)  # steps/s, oldest first
     history_length: int = 60
 
@@ -102,6 +104,8 @@ def _step_panel(frame: Frame, state: ViewState, width: int) -> Panel:
         if why:
             legend.append(why, style="yellow")
         lines.append(legend)
+    elif frame.probe == "none" and state.note:
+        lines.append(Text(f"probe: {state.note}", style="yellow"))
     elif frame.probe == "none":
         lines.append(Text("no probe in this process: steps, split and layers need one "
                           "(a Python job)", style="dim"))
@@ -210,23 +214,13 @@ def _findings_panel(frame: Frame, rows: int) -> Panel:
     return Panel(Group(*lines), title=f"findings ({len(frame.findings)})", title_align="left")
 
 
+# Measures panels only: it renders into lines and writes nothing.
+_MEASURE = Console(file=io.StringIO(), width=200, color_system=None, legacy_windows=False)
+
+
 def _height(panel: RenderableType, width: int) -> int:
     """Lines ``panel`` takes at ``width``, as Rich lays it out."""
-    from rich.console import Console
-
-    console = Console(width=width, file=_NULL, color_system=None, legacy_windows=False)
-    return len(console.render_lines(panel, console.options.update(width=width), pad=False))
-
-
-class _Null:
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
-_NULL = _Null()
+    return len(_MEASURE.render_lines(panel, _MEASURE.options.update(width=width), pad=False))
 
 
 def _fit(panels: Sequence[tuple[int, Panel | None]], width: int, height: int) -> list[Panel]:
@@ -241,7 +235,7 @@ def _fit(panels: Sequence[tuple[int, Panel | None]], width: int, height: int) ->
 
 
 def header(frame: Frame) -> Text:
-    line = Text()
+    line = Text(no_wrap=True, overflow="ellipsis")
     line.append(" dlprof-agent top ", style="bold reverse")
     line.append(f" pid {frame.pid} {frame.name}", style="bold")
     if frame.who:
