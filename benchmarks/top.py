@@ -95,10 +95,11 @@ def _refreshes(count: int, progress: Progress) -> dict[str, list[float]]:
                           force_terminal=True, color_system="truecolor")
         state, previous = ViewState(), None
         try:
-            agent.sample_once()
-            wait_until(lambda: (probe := agent.latest.targets[0].probe)  # type: ignore[union-attr]
-                       and probe.steady_steps and probe.layers, "steady steps with layers",
-                       timeout=120, alive=job)
+            def timed_layers() -> bool:
+                probe = agent.sample_once().targets[0].probe
+                return probe is not None and bool(probe.steady_steps and probe.layers)
+
+            wait_until(timed_layers, "steady steps with layers", timeout=120, alive=job)
             while len(times["total"]) < count:
                 time.sleep(1.0)
                 agent.sample_once()

@@ -147,18 +147,18 @@ class TopScreen:
                                       self._saved_tty)  # type: ignore[arg-type]
             if self._saved_handlers is not None:
                 logging.getLogger("dlprof_agent").handlers[:] = self._saved_handlers
-        for fd in (self._wake_read, self._wake_write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        # The wake pipe stays open: a late wake() from the sampler must not write
+        # into a descriptor number that something else has taken since.
 
     # The screen thread.
     def _run(self) -> None:
         size = self._console.size
-        fresh = True
+        fresh = keyboard = True
         while not self._closed.is_set():
             watched = [self._wake_read]
-            with contextlib.suppress(OSError, ValueError):
-                watched.append(self._keyboard.fileno())
+            if keyboard:
+                with contextlib.suppress(OSError, ValueError):
+                    watched.append(self._keyboard.fileno())
             try:
                 ready, _, _ = select.select(watched, [], [], RESIZE_CHECK_SECONDS)
             except (OSError, ValueError):
@@ -171,7 +171,9 @@ class TopScreen:
                     fresh = b"d" in os.read(self._wake_read, 4096) or fresh
                 redraw = True
             if len(watched) > 1 and watched[1] in ready:
-                redraw = self._key(os.read(watched[1], 16).decode(errors="replace")) or redraw
+                pressed = os.read(watched[1], 16)
+                keyboard = bool(pressed)  # at its end (a closed terminal), keys are done
+                redraw = self._key(pressed.decode(errors="replace")) or redraw
             if self._console.size != size:
                 size, redraw = self._console.size, True
             if redraw:
