@@ -11,14 +11,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dlprof_agent.agent.core import Agent, AgentOptions, OneTarget, TargetWatch, probe_condition
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, start_metrics_server
 from dlprof_agent.agent.loop import StopRequested, sample_health, sigterm_stops
 from dlprof_agent.agent.snapshot_builder import error_log, target_snapshot
 from dlprof_agent.agent.status import LiveStatus, Summary, configure_logging
-from dlprof_agent.agent.top_screen import TopScreen
 from dlprof_agent.collectors.gpu import GpuCollector
 from dlprof_agent.collectors.host import HostCollector
 from dlprof_agent.collectors.target import Target, open_target
@@ -29,6 +28,9 @@ from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
+
+if TYPE_CHECKING:  # Rich is imported by `top` alone: attach and the daemon stay lighter
+    from dlprof_agent.agent.top_screen import TopScreen
 
 MIN_INTERVAL_SECONDS = 0.05
 STOP_PASS_SECONDS = 2.0  # how long a stop waits for the pass under way to end
@@ -130,6 +132,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
     ``screen`` makes `top`'s full screen, which then stands for the status line."""
     target = open_target(pid)
     status: LiveStatus | TopScreen | None = None
+    top: TopScreen | None = None
     if out.isatty() and not options.quiet and screen is None:
         status = LiveStatus(out)
     if status is None and options.probe is not None and not options.quiet \
@@ -141,7 +144,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                        on_probe_failure=lambda watch, error: failures.append(error))
     attached = _Attached(agent, pid)
     if screen is not None:
-        status = screen(agent)
+        status = top = screen(agent)
     server = _start_server(attached, options) if options.serve_metrics else None
     summary = Summary()
     stop = threading.Event()
@@ -155,8 +158,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             log.info("process %d exited before the agent's first sample", pid)
         else:
             summary.add(first)
-            if isinstance(status, TopScreen):
-                status.show(first)
+            if top is not None:
+                top.show(first)
             watch = attached.watch
             reaching = watch is not None and watch.start is not None and not watch.start.done
             log.info("attached to pid %d (%s); %s%s", pid,
@@ -196,7 +199,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                     if remaining is not None and remaining <= 0:
                         break
                     loop.join(0.2 if remaining is None else min(0.2, remaining))
-                    if failures or (isinstance(status, TopScreen) and status.quit.is_set()):
+                    if failures or (top is not None and top.quit.is_set()):
                         break
                     if status is None and (watch := attached.watch) is not None \
                             and watch.start is not None:
@@ -213,8 +216,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                             describe_exit() if describe_exit else f"process {pid} exited")
         except (KeyboardInterrupt, StopRequested) as stopped:
             stop.set()
-            if isinstance(status, TopScreen):
-                status.clear()
+            if top is not None:
+                top.clear()
             agent.quiet()  # a probe's announcement, if any, before this line
             # A pass under way ends first: what it says (the probe's first answer,
             # say) comes before this line, which is the last.
@@ -230,8 +233,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             before_stop(server.port)
     finally:
         stop.set()
-        if isinstance(status, TopScreen):
-            status.clear()  # the terminal as it was before anything else is said
+        if top is not None:
+            top.clear()  # the terminal as it was before anything else is said
         agent.close()  # the probe removes its hooks: the job is as it was
         if server is not None:
             server.stop()

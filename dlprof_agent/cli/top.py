@@ -9,12 +9,10 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.agent.core import Agent
 from dlprof_agent.agent.serve import serve
-from dlprof_agent.agent.top_remote import watch_url
-from dlprof_agent.agent.top_screen import TopScreen
 from dlprof_agent.cli.arguments import paragraph, pid
 from dlprof_agent.cli.options import (
     add_probe_options,
@@ -26,6 +24,9 @@ from dlprof_agent.cli.options import (
 from dlprof_agent.errors import EXIT_CODES_HELP, UsageError
 from dlprof_agent.exporters.metrics_reader import MetricsUrl, collected
 from dlprof_agent.exporters.prometheus import NodeCollector
+
+if TYPE_CHECKING:  # Rich is imported when top runs, not by every command's parser
+    from dlprof_agent.agent.top_screen import TopScreen
 
 PASSWORD_VARIABLE = "DLPROF_PASSWORD"
 
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         source = MetricsUrl(args.url, user=args.user,
                             password=_password(args) if args.user is not None else None,
                             ca_file=args.ca_file, insecure=args.insecure)
+        from dlprof_agent.agent.top_remote import watch_url
+
         return watch_url(source, pid=args.pid, interval=args.interval)
     if args.pid is None:
         raise UsageError("top needs a PID, or --url", "dlprof-agent top $(pgrep -f train.py)")
@@ -116,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _screen(agent: Agent, pid: int) -> TopScreen:
     """The screen of ``pid``, reading the agent's latest pass as a scrape would."""
+    from dlprof_agent.agent.top_screen import TopScreen
+
     collector = NodeCollector(lambda: agent.latest, interval_seconds=agent.options.interval)
     layers = [agent.options.probe is not None and agent.options.probe.layers]
 
