@@ -158,3 +158,49 @@ def test_top_url_opens_a_daemons_targets_table_and_one_job_on_enter(
     assert "no probe in this process" in screen  # the daemon was told --no-probe
     terminal.keys("q")
     wait_for(lambda: "top-exited-0" in terminal.screen(), "top's exit")
+
+
+def test_top_url_honours_the_agents_tls_and_basic_auth_and_says_why_it_is_refused(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    web = pytest.importorskip("tests.test_web_config")  # bcrypt; openssl for the certificate
+    config = web.write_config(tmp_path, tls=True, users=True)
+    sleeper = subprocess.Popen(["sleep", "600"])
+    processes.append(sleeper)
+    port = free_port()
+    processes.append(web.start_agent(sleeper.pid, config, port))
+    url = f"https://127.0.0.1:{port}"
+
+    def top(*args: str, password: str | None = None) -> subprocess.CompletedProcess[str]:
+        env = {**agent_env(), **({"DLPROF_PASSWORD": password} if password else {})}
+        return subprocess.run([*AGENT, "top", "--url", url, "--interval", "0.5", *args],
+                              env=env, capture_output=True, text=True, timeout=60,
+                              check=False)
+
+    untrusted = wait_for(lambda: (done := top()) and "not trusted" in done.stderr and done,
+                         "the agent serving TLS")
+    assert untrusted.returncode == 3 and untrusted.stderr.count("\n") == 1
+    assert "--ca-file" in untrusted.stderr
+    refused = top("--ca-file", str(tmp_path / "agent.crt"))
+    assert refused.returncode == 3 and "HTTP 401" in refused.stderr
+    assert refused.stderr.count("\n") == 1 and "--user" in refused.stderr
+    wrong = top("--ca-file", str(tmp_path / "agent.crt"), "--user", "prometheus",
+                password="not it")
+    assert wrong.returncode == 3 and "HTTP 401" in wrong.stderr
+    shown = top("--ca-file", str(tmp_path / "agent.crt"), "--user", "prometheus",
+                password=web.PASSWORD)
+    assert shown.returncode == 0, shown.stderr
+    assert f"pid {sleeper.pid}" in shown.stdout and "cpu and memory" in shown.stdout
+
+
+def test_off_a_terminal_top_says_so_and_behaves_as_attach(
+        processes: list[subprocess.Popen[bytes]]) -> None:
+    sleeper = subprocess.Popen(["sleep", "600"])
+    processes.append(sleeper)
+    done = subprocess.run([*AGENT, "top", str(sleeper.pid), "--duration", "1.5",
+                           "--interval", "0.5", "--no-probe", "--no-serve"],
+                          env=agent_env(), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert "top: not a terminal; behaving as attach" in done.stderr
+    assert "not serving /metrics (--no-serve)" in done.stderr
+    assert f"dlprof-agent summary for pid {sleeper.pid}" in done.stdout
