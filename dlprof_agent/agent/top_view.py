@@ -160,12 +160,13 @@ def _kernels_panel(frame: Frame, state: ViewState, rows: int) -> Panel | None:
 
 def _cpu_panel(frame: Frame, state: ViewState, rows: int) -> Panel:
     head = Text()
+    head.append("cores ", style="dim")
     for mode, cores in frame.cpu_cores:
         head.append(f"{mode} ", style="dim")
         head.append(f"{cores:.2f}  ", style="bold")
     if not frame.cpu_cores:
-        head.append("cpu …  ", style="dim")
-    head.append("cores  rss ", style="dim")
+        head.append("…  ", style="dim")
+    head.append("rss ", style="dim")
     head.append(format_bytes(frame.rss_bytes) if frame.rss_bytes is not None else "?",
                 style="bold")
     if frame.rss_peak_bytes is not None:
