@@ -6,12 +6,11 @@ lowest priority first, so that what is drawn is never cut through."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -66,7 +65,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def _rate(value: float | None, unit: str) -> str:
-    return "…" if value is None else f"{value:,.1f} {unit}"
+    return "…" if value is None else f"{value:,.1f} {unit}".rstrip()
 
 
 def split_bar(split: Sequence[tuple[str, float]], width: int) -> Text:
@@ -81,7 +80,45 @@ def split_bar(split: Sequence[tuple[str, float]], width: int) -> Text:
     return bar
 
 
-def _step_panel(frame: Frame, state: ViewState, width: int) -> Panel:
+class Lines:
+    """A panel's content as lines that never wrap, each cut to the panel's inner
+    width: its height is known without asking Rich to lay it out, and a Text is
+    far cheaper to draw than a Table."""
+
+    def __init__(self, width: int) -> None:
+        self.width = max(1, width)
+        self.lines: list[Text] = []
+
+    def add(self, line: Text | str, style: str = "") -> None:
+        text = line if isinstance(line, Text) else Text(line, style=style)
+        text.truncate(self.width, overflow="ellipsis")
+        self.lines.append(text)
+
+    def rows(self, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        """A table: the first column takes what the others leave, cut with …;
+        the others are right-aligned to their widest cell."""
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(1, len(header))]
+        first = max(4, self.width - sum(width + 2 for width in widths))
+        for index, row in enumerate([header, *rows]):
+            name = row[0] if len(row[0]) <= first else row[0][:first - 1] + "…"
+            cells = "".join(f"  {cell:>{width}}"
+                            for cell, width in zip(row[1:], widths, strict=True))
+            self.add(f"{name:<{first}}{cells}", style="dim" if index == 0 else "")
+
+    def panel(self, title: str) -> Panel:
+        body = Text("\n", no_wrap=True, overflow="crop").join(self.lines)
+        return Panel(body, title=title, title_align="left", box=box.ROUNDED)
+
+    @property
+    def height(self) -> int:
+        return len(self.lines) + 2  # and the borders
+
+
+Sized = tuple[Panel, int]  # a panel and its height in lines
+
+
+def _step_panel(frame: Frame, state: ViewState, width: int) -> Sized:
+    lines = Lines(width - 4)
     body = Text()
     body.append("steps/s ", style="dim")
     body.append(_rate(frame.steps_per_second, ""), style="bold")
@@ -90,75 +127,67 @@ def _step_panel(frame: Frame, state: ViewState, width: int) -> Panel:
     body.append("  samples/s ", style="dim")
     body.append(_rate(frame.samples_per_second, ""), style="bold")
     body.append(f"  ({frame.steps_total} steps)", style="dim")
-    lines: list[RenderableType] = [body]
+    lines.add(body)
     if state.history:
-        lines.append(Text(sparkline(state.history, max(10, width - 4)), style="cyan"))
+        lines.add(sparkline(state.history, lines.width), style="cyan")
     if frame.split:
         why = ("" if frame.split_state in ("split", "")
                else f"not split: {frame.split_state.removeprefix('not split: ')}")
-        lines.append(split_bar(frame.split, max(10, width - 4)))
+        lines.add(split_bar(frame.split, lines.width))
         legend = Text()
         for phase, share in frame.split:
             legend.append("■ ", style=PHASE_STYLES.get(phase, "white"))
             legend.append(f"{phase} {share:.0%}  ")
         if why:
             legend.append(why, style="yellow")
-        lines.append(legend)
+        lines.add(legend)
     elif frame.probe == "none" and state.note:
-        lines.append(Text(f"probe: {state.note}", style="yellow"))
+        lines.add(f"probe: {state.note}", style="yellow")
     elif frame.probe == "none":
-        lines.append(Text("no probe in this process: steps, split and layers need one "
-                          "(a Python job)", style="dim"))
+        lines.add("no probe in this process: steps, split and layers need one (a Python "
+                  "job)", style="dim")
     else:
-        lines.append(Text("split: waiting for steady steps", style="dim"))
-    return Panel(Group(*lines), title="step", title_align="left", box=box.ROUNDED)
+        lines.add("split: waiting for steady steps", style="dim")
+    return lines.panel("step"), lines.height
 
 
-def _table(*columns: tuple[str, str]) -> Table:
-    table = Table(box=None, pad_edge=False, expand=True, show_edge=False)
-    for name, justify in columns:
-        table.add_column(name, justify=justify,  # type: ignore[arg-type]
-                         no_wrap=True, overflow="ellipsis", ratio=3 if justify == "left"
-                         else None)
-    return table
-
-
-def _layers_panel(frame: Frame, state: ViewState, rows: int) -> Panel | None:
+def _layers_panel(frame: Frame, state: ViewState, width: int, rows: int) -> Sized | None:
+    lines = Lines(width - 4)
     if frame.layer_timing != "on" and not frame.layers:
-        text = ("layer timing is off: press l to turn it on (or attach with --layers)"
-                if frame.probe != "none" else "")
-        return Panel(Text(text, style="dim"), title="layers", title_align="left") \
-            if text else None
+        if frame.probe == "none":
+            return None
+        lines.add("layer timing is off: press l to turn it on (or attach with --layers)",
+                  style="dim")
+        return lines.panel("layers"), lines.height
     layers = sorted(frame.layers, key=(lambda row: row.name) if state.sort == "name"
                     else (lambda row: -row.step_ratio))
-    table = _table(("layer", "left"), ("of step", "right"), ("fwd", "right"),
-                   ("bwd", "right"))
-    for row in layers[:rows]:
-        table.add_row(row.name, f"{row.step_ratio:.0%}", _ms(row.forward_seconds),
-                      _ms(row.backward_seconds))
     if not layers:
-        table.add_row(Text("timing the layers: the first timed steps come soon",
-                           style="dim"), "", "", "")
-    return Panel(table, title=f"layers ({len(layers)})", title_align="left")
+        lines.add("timing the layers: the first timed steps come soon", style="dim")
+    else:
+        lines.rows(("layer", "of step", "fwd", "bwd"),
+                   [(row.name, f"{row.step_ratio:.0%}", _ms(row.forward_seconds),
+                     _ms(row.backward_seconds)) for row in layers[:rows]])
+    return lines.panel(f"layers ({len(layers)})"), lines.height
 
 
-def _kernels_panel(frame: Frame, state: ViewState, rows: int) -> Panel | None:
+def _kernels_panel(frame: Frame, state: ViewState, width: int, rows: int) -> Sized | None:
+    lines = Lines(width - 4)
     if not frame.kernels and not frame.memcpy:
         if not frame.gpu_available or not frame.kernel_state:
             return None
-        return Panel(Text(f"kernel tracing {frame.kernel_state}", style="dim"),
-                     title="kernels", title_align="left")
+        lines.add(f"kernel tracing {frame.kernel_state}", style="dim")
+        return lines.panel("kernels"), lines.height
     kernels = sorted(frame.kernels, key=(lambda row: row.name) if state.sort == "name"
                      else (lambda row: -row.busy_ratio))
-    table = _table(("kernel", "left"), ("gpu", "right"), ("busy", "right"))
-    for row in kernels[:rows]:
-        table.add_row(row.name, row.gpu, f"{row.busy_ratio:.1%}")
-    for kind, rate in frame.memcpy:
-        table.add_row(f"[memcpy {kind}]", "", f"{format_bytes(rate)}/s")
-    return Panel(table, title="kernels and copies", title_align="left")
+    lines.rows(("kernel", "gpu", "busy"),
+               [(row.name, row.gpu, f"{row.busy_ratio:.1%}") for row in kernels[:rows]]
+               + [(f"[memcpy {kind}]", "", f"{format_bytes(rate)}/s")
+                  for kind, rate in frame.memcpy])
+    return lines.panel("kernels and copies"), lines.height
 
 
-def _cpu_panel(frame: Frame, state: ViewState, rows: int) -> Panel:
+def _cpu_panel(frame: Frame, state: ViewState, width: int, rows: int) -> Sized:
+    lines = Lines(width - 4)
     head = Text()
     head.append("cores ", style="dim")
     for mode, cores in frame.cpu_cores:
@@ -171,68 +200,59 @@ def _cpu_panel(frame: Frame, state: ViewState, rows: int) -> Panel:
                 style="bold")
     if frame.rss_peak_bytes is not None:
         head.append(f" (peak {format_bytes(frame.rss_peak_bytes)})", style="dim")
+    lines.add(head)
     threads = sorted(frame.threads, key=(lambda row: row.name) if state.sort == "name"
                      else (lambda row: (-row.cores, row.name)))
-    table = _table(("thread", "left"), ("n", "right"), ("cpu", "right"))
-    for row in threads[:rows]:
-        table.add_row(row.name, str(row.threads), f"{row.cores:.0%}")
-    return Panel(Group(head, table), title="cpu and memory", title_align="left")
+    lines.rows(("thread", "n", "cpu"),
+               [(row.name, str(row.threads), f"{row.cores:.0%}") for row in threads[:rows]])
+    return lines.panel("cpu and memory"), lines.height
 
 
-def _gpu_panel(frame: Frame) -> Panel | None:
+def _gpu_panel(frame: Frame, width: int) -> Sized | None:
     if not frame.gpus:
         return None
-    table = _table(("gpu", "left"), ("util", "right"), ("memory", "right"),
-                   ("power", "right"), ("sm clock", "right"))
+    lines = Lines(width - 4)
+    rows = []
     for gpu in frame.gpus:
         memory = ("?" if gpu.memory_used_bytes is None else
                   format_bytes(gpu.memory_used_bytes) + (
                       f" / {format_bytes(gpu.memory_total_bytes)}"
                       if gpu.memory_total_bytes else ""))
-        table.add_row(f"{gpu.gpu} {gpu.name}",
-                      "?" if gpu.utilization_ratio is None else f"{gpu.utilization_ratio:.0%}",
-                      memory, "?" if gpu.power_watts is None else f"{gpu.power_watts:.0f} W",
-                      "?" if gpu.sm_clock_hertz is None else
-                      f"{gpu.sm_clock_hertz / 1e6:.0f} MHz")
-    return Panel(table, title="gpus", title_align="left")
+        rows.append((f"{gpu.gpu} {gpu.name}",
+                     "?" if gpu.utilization_ratio is None else f"{gpu.utilization_ratio:.0%}",
+                     memory, "?" if gpu.power_watts is None else f"{gpu.power_watts:.0f} W",
+                     "?" if gpu.sm_clock_hertz is None else
+                     f"{gpu.sm_clock_hertz / 1e6:.0f} MHz"))
+    lines.rows(("gpu", "util", "memory", "power", "sm clock"), rows)
+    return lines.panel("gpus"), lines.height
 
 
-def _findings_panel(frame: Frame, rows: int) -> Panel:
+def _findings_panel(frame: Frame, width: int, rows: int) -> Sized:
+    lines = Lines(width - 4)
     if not frame.findings:
-        return Panel(Text("none now", style="dim"), title="findings", title_align="left")
-    lines: list[RenderableType] = []
+        lines.add("none now", style="dim")
+        return lines.panel("findings"), lines.height
     for finding in frame.findings[:max(1, rows // 3)]:
         line = Text()
         line.append(f"{finding.severity} ", style=SEVERITY_STYLES.get(finding.severity, ""))
         line.append(f"{finding.id}: ", style="bold")
         line.append(finding.summary)
-        lines.append(line)
+        lines.add(line)
         if finding.evidence:
-            lines.append(Text("  " + ", ".join(format_evidence(q, v)
-                                               for q, v in finding.evidence[:4]), style="dim"))
+            lines.add("  " + ", ".join(format_evidence(q, v) for q, v in finding.evidence[:4]),
+                      style="dim")
         if finding.advice:
-            lines.append(Text(f"  try: {finding.advice}", style="green"))
-    return Panel(Group(*lines), title=f"findings ({len(frame.findings)})", title_align="left")
+            lines.add(f"  try: {finding.advice}", style="green")
+    return lines.panel(f"findings ({len(frame.findings)})"), lines.height
 
 
-# Measures panels only: it renders into lines and writes nothing.
-_MEASURE = Console(file=io.StringIO(), width=200, color_system=None, legacy_windows=False)
-
-
-def _height(panel: RenderableType, width: int) -> int:
-    """Lines ``panel`` takes at ``width``, as Rich lays it out."""
-    return len(_MEASURE.render_lines(panel, _MEASURE.options.update(width=width), pad=False))
-
-
-def _fit(panels: Sequence[tuple[int, Panel | None]], width: int, height: int) -> list[Panel]:
+def _fit(panels: Sequence[tuple[int, Sized | None]], height: int) -> list[Panel]:
     """The panels that fit in ``height`` lines, in their order; leaves out the
     lowest-priority ones (the highest number) first."""
-    present = [(priority, panel) for priority, panel in panels if panel is not None]
-    heights = {id(panel): _height(panel, width) for _, panel in present}
-    kept = list(present)
-    while kept and sum(heights[id(panel)] for _, panel in kept) > height:
+    kept = [(priority, sized) for priority, sized in panels if sized is not None]
+    while kept and sum(sized[1] for _, sized in kept) > height:
         kept.remove(max(kept, key=lambda item: item[0]))
-    return [panel for _, panel in kept]
+    return [sized[0] for _, sized in kept]
 
 
 def header(frame: Frame) -> Text:
@@ -257,27 +277,28 @@ def render(frame: Frame, state: ViewState, width: int, height: int) -> Renderabl
                   no_wrap=True, overflow="ellipsis")
     body_height = max(3, height - 2)
     if state.help:
-        table = _table(("key", "left"), ("does", "left"))
+        lines = Lines(width - 4)
         for key, does in HELP:
-            table.add_row(key, does)
-        return Group(header(frame), Panel(table, title="help", title_align="left"), footer)
+            lines.add(f"{key}  {does}")
+        return Group(header(frame), lines.panel("help"), footer)
     rows = max(3, body_height // 3)
     wide = width >= WIDE_COLUMNS
-    column = width // 2 if wide else width
-    left = [(0, _step_panel(frame, state, column)), (3, _layers_panel(frame, state, rows)),
-            (5, _kernels_panel(frame, state, rows))]
-    right = [(1, _findings_panel(frame, rows)), (2, _cpu_panel(frame, state, rows)),
-             (4, _gpu_panel(frame))]
+    left_width = width // 2 if wide else width
+    right_width = width - left_width if wide else width
+    left = [(0, _step_panel(frame, state, left_width)),
+            (3, _layers_panel(frame, state, left_width, rows)),
+            (5, _kernels_panel(frame, state, left_width, rows))]
+    right = [(1, _findings_panel(frame, right_width, rows)),
+             (2, _cpu_panel(frame, state, right_width, rows)), (4, _gpu_panel(frame, right_width))]
     if wide:
-        grid = Table.grid(expand=True)
-        grid.add_column(ratio=1)
-        grid.add_column(ratio=1)
-        grid.add_row(Group(*_fit(left, column, body_height)),
-                     Group(*_fit(right, width - column, body_height)))
+        # Fixed column widths: the grid need not measure what it holds.
+        grid = Table.grid()
+        grid.add_column(width=left_width)
+        grid.add_column(width=right_width)
+        grid.add_row(Group(*_fit(left, body_height)), Group(*_fit(right, body_height)))
         body: RenderableType = grid
     else:
-        ordered = sorted(left + right, key=lambda item: item[0])
-        body = Group(*_fit(ordered, width, body_height))
+        body = Group(*_fit(sorted(left + right, key=lambda item: item[0]), body_height))
     return Group(header(frame), body, footer)
 
 
