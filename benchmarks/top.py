@@ -1,6 +1,12 @@
 """`dlprof-agent top`: what a refresh of its screen costs the agent, and how soon
 the first full screen comes once the probe answers.
 
+    python -m benchmarks.top [--smoke] [--refreshes N] [--first-screens N]
+
+It prints its tables and targets. It has the suite's shape (NAME, OPTIONS, run)
+but is not yet in benchmarks.run: that would need its results file in
+docs/results/, from a run on a quiet machine.
+
 A real training job (`workload run`, the small CNN, one thread) gets the probe
 with layer timing from an agent core in this process, sampling every second.
 After each pass the screen's work is timed on the thread's CPU clock, as the
@@ -17,6 +23,8 @@ against a fresh job: the time from the first /metrics that shows the probe up
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import io
 import shutil
 import statistics
@@ -38,12 +46,15 @@ from benchmarks.common import (
     Result,
     Table,
     TargetCheck,
+    add_options,
     agent_command,
     child_env,
     free_port,
     load_average,
     percentile,
     positive_int,
+    render_markdown,
+    resolve,
     scrape,
     wait_until,
 )
@@ -135,7 +146,7 @@ def _first_screen(tmux: str) -> float:
                        env=child_env(), cwd=REPO, check=True, timeout=30)
         try:
             def probe_up() -> bool:
-                body = scrape(port, keep_body=True).body
+                body = scrape(port, headers="", keep_body=True).body  # plain text, not gzip
                 return f'dlprof_probe_up{{pid="{job.pid}"}} 1.0'.encode() in body
 
             def screen_full() -> bool:
@@ -228,3 +239,22 @@ def run(settings: dict[str, Any]) -> Result:
           + (f"; first screen {max(delays):.2f} s after the probe answered (max)"
              if delays else ""), file=sys.stderr)
     return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.top", description=TARGETS)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few seconds, to check the harness works (figures mean nothing)")
+    add_options(parser, OPTIONS)
+    args = parser.parse_args()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    clock = time.monotonic()
+    result = run({**resolve(args, OPTIONS), "smoke": args.smoke})
+    data = result.as_dict("python -m benchmarks.top" + (" --smoke" if args.smoke else ""),
+                          started, time.monotonic() - clock)
+    print(render_markdown(result, data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,7 +39,6 @@ POSITIVE = {
     "probe": ("recorder.", "poll."),
     "scaling": (".per_interval_seconds",),
     "launch": (".start_seconds",),
-    "top": ("_seconds",),
 }
 
 
