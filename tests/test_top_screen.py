@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import time
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -108,3 +109,20 @@ def test_an_unreachable_url_is_one_line_and_exit_3(capsys: pytest.CaptureFixture
     error = capsys.readouterr().err
     assert f"cannot reach http://127.0.0.1:{port}/metrics" in error
     assert error.count("\n") == 1
+
+
+def test_a_gpu_jobs_frame_has_its_kernels_and_its_gpu_from_a_real_h100_scrape() -> None:
+    # Two scrapes of ResNet-50 training on an H100, 5 s apart (tests/test_findings.py).
+    h100 = Path(__file__).parent / "data" / "h100-resnet50"
+    first, second = (Readings.of_text((h100 / name).read_text())
+                     for name in ("m1.txt", "m6.txt"))
+    frame = build_frame(second, first, 2712)
+    assert frame.interval_seconds is not None and 4.9 < frame.interval_seconds < 5.1
+    assert frame.gpus and frame.gpus[0].name == "NVIDIA H100 80GB HBM3"
+    assert frame.kernels and all(0 < row.busy_ratio <= 1 for row in frame.kernels)
+    assert frame.steps_per_second and frame.split
+    lines = drawn(frame, 100, 80)  # one column: the gpus panel as wide as the screen
+    screen = "\n".join(lines)
+    assert "kernels and copies" in screen and "NVIDIA H100 80GB HBM3" in screen
+    assert "at::native::vectorized_elementwise_kernel" in screen
+    assert all(len(line) <= 100 for line in lines)
