@@ -104,6 +104,13 @@ def test_top_shows_the_step_split_layers_and_a_finding_quits_with_the_summary_an
         wait_for(lambda: shows("thread_oversubscription", "try:"),
                  "the oversubscription finding, with what to try", SCREEN_SECONDS)
 
+    terminal.keys("l")  # layer timing off in the job, then on again
+    wait_for(lambda: shows("layer timing is off"), "the layers panel saying timing is off")
+    terminal.keys("l")
+    wait_for(lambda: shows("layer timing on from the next pass", "Conv2d"),
+             "layer names back once timing is on again")
+    terminal.keys("s")
+    wait_for(lambda: shows("sorted by name"), "the tables sorted by name")
     terminal.keys("?")
     wait_for(lambda: shows("layer timing on or off"), "the help")
     terminal.keys("?")
