@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dlprof_agent.agent.core import Agent, AgentOptions, OneTarget, TargetWatch, probe_condition
 from dlprof_agent.agent.endpoint import DEFAULT_LISTEN, DEFAULT_PORT, start_metrics_server
@@ -28,6 +28,9 @@ from dlprof_agent.exporters.prometheus import NodeCollector
 from dlprof_agent.exporters.text import render_text
 from dlprof_agent.exporters.web_config import WebConfig
 from dlprof_agent.model.snapshot import NodeSnapshot, Snapshot
+
+if TYPE_CHECKING:  # Rich is imported by `top` alone: attach and the daemon stay lighter
+    from dlprof_agent.agent.top_screen import TopScreen
 
 MIN_INTERVAL_SECONDS = 0.05
 STOP_PASS_SECONDS = 2.0  # how long a stop waits for the pass under way to end
@@ -46,6 +49,7 @@ class ServeOptions(AgentOptions):
     quiet: bool = False
     web_config: WebConfig | None = None  # --web.config.file, loaded
     max_requests: int = MAX_REQUESTS  # --web.max-requests
+    serve_metrics: bool = True  # False: `top --no-serve`, the screen alone
 
 
 def make_agent(target: Target, options: AgentOptions,
@@ -101,10 +105,10 @@ def _start_server(attached: _Attached, options: ServeOptions) -> MetricsServer:
         web_config=options.web_config, max_requests=options.max_requests)
 
 
-def _linger(server: MetricsServer, grace: float, exited: str) -> None:
+def _linger(server: MetricsServer | None, grace: float, exited: str) -> None:
     """After the target's exit, serve dlprof_target_up 0 for ``grace`` seconds so that
     Prometheus's next scrape sees the end; but only if anything scraped at all."""
-    if grace <= 0:
+    if grace <= 0 or server is None:
         log.info("%s", exited)
     elif server.scrapes == 0:
         log.info("%s; nothing has scraped /metrics, so the agent stops now", exited)
@@ -117,24 +121,31 @@ def _linger(server: MetricsServer, grace: float, exited: str) -> None:
 def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
           before_stop: Callable[[int], None] | None = None,
           on_summary: Callable[[dict[str, Any]], None] | None = None,
-          describe_exit: Callable[[], str] | None = None) -> int:
+          describe_exit: Callable[[], str] | None = None,
+          screen: Callable[[Agent], TopScreen] | None = None) -> int:
     """Attach to ``pid``, serve until the duration, Ctrl-C, SIGTERM or the target's
     exit, then print the summary. Returns the exit code.
 
     ``before_stop`` gets the port while the endpoint still serves, at the end;
     ``on_summary`` gets the summary as a dict (`Summary.as_dict`), even when quiet;
-    ``describe_exit`` says how the target ended (`run`: with its exit code)."""
+    ``describe_exit`` says how the target ended (`run`: with its exit code);
+    ``screen`` makes `top`'s full screen, which then stands for the status line."""
     target = open_target(pid)
-    status = LiveStatus(out) if out.isatty() and not options.quiet else None
+    status: LiveStatus | TopScreen | None = None
+    top: TopScreen | None = None
+    if out.isatty() and not options.quiet and screen is None:
+        status = LiveStatus(out)
     if status is None and options.probe is not None and not options.quiet \
-            and sys.stderr.isatty():
+            and sys.stderr.isatty() and screen is None:
         status = LiveStatus(sys.stderr, notes_only=True)  # the probe's start, on its own
-    configure_logging(status)
+    configure_logging(status if isinstance(status, LiveStatus) else None)
     failures: list[BaseException] = []  # another agent holds the probe; a bug
     agent = make_agent(target, options,
                        on_probe_failure=lambda watch, error: failures.append(error))
     attached = _Attached(agent, pid)
-    server = _start_server(attached, options)
+    if screen is not None:
+        status = top = screen(agent)
+    server = _start_server(attached, options) if options.serve_metrics else None
     summary = Summary()
     stop = threading.Event()
     try:
@@ -147,11 +158,15 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             log.info("process %d exited before the agent's first sample", pid)
         else:
             summary.add(first)
+            if top is not None:
+                top.show(first)
             watch = attached.watch
             reaching = watch is not None and watch.start is not None and not watch.start.done
-            log.info("attached to pid %d (%s); serving http://%s:%d/metrics%s", pid,
-                     first.target.name if first.target else "?", options.listen,
-                     server.port, "; reaching for its probe in the background (step and "
+            log.info("attached to pid %d (%s); %s%s", pid,
+                     first.target.name if first.target else "?",
+                     f"serving http://{options.listen}:{server.port}/metrics"
+                     if server is not None else "not serving /metrics (--no-serve)",
+                     "; reaching for its probe in the background (step and "
                      "layer metrics start once it answers)" if reaching else "")
 
         def on_pass(node: NodeSnapshot) -> bool:
@@ -184,7 +199,7 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                     if remaining is not None and remaining <= 0:
                         break
                     loop.join(0.2 if remaining is None else min(0.2, remaining))
-                    if failures:
+                    if failures or (top is not None and top.quit.is_set()):
                         break
                     if status is None and (watch := attached.watch) is not None \
                             and watch.start is not None:
@@ -201,6 +216,8 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
                             describe_exit() if describe_exit else f"process {pid} exited")
         except (KeyboardInterrupt, StopRequested) as stopped:
             stop.set()
+            if top is not None:
+                top.clear()
             agent.quiet()  # a probe's announcement, if any, before this line
             # A pass under way ends first: what it says (the probe's first answer,
             # say) comes before this line, which is the last.
@@ -212,12 +229,15 @@ def serve(pid: int, options: ServeOptions, *, out: TextIO = sys.stdout,
             print(f"dlprof-agent: stopped by "
                   f"{'SIGTERM' if isinstance(stopped, StopRequested) else 'Ctrl-C'}",
                   file=sys.stderr)
-        if before_stop is not None:
+        if before_stop is not None and server is not None:
             before_stop(server.port)
     finally:
         stop.set()
+        if top is not None:
+            top.clear()  # the terminal as it was before anything else is said
         agent.close()  # the probe removes its hooks: the job is as it was
-        server.stop()
+        if server is not None:
+            server.stop()
     if status is not None:
         status.clear()
     if on_summary is not None:

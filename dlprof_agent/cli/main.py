@@ -24,6 +24,7 @@ from dlprof_agent.cli import (
     probe_copy,
     run,
     snapshot,
+    top,
     trace,
     workload,
 )
@@ -45,8 +46,8 @@ class Command(Protocol):
 
 # In the order `--help` lists them.
 COMMANDS: dict[str, Command] = {
-    "attach": attach, "run": run, "snapshot": snapshot, "demo": demo, "daemon": daemon,
-    "trace": trace, "workload": workload, "grafana": grafana,
+    "attach": attach, "top": top, "run": run, "snapshot": snapshot, "demo": demo,
+    "daemon": daemon, "trace": trace, "workload": workload, "grafana": grafana,
     "rules": rules_command, "probe-copy": probe_copy,
 }
 
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  dlprof-agent attach $(pgrep -f train.py)     serve on "
                f"http://{DEFAULT_LISTEN}:{DEFAULT_PORT}/metrics\n"
+               "  dlprof-agent top $(pgrep -f train.py)        the same, on one live "
+               "screen\n"
                "  dlprof-agent run -- python train.py           start a job with the probe\n"
                "  dlprof-agent snapshot 4242 | grep cpu        print the metrics once\n"
                "  dlprof-agent trace 4242 --steps 5            5 steps of kernels, as a "

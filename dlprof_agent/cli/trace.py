@@ -50,7 +50,7 @@ HINTS = (
     ("held by", "stop the other profiler (torch.profiler, Nsight) and try again"),
     ("unknown command", "the job's probe predates traces: restart it with this dlprof-agent"),
     ("steps before the time limit", "ask for fewer --steps, or a longer --timeout"),
-    ("no training step", "the probe sees no steps: is the job training? (see README, steps)"),
+    ("no training step", "the probe sees no steps: is the job training? (docs/probe.md, steps)"),
 )
 
 

@@ -120,6 +120,7 @@ class ProbeSource:
         self._reach_failure: str | None = None
         self._stopped = False
         self._adopted = False  # a client was ever taken
+        self._layers_wanted: bool | None = None  # set_layers: sent at the next pass
         if client is not None:
             self._adopt(client)
 
@@ -142,6 +143,24 @@ class ProbeSource:
     def condition(self) -> ProbeCondition:
         return self._condition
 
+    def set_layers(self, layers: bool) -> None:
+        """Layer timing on or off (`top`'s l): sent at the next pass, kept for a reach."""
+        with self._lock:
+            self._layers_wanted = layers
+            if self._options is not None:
+                self._options = replace(self._options, layers=layers)
+
+    def _send_layers(self, client: ProbeClient) -> None:
+        with self._lock:
+            wanted, self._layers_wanted = self._layers_wanted, None
+        if wanted is not None and wanted != client.layers:
+            try:
+                client.set_layers(wanted)
+            except ReplyLate:  # its answer is taken before the next snapshot's
+                client.layers = wanted
+            except Exception:  # a closed socket: the snapshot below meets it and drops it
+                pass
+
     def sample(self) -> ProbeSample | None:
         with self._reading:
             if self._stopped:
@@ -163,6 +182,8 @@ class ProbeSource:
                 self._report_loss()
                 self._try_again()
                 return None
+        if self._layers_wanted is not None and client.idle:
+            self._send_layers(client)
         now = self._clock()
         # Read before asking: a reply read after an exec may have been sent before it.
         identity, asked = self._program(), client.requests_sent

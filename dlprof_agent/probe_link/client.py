@@ -327,6 +327,19 @@ class ProbeClient:
         self._awaiting = command
         return self._reply()
 
+    @property
+    def idle(self) -> bool:
+        """No reply is awaited or being dropped: a request now is answered next."""
+        return self._awaiting is None and not self._dropping
+
+    def set_layers(self, layers: bool) -> None:
+        """Layer timing on or off in the probe (``configure``), from its next step."""
+        reply = self.request("configure", {"layers": layers})
+        if not reply.get("ok"):
+            raise ProbeUnavailable(f"configure refused: {reply.get('error')!r:.80}",
+                                   pid=self.pid)
+        self.layers = layers
+
     def snapshot(self) -> ProbeSample:
         """Raises ReplyLate when the probe has not answered within the timeout; the
         next call then takes that late reply."""
