@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # A straggler's own time per step is above the job's median by at least this share
@@ -52,6 +53,18 @@ PROBE_MEMORY = "1h"
 
 DEFAULT_RATE_WINDOW = "1m"
 DEFAULT_FOR = "2m"
+# Windows counted in steps: a rank's figures per step are its means over the last
+# STEP_WINDOW when it ended at least STEP_WINDOW_MIN_STEPS steps in it, else over the
+# rate window. Ten 1 s scrapes; a job of 20+ steps in 10 s is judged on its latest
+# steps, a slower one (or a slower scrape, which leaves the short window empty) on the
+# rate window's.
+STEP_WINDOW = "10s"
+STEP_WINDOW_MIN_STEPS = 20
+# A straggler, or a slow exchange, must hold at every evaluation for this long: on a
+# 10 s window that is an excess held over several consecutive short windows, where a
+# healthy job's noise (a neighbour's burst on one rank's core) flickers. Measured in
+# docs/results/stragglers.md; --for sets the other alerts'.
+STRAGGLER_FOR = "5s"
 # The `job` label of the agents' scrape: the shipped prometheus.yml's job and the
 # ServiceMonitor's (the Service's name).
 DEFAULT_SCRAPE_JOB = "dlprof|dlprof-agent"
@@ -127,12 +140,14 @@ class RuleOptions:
 
     rate_window: str = DEFAULT_RATE_WINDOW  # a Prometheus duration, above 0
     for_: str = DEFAULT_FOR  # how long a condition holds before its alert fires
+    straggler_for: str = STRAGGLER_FOR  # the same for the straggler and slow exchange
     scrape_job: str = DEFAULT_SCRAPE_JOB  # a regex for `up`'s job label
 
     def __post_init__(self) -> None:
         if duration_ms(self.rate_window) <= 0:
             raise ValueError(f"a rate window of {self.rate_window} holds no samples")
         duration_ms(self.for_)
+        duration_ms(self.straggler_for)
         try:
             re.compile(self.scrape_job)
         except re.error as error:
@@ -191,10 +206,24 @@ def dashboard_rules() -> list[Record]:
     ]
 
 
+def _steps_counted(per_step: Callable[[str], str], window: str) -> str:
+    """`per_step` (an expression of a window) over STEP_WINDOW for the ranks that
+    ended STEP_WINDOW_MIN_STEPS steps in it, over `window` for the others."""
+    if duration_ms(window) <= duration_ms(STEP_WINDOW):
+        return per_step(window)
+    enough = ("sum by (job_id, rank) (increase(dlprof_step_duration_seconds_count"
+              f"{{{_RANKED}}}[{STEP_WINDOW}])) >= {STEP_WINDOW_MIN_STEPS}")
+    short = per_step(STEP_WINDOW).replace("\n", "\n  ")
+    return f"(\n  {short}\n)\nand on (job_id, rank) ({enough})\nor\n{per_step(window)}"
+
+
 def job_rules(window: str) -> list[Record]:
     """Per job and per rank: throughput, the time split per step, and the stragglers."""
-    steps = ("sum by (job_id, rank) (rate(dlprof_step_duration_seconds_count"
-             f"{{{_RANKED}}}[{window}])) > 0")
+
+    def steps(over: str) -> str:
+        return ("sum by (job_id, rank) (rate(dlprof_step_duration_seconds_count"
+                f"{{{_RANKED}}}[{over}])) > 0")
+
     input_excess = (f'{RANK_PHASE_ABOVE_MEDIAN}{{phase="other"}}\n'
                     f"  >= ignoring (phase) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
     compute_excess = (f"sum by (job_id, rank) ({RANK_PHASE_ABOVE_MEDIAN}"
@@ -214,19 +243,20 @@ def job_rules(window: str) -> list[Record]:
                f'sum by (job_id, rank) (rate(dlprof_steps_total{{{_RANKED},phase="steady"}}'
                f"[{window}]))"),
         Record("Mean step time of each rank; no series (not NaN) while it ends no step.",
-               RANK_STEP_MEAN,
-               f"sum by (job_id, rank) (rate(dlprof_step_duration_seconds_sum{{{_RANKED}}}"
-               f"[{window}]))\n/\n({steps})"),
+               RANK_STEP_MEAN, _steps_counted(lambda over: (
+                   f"sum by (job_id, rank) (rate(dlprof_step_duration_seconds_sum"
+                   f"{{{_RANKED}}}[{over}]))\n/\n({steps(over)})"), window)),
         Record("Each phase's mean time per step of each rank: `exchange` is the wait in\n"
                "collectives, `other` the input (everything outside the model's steps).",
-               RANK_PHASE_MEAN,
-               f"sum by (job_id, rank, phase) (rate(dlprof_step_phase_seconds_total"
-               f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank) group_left ()\n({steps})"),
+               RANK_PHASE_MEAN, _steps_counted(lambda over: (
+                   f"sum by (job_id, rank, phase) (rate(dlprof_step_phase_seconds_total"
+                   f"{{{_RANKED}}}[{over}]))\n/ on (job_id, rank) group_left ()\n"
+                   f"({steps(over)})"), window)),
         Record("GPU time per step in collective (NCCL) kernels of each rank; no series for\n"
                "a job that runs none.",
-               RANK_COLLECTIVE_MEAN,
-               "sum by (job_id, rank) (rate(dlprof_collective_kernel_seconds_total"
-               f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank)\n({steps})"),
+               RANK_COLLECTIVE_MEAN, _steps_counted(lambda over: (
+                   "sum by (job_id, rank) (rate(dlprof_collective_kernel_seconds_total"
+                   f"{{{_RANKED}}}[{over}]))\n/ on (job_id, rank)\n({steps(over)})"), window)),
         Record("Each rank's wait for the others per step: its exchange phase, or its NCCL\n"
                "kernels' time where that is larger (an NCCL collective returns to the host\n"
                "once queued; the wait runs on the GPU). Kernels that overlap backward count\n"
@@ -321,11 +351,11 @@ def job_rules(window: str) -> list[Record]:
     ]
 
 
-def job_alerts(window: str, for_: str) -> list[Alert]:
+def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR) -> list[Alert]:
     job = "job {{ $labels.job_id }}"
     return [
         Alert("A rank is slower than the rest of its job, which waits for it every step.",
-              STRAGGLER_ALERT, RANK_STRAGGLER_CAUSE, for_,
+              STRAGGLER_ALERT, RANK_STRAGGLER_CAUSE, straggler_for,
               (("severity", "warning"),),
               (("summary", f"rank {{{{ $labels.rank }}}} of {job} is a straggler "
                            "(cause: {{ $labels.cause }})"),
@@ -348,7 +378,7 @@ def job_alerts(window: str, for_: str) -> list[Alert]:
               f"min by (job_id) (\n  {RANK_WAIT_MEAN}\n"
               f"  / on (job_id, rank) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
               f"unless on (job_id) {RANK_STRAGGLER_EXCESS}",
-              for_, (("severity", "warning"), ("cause", "slow_collective")),
+              straggler_for, (("severity", "warning"), ("cause", "slow_collective")),
               (("summary", f"{job} spends {{{{ $value | humanizePercentage }}}} of each step "
                            "in collectives on its least-waiting rank"),
                ("description",
@@ -418,7 +448,8 @@ def rules(options: RuleOptions) -> list[tuple[str, str, list[Rule]]]:
         ("dlprof-job",
          "Each job and its ranks (the job dashboard), and the job's alerts. Rules of a\n"
          "group run in order at one time, so each may read those above it.",
-         [*job_rules(options.rate_window), *job_alerts(options.rate_window, options.for_)]),
+         [*job_rules(options.rate_window), *job_alerts(options.rate_window, options.for_,
+                                                          options.straggler_for)]),
         ("dlprof-agents", "The agents and their probes.",
          list(agent_alerts(options.scrape_job, options.for_))),
     ]
@@ -461,6 +492,8 @@ def _rule_lines(rule: Rule) -> list[str]:
 def rules_file(options: RuleOptions) -> str:
     """The whole rules file for `rule_files:` in prometheus.yml."""
     command = f"dlprof-agent rules --rate-window {options.rate_window} --for {options.for_}"
+    if options.straggler_for != STRAGGLER_FOR:
+        command += f" --straggler-for {options.straggler_for}"
     if options.scrape_job != DEFAULT_SCRAPE_JOB:
         command += f" --scrape-job '{options.scrape_job}'"
     lines = [
