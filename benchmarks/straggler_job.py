@@ -65,16 +65,20 @@ def main() -> int:
             procs.write(str(os.getpid()))
     import torch
     import torch.distributed as dist
+    from torch import nn
     from torch.nn.parallel import DistributedDataParallel
-
-    from dlprof_agent.workloads.torch_models import small_cnn
 
     cpus = [int(cpu) for cpu in args.cpus.split(",")]
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.manual_seed(rank)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    model = DistributedDataParallel(small_cnn())
+    # workloads.torch_models's small CNN, written out: the probe copied onto the path
+    # holds a dlprof_agent of its own, without the workloads.
+    model = DistributedDataParallel(nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
     faults = Faults(os.path.join(args.fault_dir, f"rank-{rank}"))

@@ -96,7 +96,7 @@ OPTIONS = (
            positive_int, "N"),
     Option("--busy", 2, 2, "cpu_starved: busy processes on the rank's CPU", positive_int,
            "N"),
-    Option("--memory-share", 0.5, 0.5,
+    Option("--memory-share", 0.4, 0.4,
            "memory_pressure: the rank's memory limit, a share of its charged memory",
            positive_float, "SHARE"),
     Option("--link-rate", "150mbit", "150mbit", "slow_exchange: tbf's rate on the link"),
@@ -262,6 +262,7 @@ class Job:
         self.faults.mkdir()
         self.cgroups: list[Path] = []
         self.busy: list[subprocess.Popen[str]] = []
+        self.launchers: list[subprocess.Popen[str]] = []
         self.token = f"stragglers-{os.getpid()}"
         self.prometheus = Prometheus(0)
 
@@ -302,17 +303,18 @@ class Job:
                 "GLOO_SOCKET_IFNAME": self.nodes.device(node),
                 "DLPROF_STRAGGLERS_RUN": self.token})
             env["PYTHONPATH"] = os.pathsep.join([str(probe), env["PYTHONPATH"]])
-            self.processes.start(
+            self.launchers.append(self.processes.start(
                 [*self.nodes.enter(node), sys.executable, "-m", "torch.distributed.run",
                  "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                  "--master-addr", self.nodes.address(0), "--master-port", "29577",
                  "--rdzv-id", JOB_ID, "benchmarks/straggler_job.py",
                  "--fault-dir", str(self.faults), "--stop", str(self.root / "stop"),
                  "--batch", str(self.settings["batch"]),
-                 "--cpus", ",".join(map(str, self.cpus)), *cgroup_args], env=env)
-        wait_until(lambda: len(self.prometheus.query(
-            "job_id_rank:dlprof_step_own_seconds:above_median")) == 2,
-            "both ranks' own time in Prometheus", timeout=240)
+                 "--cpus", ",".join(map(str, self.cpus)), *cgroup_args], env=env))
+        for launcher in self.launchers:
+            wait_until(lambda: len(self.prometheus.query(
+                "job_id_rank:dlprof_step_own_seconds:above_median")) == 2,
+                "both ranks' own time in Prometheus", timeout=240, alive=launcher)
 
     def stop(self) -> None:
         (self.root / "stop").touch()
