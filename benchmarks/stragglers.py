@@ -94,7 +94,7 @@ OPTIONS = (
            positive_float, "SECONDS"),
     Option("--compute-factor", 2, 2, "compute: the faulty rank's batch, times --batch",
            positive_int, "N"),
-    Option("--busy", 2, 2, "cpu_starved: busy processes on the rank's CPU", positive_int,
+    Option("--busy", 3, 3, "cpu_starved: busy processes on the rank's CPU", positive_int,
            "N"),
     Option("--memory-share", 0.4, 0.4,
            "memory_pressure: the rank's memory limit, a share of its charged memory",
@@ -232,6 +232,8 @@ class Trial:
     wrong_causes: set[str] = field(default_factory=set)
     step_before_seconds: float | None = None
     step_during_seconds: float | None = None
+    excess_share: float | None = None  # the rank's own time above the median, of the step
+    least_wait_share: float | None = None  # the least-waiting rank's share in collectives
 
 
 def _judge(trial: Trial, alerts: list[dict[str, str]], elapsed: float) -> None:
@@ -340,8 +342,11 @@ class Job:
             (self.faults / f"rank-{rank}").write_text(f"compute {settings['compute_factor']}")
         elif cause == "cpu_starved":
             cpu = self.cpus[rank]
+            # Each in a session of its own: with autogroups on, CFS shares a CPU
+            # between sessions first, and the rank (torchrun starts it in its own)
+            # would get half of it however many busy processes share one session.
             self.busy = [self.processes.start([
-                sys.executable, "-c",
+                "setsid", sys.executable, "-c",
                 f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
                 for _ in range(settings["busy"])]
         elif cause == "memory_pressure":
@@ -393,6 +398,12 @@ def _trial(job: Job, trial: Trial, fault_seconds: float) -> None:
                 step = job.step_seconds()
                 if step is not None:
                     during.append(step)
+                    trial.excess_share = job.prometheus.value(
+                        f'job_id_rank:dlprof_step_own_seconds:above_median{{rank="{trial.rank}"}}'
+                        " / on (job_id) group_left () job_id:dlprof_step_duration_seconds:median")
+                    trial.least_wait_share = job.prometheus.value(
+                        "min(job_id_rank:dlprof_step_wait_seconds:mean"
+                        " / on (job_id, rank) job_id_rank:dlprof_step_duration_seconds:mean)")
             time.sleep(POLL_SECONDS)
     finally:
         job.remove(trial.cause, trial.rank)
@@ -530,11 +541,14 @@ def _report(result: Result, settings: dict[str, Any], plan: list[Trial], *,
     trial_table = Table("trials", "Every trial, in the order run", [
         Column("cause", "cause"), Column("rank", "rank", "int"),
         Column("fired", "fired after", "s"), Column("cleared", "cleared after", "s"),
+        Column("excess", "its excess own time, of the step (fault's last 10 s)", "percent"),
+        Column("wait", "least-waiting rank's share in collectives", "percent"),
         Column("wrong", "wrong rank or causes that fired")])
     for trial in plan:
         trial_table.rows.append({
             "cause": trial.cause, "rank": trial.rank, "fired": trial.fired_seconds,
-            "cleared": trial.cleared_seconds,
+            "cleared": trial.cleared_seconds, "excess": trial.excess_share,
+            "wait": trial.least_wait_share,
             "wrong": ", ".join(([f"rank {1 - trial.rank}"] if trial.wrong_rank else [])
                                + sorted(trial.wrong_causes)) or "-"})
     result.tables.append(trial_table)

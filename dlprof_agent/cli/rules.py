@@ -21,9 +21,9 @@ from dlprof_agent.exporters.prometheus_rules import (
     PROBE_DOWN_ALERT,
     SLOW_EXCHANGE_ALERT,
     STALLED_ALERT,
-    STRAGGLER_ALERT,
     STEP_WINDOW,
     STEP_WINDOW_MIN_STEPS,
+    STRAGGLER_ALERT,
     STRAGGLER_FLOOR_SECONDS,
     STRAGGLER_FOR,
     STRAGGLER_STEP_SHARE,
@@ -89,10 +89,10 @@ def add_parser(commands: Any) -> None:
     rules.add_argument("--for", dest="for_", type=_duration, default=DEFAULT_FOR,
                        metavar="DURATION",
                        help="how long a condition must hold before its alert fires "
-                            f"(default {DEFAULT_FOR}), but for the next two")
+                            f"(default {DEFAULT_FOR}), but for the next")
     rules.add_argument("--straggler-for", type=_duration, default=STRAGGLER_FOR,
                        metavar="DURATION",
-                       help=f"the same for {STRAGGLER_ALERT} and {SLOW_EXCHANGE_ALERT} "
+                       help=f"the same for {STRAGGLER_ALERT} "
                             f"(default {STRAGGLER_FOR})")
     rules.add_argument("--scrape-job", default=DEFAULT_SCRAPE_JOB, metavar="REGEX",
                        help=f"the `job` label of the agents' scrape, for {AGENT_DOWN_ALERT} "

@@ -60,10 +60,12 @@ DEFAULT_FOR = "2m"
 # rate window's.
 STEP_WINDOW = "10s"
 STEP_WINDOW_MIN_STEPS = 20
-# A straggler, or a slow exchange, must hold at every evaluation for this long: on a
-# 10 s window that is an excess held over several consecutive short windows, where a
-# healthy job's noise (a neighbour's burst on one rank's core) flickers. Measured in
-# docs/results/stragglers.md; --for sets the other alerts'.
+# A straggler must hold at every evaluation for this long: on a 10 s window that is
+# an excess held over several consecutive short windows, where a healthy job's noise
+# (a neighbour's burst on one rank's core) flickers. Measured in
+# docs/results/stragglers.md; --for sets the other alerts'. DlprofSlowExchange keeps
+# --for: on a shared 2-core machine the least-waiting rank's 10 s share in collectives
+# passed a fifth for seconds at a time on a healthy job.
 STRAGGLER_FOR = "5s"
 # The `job` label of the agents' scrape: the shipped prometheus.yml's job and the
 # ServiceMonitor's (the Service's name).
@@ -140,7 +142,7 @@ class RuleOptions:
 
     rate_window: str = DEFAULT_RATE_WINDOW  # a Prometheus duration, above 0
     for_: str = DEFAULT_FOR  # how long a condition holds before its alert fires
-    straggler_for: str = STRAGGLER_FOR  # the same for the straggler and slow exchange
+    straggler_for: str = STRAGGLER_FOR  # the same for the straggler alert
     scrape_job: str = DEFAULT_SCRAPE_JOB  # a regex for `up`'s job label
 
     def __post_init__(self) -> None:
@@ -378,7 +380,7 @@ def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR) -> li
               f"min by (job_id) (\n  {RANK_WAIT_MEAN}\n"
               f"  / on (job_id, rank) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
               f"unless on (job_id) {RANK_STRAGGLER_EXCESS}",
-              straggler_for, (("severity", "warning"), ("cause", "slow_collective")),
+              for_, (("severity", "warning"), ("cause", "slow_collective")),
               (("summary", f"{job} spends {{{{ $value | humanizePercentage }}}} of each step "
                            "in collectives on its least-waiting rank"),
                ("description",
