@@ -584,6 +584,16 @@ def _report(result: Result, settings: dict[str, Any], plan: list[Trial], *,
         f"pauses before each fault ({healthy_seconds - settings['control_seconds']:.0f} s "
         "in all), each pause after the previous fault had cleared. The job's median step "
         f"before the trials: {step * 1000:.1f} ms." if step else "")
+    result.notes += [
+        "slow_exchange counts as named when DlprofSlowExchange fires: it names the job, "
+        "not a rank (with two ranks both wait alike for a slow link), and it keeps --for "
+        "(2 m), so within a fault of --fault-seconds it is not expected to fire.",
+        "A wrong cause is any other cause the alert gave the faulty rank during its "
+        "fault, beside the right one or alone; a wrong rank, any straggler alert on "
+        "another rank.",
+        "Every other process on the machine shares the ranks' two CPUs: whatever else "
+        "runs there starves one rank or the other, which the rules rightly call "
+        "cpu_starved and this benchmark counts as a false alarm or a wrong cause."]
     if settings["trials"] < 10:
         result.owed.append(f"{settings['trials']} trials per cause ran; the issue asks "
                            "for at least 10")
