@@ -101,6 +101,7 @@ JOB_SCALING_EFFICIENCY = "job_id:dlprof_scaling_efficiency:ratio"
 JOB_RANKS_UP = "job_id:dlprof_ranks_up:count"
 JOB_WORLD_SIZE = "job_id:dlprof_target_world_size:max"
 RANK_GPU_SLOWDOWN = "job_id_rank:dlprof_gpu_throttle_reason_active:max"
+RANK_RUN_QUEUE_MEAN = "job_id_rank:dlprof_process_main_thread_run_queue_wait_seconds:mean"
 RANK_STRAGGLER_EXCESS = "job_id_rank:dlprof_step_own_seconds:straggler_excess"
 RANK_STRAGGLER_CAUSE = "job_id_rank_cause:dlprof_step_own_seconds:straggler_excess"
 
@@ -231,8 +232,16 @@ def job_rules(window: str) -> list[Record]:
     compute_excess = (f"sum by (job_id, rank) ({RANK_PHASE_ABOVE_MEDIAN}"
                       '{phase=~"forward|backward|optimizer"})\n'
                       f"  >= ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
+    # A CPU finding names the cause unless the rank's main thread waited for its CPU
+    # less than half its excess per step more than the median rank's: on a shared
+    # machine a rank that computes or sleeps longer for another reason meets the
+    # finding's threshold too, and then the finding is not why it is slow.
+    run_queue_above = (f"{RANK_RUN_QUEUE_MEAN}\n  - on (job_id) group_left ()\n"
+                       f"  quantile by (job_id) (0.5, {RANK_RUN_QUEUE_MEAN})")
     cpu = (f'max by (job_id, rank) (dlprof_finding{{{_RANKED},'
-           f'finding=~"{_any_of(CPU_STARVED_FINDINGS)}"}}) == 1')
+           f'finding=~"{_any_of(CPU_STARVED_FINDINGS)}"}}) == 1\n'
+           f"unless on (job_id, rank)\n(\n  {run_queue_above}\n"
+           f"  < on (job_id, rank) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})\n)")
     memory = (f'max by (job_id, rank) (dlprof_finding{{{_RANKED},'
               f'finding=~"{_any_of(MEMORY_PRESSURE_FINDINGS)}"}}) == 1')
     return [
@@ -313,6 +322,15 @@ def job_rules(window: str) -> list[Record]:
                f"  and on (job, instance, pid) dlprof_target_up == 1))"),
         Record("Each job's world size, as its ranks report it.",
                JOB_WORLD_SIZE, 'max by (job_id) (dlprof_target_world_size{job_id!=""})'),
+        Record("The time each rank's main thread waited in a run queue for a CPU per step;\n"
+               "no series where the kernel keeps no schedstat.",
+               RANK_RUN_QUEUE_MEAN, _steps_counted(lambda over: (
+                   "sum by (job_id, rank) (\n"
+                   f"  rate(dlprof_process_main_thread_run_queue_wait_seconds_total[{over}])\n"
+                   "  * on (job, instance, pid) group_left (job_id, rank)\n"
+                   "    group by (job, instance, pid, job_id, rank) "
+                   f"(dlprof_target_info{{{_RANKED}}})\n)\n"
+                   f"/ on (job_id, rank)\n({steps(over)})"), window)),
         Record("1 while a throttle reason that slows one GPU down holds any GPU the rank\n"
                "holds memory on; 0 while none does; no series without GPUs.",
                RANK_GPU_SLOWDOWN,
@@ -335,11 +353,12 @@ def job_rules(window: str) -> list[Record]:
                f"({RANK_OWN_ABOVE_MEDIAN}\n"
                f"  >= on (job_id) group_left () ({STRAGGLER_STEP_SHARE} * {JOB_STEP_MEDIAN}))"),
         Record("Each straggler with its cause, from its own signals: its input per step is\n"
-               "above the job's median by most of its excess (input); a CPU finding on it\n"
-               "(cpu_starved); a slowdown on its GPUs (gpu_throttled); a memory finding\n"
-               "(memory_pressure). Several may hold at once. Without any of them: its\n"
-               "forward, backward and optimizer time carry most of the excess (compute),\n"
-               "or nothing says (unknown).",
+               "above the job's median by most of its excess (input); a CPU finding on it,\n"
+               "unless its main thread's run-queue wait per step is above the median by\n"
+               "less than half its excess (cpu_starved); a slowdown on its GPUs\n"
+               "(gpu_throttled); a memory finding (memory_pressure). Several may hold at\n"
+               "once. Without any of them: its forward, backward and optimizer time carry\n"
+               "most of the excess (compute), or nothing says (unknown).",
                RANK_STRAGGLER_CAUSE,
                "\nor\n".join([
                    _with_cause(input_excess, "input"),
