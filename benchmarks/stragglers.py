@@ -373,9 +373,11 @@ class Job:
 def _watch(job: Job, seconds: float) -> tuple[int, list[dict[str, str]]]:
     """Poll the alerts for `seconds`: how many distinct alerts fired (one counts
     once while it keeps firing), and their labels."""
-    began, episodes, seen = time.monotonic(), [], set[tuple[str, ...]]()
+    began = time.monotonic()
+    episodes: list[dict[str, str]] = []
+    seen: set[tuple[str, str, str]] = set()
     while time.monotonic() - began < seconds:
-        now = set()
+        now: set[tuple[str, str, str]] = set()
         for alert in job.prometheus.firing():
             key = (alert.get("alertname", ""), alert.get("rank", ""), alert.get("cause", ""))
             now.add(key)
