@@ -482,6 +482,8 @@ def run(settings: dict[str, Any]) -> Result:
         finally:
             for process in job.busy:
                 processes.stop(process)
+            for process in job.launchers:
+                processes.stop(process)  # out of their cgroups before these go
             job.remove_cgroups()
             nodes.remove()
     healthy_seconds = settings["control_seconds"] + pauses
