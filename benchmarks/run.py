@@ -22,15 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benchmarks import (
-    footprint,
-    launch,
-    overhead,
-    probe_throughput,
-    scaling,
-    scrape,
-    stragglers,
-)
+from benchmarks import footprint, launch, overhead, probe_throughput, scaling, scrape
 from benchmarks.common import (
     DEFAULT_OUT,
     SMOKE_OUT,
@@ -43,7 +35,7 @@ from benchmarks.common import (
 from benchmarks.common import write_result as write
 
 BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (
-    overhead, footprint, scrape, probe_throughput, scaling, launch, stragglers)}
+    overhead, footprint, scrape, probe_throughput, scaling, launch)}
 
 
 def build_parser() -> argparse.ArgumentParser:
