@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow  # real jobs, real agents, a terminal
 
 TMUX = shutil.which("tmux")
 AGENT = [sys.executable, "-m", "dlprof_agent"]
-SCREEN_SECONDS = 180  # the probe's injection and the first steps of an 8-thread job, beside CI's other workers on 2 cores
+# The probe's injection and an 8-thread job's first steps, beside CI's other workers
+# on 2 cores (60 s was not always enough there; alone it draws in 15 s).
+SCREEN_SECONDS = 180
 WIDE, TALL = 140, 45
 
 
