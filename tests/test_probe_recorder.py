@@ -52,6 +52,23 @@ def test_warmup_steps_stay_out_of_the_steady_figures() -> None:
     assert snapshot["step_bucket_counts"][STEP_BUCKETS.index(0.025)] == 20
 
 
+def test_steps_stay_warm_up_until_the_hooks_have_found_the_model() -> None:
+    """Until the model's hooks are in, a step's forward is not seen: such steps are
+    warm-up however many pass, and a model found again later (hooks reinstalled)
+    does not take a steady job back to warm-up."""
+    recorder = Recorder(warmup_steps=2, clock=Clock())
+    recorder.discovery_started()
+    recorder.step_boundary("optimizer")
+    run_steps(recorder, [0.5] * 5)
+    assert recorder.snapshot()["steps"] == {"warmup": 5, "steady": 0}
+    recorder.discovery_ended()
+    run_steps(recorder, [0.02] * 3)
+    assert recorder.snapshot()["steps"] == {"warmup": 5, "steady": 3}
+    recorder.discovery_started()
+    run_steps(recorder, [0.02] * 2)
+    assert recorder.snapshot()["steps"] == {"warmup": 5, "steady": 5}
+
+
 def test_a_stronger_step_source_takes_over_and_weaker_ones_are_ignored() -> None:
     recorder = Recorder(warmup_steps=0, clock=Clock())
     recorder.step_boundary("forward")

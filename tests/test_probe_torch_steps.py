@@ -177,6 +177,36 @@ def test_a_steady_step_calls_four_hooks_and_registers_nothing() -> None:
     assert snapshot["hook_errors"] == 0
 
 
+@pytest.mark.slow  # imports torch
+def test_hooks_that_arrive_mid_step_split_every_steady_step() -> None:
+    """Hooks installed between a step's backward and its optimizer step (an attach
+    lands anywhere) meet the optimizer's end before any forward: with no warm-up
+    asked for, the steps before the model's hooks are in are still warm-up, so no
+    steady step is left unsplit."""
+    torch = pytest.importorskip("torch")
+    from dlprof_agent.probe.torch_hooks import TorchHooks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs, labels = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    recorder = Recorder(warmup_steps=0)
+    hooks = TorchHooks(recorder, layers=False)
+    try:
+        for step in range(8):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+            if step == 0:
+                hooks.install()
+            optimizer.step()
+    finally:
+        hooks.remove()
+    snapshot = recorder.snapshot()
+    assert snapshot["steps"]["warmup"] >= 1 and snapshot["steps"]["steady"] >= 5
+    assert "unsplit" not in snapshot["phase_seconds"]
+    assert snapshot["phase_split"] == "split"
+
+
 def _counted(hook: Any, name: str, calls: dict[str, int]) -> Any:
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[name] = calls.get(name, 0) + 1

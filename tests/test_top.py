@@ -36,6 +36,9 @@ class Terminal:
             pytest.skip("tmux is not installed (scripts/setup installs it)")
         self.socket = f"dlprof-test-{uuid.uuid4().hex[:8]}"
         shell = " ".join(map(_quote, command)) + "; echo top-exited-$?; sleep 600"
+        # xdist's workers export COLUMNS=80 and LINES=24, which a terminal program
+        # takes over the size its terminal reports: top would draw 80 x 24 in 140 x 45.
+        env = {name: value for name, value in env.items() if name not in ("COLUMNS", "LINES")}
         self._tmux("new-session", "-d", "-s", "top", "-x", str(WIDE), "-y", str(TALL),
                    shell, env=env)
 
@@ -52,6 +55,21 @@ class Terminal:
 
     def resize(self, columns: int, lines: int) -> None:
         self._tmux("resize-window", "-t", "top", "-x", str(columns), "-y", str(lines))
+
+    def wait_showing(self, *words: str, what: str, timeout: float = 30.0) -> str:
+        """The screen once it shows every one of ``words``; on a timeout the error
+        holds the last screen, which says what top was waiting for."""
+        last = [""]
+
+        def shows() -> str | None:
+            last[0] = screen = self.screen()
+            return screen if all(word in screen for word in words) else None
+
+        try:
+            found: str = wait_for(shows, what, timeout)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\nthe last screen:\n{last[0]}") from None
+        return found
 
     def close(self) -> None:
         subprocess.run([TMUX or "tmux", "-L", self.socket, "kill-server"],
@@ -99,22 +117,24 @@ def test_top_shows_the_step_split_layers_and_a_finding_quits_with_the_summary_an
         screen = terminal.screen()
         return screen if all(word in screen for word in words) else None
 
-    screen = wait_for(lambda: shows("steps/s", "forward", "backward", "Conv2d"),
-                      "steps/s, the split and layer names on the screen", SCREEN_SECONDS)
+    screen = terminal.wait_showing("steps/s", "forward", "backward", "Conv2d",
+                                   what="steps/s, the split and layer names on the screen",
+                                   timeout=SCREEN_SECONDS)
     assert f"pid {job.pid}" in screen and "layers (" in screen
     if oversubscribed:
-        wait_for(lambda: shows("thread_oversubscription", "try:"),
-                 "the oversubscription finding, with what to try", SCREEN_SECONDS)
+        terminal.wait_showing("thread_oversubscription", "try:",
+                              what="the oversubscription finding, with what to try",
+                              timeout=SCREEN_SECONDS)
 
     terminal.keys("l")  # layer timing off in the job, then on again
-    wait_for(lambda: shows("layer timing is off"), "the layers panel saying timing is off")
+    terminal.wait_showing("layer timing is off", what="the layers panel saying timing is off")
     terminal.keys("l")
-    wait_for(lambda: shows("layer timing on from the next pass", "Conv2d"),
-             "layer names back once timing is on again")
+    terminal.wait_showing("layer timing on from the next pass", "Conv2d",
+                          what="layer names back once timing is on again")
     terminal.keys("s")
-    wait_for(lambda: shows("sorted by name"), "the tables sorted by name")
+    terminal.wait_showing("sorted by name", what="the tables sorted by name")
     terminal.keys("?")
-    wait_for(lambda: shows("layer timing on or off"), "the help")
+    terminal.wait_showing("layer timing on or off", what="the help")
     terminal.keys("?")
     terminal.resize(70, 30)
     wait_for(lambda: (screen := shows("steps/s", "forward")) and drawn_within(screen, 70),
@@ -124,7 +144,7 @@ def test_top_shows_the_step_split_layers_and_a_finding_quits_with_the_summary_an
         screen, WIDE), "the screen redrawn whole at full width")
 
     terminal.keys("q")
-    screen = wait_for(lambda: shows("top-exited-0"), "top's exit")
+    screen = terminal.wait_showing("top-exited-0", what="top's exit")
     assert f"dlprof-agent summary for pid {job.pid}" in screen
     assert "step split" in screen and "top layers" in screen
     assert job.poll() is None  # the job trains on after top has gone

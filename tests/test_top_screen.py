@@ -4,6 +4,7 @@ one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import time
@@ -14,7 +15,7 @@ from rich.console import Console
 
 from dlprof_agent.agent.core import AgentOptions
 from dlprof_agent.agent.serve import make_agent
-from dlprof_agent.agent.top_frame import Frame, build_frame, target_pids
+from dlprof_agent.agent.top_frame import FindingRow, Frame, LayerRow, build_frame, target_pids
 from dlprof_agent.agent.top_view import ViewState, render, sparkline, split_bar
 from dlprof_agent.cli.main import main
 from dlprof_agent.collectors.target import Target
@@ -81,6 +82,28 @@ def test_a_short_terminal_drops_the_lower_panels_first(
     short = "\n".join(drawn(frame, 80, 12))
     assert "step" in short and "cpu and memory" in tall
     assert "cpu and memory" not in short
+
+
+def test_a_small_terminal_shortens_the_tables_before_it_leaves_a_panel_out(
+        two_reads: tuple[Readings, Readings]) -> None:
+    """80 x 24 with layer timing on and two findings: every panel is still drawn,
+    the layers table cut to its top rows and one finding shown of two."""
+    first, second = two_reads
+    layers = tuple(LayerRow(f"features.{index} Conv2d", 0.09 - index / 200, 0.001, 0.002)
+                   for index in range(10))
+    findings = tuple(FindingRow(name, "warning", f"{name} summary", f"{name} advice",
+                                (("allowed_cpus", 2.0),))
+                     for name in ("cpu_contention", "thread_oversubscription"))
+    frame = dataclasses.replace(build_frame(second, first, os.getpid()), probe="up",
+                                layer_timing="on", layers=layers, findings=findings)
+    screen = drawn(frame, 80, 24)
+    text = "\n".join(screen)
+    assert len(screen) <= 24
+    assert "layers (10)" in text and "findings (2)" in text and "cpu and memory" in text
+    assert "features.0 Conv2d" in text and "features.9 Conv2d" not in text
+    assert "cpu_contention" in text and "thread_oversubscription" not in text
+    # With the room, every row is drawn.
+    assert "features.9 Conv2d" in "\n".join(drawn(frame, 80, 60))
 
 
 def test_the_split_bar_fills_its_width_in_phase_order() -> None:

@@ -1,12 +1,13 @@
 """`top`'s screen, drawn with Rich from a ``Frame`` (top_frame.py): the step
 (rate, time, history, split), layers, kernels, CPU and threads, GPUs and the
 live findings. Panels are laid out for the terminal's size: two columns when it
-is wide, one when it is not, and a panel that does not fit is left out whole,
-lowest priority first, so that what is drawn is never cut through."""
+is wide, one when it is not. Where they do not fit, the tables shorten first and
+then a panel is left out whole, lowest priority first, so that a short terminal
+still shows some of everything it can and what is drawn is never cut through."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rich import box
@@ -25,6 +26,7 @@ SEVERITY_STYLES = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 SORTS = ("time", "name")  # what `s` cycles through: the tables' order
 WIDE_COLUMNS = 110  # two columns from this width
 MIN_COLUMNS = 40
+MIN_TABLE_ROWS = 3  # a table shortened to fit keeps this many rows (findings: one)
 KEYS = "q quit  l layers on/off  s sort  ? help"
 HELP = (
     ("q", "quit, with the summary that `attach` prints (Ctrl-C does the same)"),
@@ -115,6 +117,7 @@ class Lines:
 
 
 Sized = tuple[Panel, int]  # a panel and its height in lines
+Builder = Callable[[int], "Sized | None"]  # a panel drawn with at most so many table rows
 
 
 def _step_panel(frame: Frame, state: ViewState, width: int) -> Sized:
@@ -246,13 +249,25 @@ def _findings_panel(frame: Frame, width: int, rows: int) -> Sized:
     return lines.panel(f"findings ({len(frame.findings)})"), lines.height
 
 
-def _fit(panels: Sequence[tuple[int, Sized | None]], height: int) -> list[Panel]:
-    """The panels that fit in ``height`` lines, in their order; leaves out the
-    lowest-priority ones (the highest number) first."""
-    kept = [(priority, sized) for priority, sized in panels if sized is not None]
-    while kept and sum(sized[1] for _, sized in kept) > height:
-        kept.remove(max(kept, key=lambda item: item[0]))
-    return [sized[0] for _, sized in kept]
+def _fit(panels: Sequence[tuple[int, Builder]], height: int, rows: int) -> list[Panel]:
+    """The panels, in their order, drawn with up to ``rows`` table rows each and
+    fitted into ``height`` lines: the lowest-priority panels (the highest number)
+    first lose table rows, down to MIN_TABLE_ROWS, then are left out whole."""
+    builders = dict(panels)
+    sized = {priority: build(rows) for priority, build in panels}
+
+    def excess() -> int:
+        return sum(drawn[1] for drawn in sized.values() if drawn is not None) - height
+
+    for priority in sorted(sized, reverse=True):
+        shortened = rows
+        while sized[priority] is not None and excess() > 0 and shortened > MIN_TABLE_ROWS:
+            shortened -= 1
+            sized[priority] = builders[priority](shortened)
+    while excess() > 0:
+        del sized[max(priority for priority, drawn in sized.items() if drawn is not None)]
+    return [drawn[0] for priority, _ in panels
+            if (drawn := sized.get(priority)) is not None]
 
 
 def header(frame: Frame) -> Text:
@@ -285,20 +300,24 @@ def render(frame: Frame, state: ViewState, width: int, height: int) -> Renderabl
     wide = width >= WIDE_COLUMNS
     left_width = width // 2 if wide else width
     right_width = width - left_width if wide else width
-    left = [(0, _step_panel(frame, state, left_width)),
-            (3, _layers_panel(frame, state, left_width, rows)),
-            (5, _kernels_panel(frame, state, left_width, rows))]
-    right = [(1, _findings_panel(frame, right_width, rows)),
-             (2, _cpu_panel(frame, state, right_width, rows)), (4, _gpu_panel(frame, right_width))]
+    left: list[tuple[int, Builder]] = [
+        (0, lambda _: _step_panel(frame, state, left_width)),
+        (3, lambda rows: _layers_panel(frame, state, left_width, rows)),
+        (5, lambda rows: _kernels_panel(frame, state, left_width, rows))]
+    right: list[tuple[int, Builder]] = [
+        (1, lambda rows: _findings_panel(frame, right_width, rows)),
+        (2, lambda rows: _cpu_panel(frame, state, right_width, rows)),
+        (4, lambda _: _gpu_panel(frame, right_width))]
     if wide:
         # Fixed column widths: the grid need not measure what it holds.
         grid = Table.grid()
         grid.add_column(width=left_width)
         grid.add_column(width=right_width)
-        grid.add_row(Group(*_fit(left, body_height)), Group(*_fit(right, body_height)))
+        grid.add_row(Group(*_fit(left, body_height, rows)),
+                     Group(*_fit(right, body_height, rows)))
         body: RenderableType = grid
     else:
-        body = Group(*_fit(sorted(left + right, key=lambda item: item[0]), body_height))
+        body = Group(*_fit(sorted(left + right, key=lambda item: item[0]), body_height, rows))
     return Group(header(frame), body, footer)
 
 

@@ -211,13 +211,17 @@ class Recorder:
         self.hook_error_kinds: dict[str, str] = {}
         self.hook_seconds = 0.0  # time in the priced hooks (``priced``)
         self.steady = False  # past warm-up: layer time counts from here
+        # Hooks still finding the model (``torch_hooks``): until they have, no step is
+        # seen whole, so warm-up lasts at least until ``discovery_ended``.
+        self.discovering = False
         # A windowed trace being taken (kernel_tracer.Capture): sees each step boundary.
         self.capture: Capture | None = None
         self.set_warmup_steps(warmup_steps)
 
     def set_warmup_steps(self, steps: int) -> None:
         self.warmup_steps = steps
-        self.steady = self.steps["warmup"] >= steps
+        # Steady stays steady while the model is found again (hooks reinstalled).
+        self.steady = self.steps["warmup"] >= steps and (self.steady or not self.discovering)
         self.layer_step = self.steady and self._layer_sampling is None
 
     @property
@@ -338,6 +342,24 @@ class Recorder:
         self._phase_total += seconds
         self._pending_phases[phase] = self._pending_phases.get(phase, 0.0) + seconds
 
+    def discovery_started(self) -> None:
+        """Hooks are going in that must find the model first: a job with no steady
+        step yet stays in warm-up until ``discovery_ended``."""
+        with self._lock:
+            self.discovering = True
+            if not self.steps["steady"]:
+                self.steady = self.layer_step = False
+
+    def discovery_ended(self) -> None:
+        """The hooks have found the model, or stopped looking: the steps from the next
+        boundary are seen whole, and warm-up may end (on the job's thread, after the
+        boundary that ended discovery was stamped)."""
+        self._catch_up()
+        with self._lock:
+            self.discovering = False
+            if not self.steady and self.steps["warmup"] >= self.warmup_steps:
+                self._end_warmup()
+
     def hook_failed(self, where: str, error: BaseException) -> None:
         self.hook_errors += 1
         if len(self.hook_error_kinds) < 16:
@@ -365,6 +387,10 @@ class Recorder:
         self._pending_layers.clear()
         self.layer_step = False
 
+    def _end_warmup(self) -> None:
+        self.steady = True
+        self.layer_step = self._layer_sampling is None or self._layer_sampling.interval <= 1
+
     def _close_step(self, seconds: float) -> None:
         samples = self._pending_samples
         phases = self._pending_phases
@@ -373,12 +399,11 @@ class Recorder:
         self._pending_phases = {}
         self._pending_layers = {}
         sampled, self.layer_step = self.layer_step, False
-        if self.steps["warmup"] < self.warmup_steps:
+        if not self.steady:
             self.steps["warmup"] += 1
             self.samples["warmup"] += samples
-            self.steady = self.steps["warmup"] >= self.warmup_steps
-            self.layer_step = self.steady and (self._layer_sampling is None
-                                               or self._layer_sampling.interval <= 1)
+            if self.steps["warmup"] >= self.warmup_steps and not self.discovering:
+                self._end_warmup()
             if self.capture is not None:
                 self.layer_step = True  # a trace window takes warm-up steps' layers too
             return

@@ -172,8 +172,11 @@ class TorchHooks:
 
         self.recorder.drain()  # an earlier session's events first
         self.recorder.events = self._events
+        self.recorder.discovery_started()
         self._grad_enabled = self._torch.is_grad_enabled
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_ended))
+        # In the order a step meets them, the boundary last: the job runs on while
+        # they go in (the scan below can take a step under load), and the first
+        # boundary must find discovery, and the optimizer's start, already in.
         compiled = compiled_modules()
         if compiled:
             # torch.compile(module) warns on the job's stderr at each call while any
@@ -185,6 +188,7 @@ class TorchHooks:
         if self.split:  # the optimizer's own time; its end is the step's, split or not
             self._handles.append(register_optimizer_step_pre_hook(self._optimizer_started))
             self._collectives.install(self._torch)
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_ended))
 
     def remove(self) -> None:
         self._collectives.remove()
@@ -287,6 +291,9 @@ class TorchHooks:
         if self._whole_iteration and self._seen:
             self._finish_discovery()
         else:
+            if self._whole_iteration:
+                # A whole step with no training module: steps are steady, not split.
+                self.recorder.discovery_ended()
             self._seen.clear()
             self._whole_iteration = True
 
@@ -311,6 +318,7 @@ class TorchHooks:
         inner = {id(child) for module in seen for child in module.modules() if child is not module}
         roots = [module for module in seen if id(module) not in inner]
         if not roots:
+            self.recorder.discovery_ended()
             return
         root = max(roots, key=lambda module: sum(p.numel() for p in module.parameters()))
         self.model_name = type(root).__name__
@@ -324,6 +332,7 @@ class TorchHooks:
         if self.split:
             self._handles.append(root.register_forward_hook(self._forward_ended,
                                                             always_call=True))
+        self.recorder.discovery_ended()  # before the layers: the step may now be timed
         if self.layers:
             self._hook_layers(root)
 
