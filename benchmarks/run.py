@@ -22,7 +22,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benchmarks import footprint, launch, overhead, probe_throughput, scaling, scrape
+from benchmarks import (
+    footprint,
+    launch,
+    overhead,
+    probe_throughput,
+    scaling,
+    scrape,
+    stragglers,
+)
 from benchmarks.common import (
     DEFAULT_OUT,
     SMOKE_OUT,
@@ -35,7 +43,7 @@ from benchmarks.common import (
 from benchmarks.common import write_result as write
 
 BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (
-    overhead, footprint, scrape, probe_throughput, scaling, launch)}
+    overhead, footprint, scrape, probe_throughput, scaling, launch, stragglers)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -259,7 +259,8 @@ HEALTHY_BATCH = 64
 def test_a_healthy_job_stays_silent_for_ten_minutes(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
     """Two equal ranks, no slow input, compute-bound, for 10 minutes, under the rules
-    as shipped (rate window 1m, for 2m): no straggler and no slow exchange fires.
+    as shipped (rate window 1m, for 2m; each rank's last 10 s of steps and 5 s held for
+    the straggler): no straggler and no slow exchange fires.
     Prints the largest excess any rank reached over the job's median step time (the
     margin the rule's 10% leaves) and the alerts that were pending."""
     ports = [start_daemon(processes, node) for node in (0, 1)]

@@ -21,8 +21,11 @@ from dlprof_agent.exporters.prometheus_rules import (
     PROBE_DOWN_ALERT,
     SLOW_EXCHANGE_ALERT,
     STALLED_ALERT,
+    STEP_WINDOW,
+    STEP_WINDOW_MIN_STEPS,
     STRAGGLER_ALERT,
     STRAGGLER_FLOOR_SECONDS,
+    STRAGGLER_FOR,
     STRAGGLER_STEP_SHARE,
     RuleOptions,
     duration_ms,
@@ -63,7 +66,9 @@ def add_parser(commands: Any) -> None:
             f"A rank is a straggler when its own time per step (step time less the time "
             f"it waited in collectives) is above its job's median by "
             f"{STRAGGLER_STEP_SHARE:.0%} of the job's median step time, and "
-            f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms, for --for; "
+            f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms, for --straggler-for; each rank's "
+            f"figures per step are over the last {STEP_WINDOW} when it ended "
+            f"{STEP_WINDOW_MIN_STEPS} steps in it, else over --rate-window; "
             f"the alert {STRAGGLER_ALERT} names it (labels job_id, rank) and its cause "
             f"(label cause: {', '.join(CAUSES)}). Also: {SLOW_EXCHANGE_ALERT}, "
             f"{STALLED_ALERT}, {MISSING_RANKS_ALERT}, {AGENT_DOWN_ALERT}, {PROBE_DOWN_ALERT}. "
@@ -84,7 +89,11 @@ def add_parser(commands: Any) -> None:
     rules.add_argument("--for", dest="for_", type=_duration, default=DEFAULT_FOR,
                        metavar="DURATION",
                        help="how long a condition must hold before its alert fires "
-                            f"(default {DEFAULT_FOR})")
+                            f"(default {DEFAULT_FOR}), but for the next")
+    rules.add_argument("--straggler-for", type=_duration, default=STRAGGLER_FOR,
+                       metavar="DURATION",
+                       help=f"the same for {STRAGGLER_ALERT} "
+                            f"(default {STRAGGLER_FOR})")
     rules.add_argument("--scrape-job", default=DEFAULT_SCRAPE_JOB, metavar="REGEX",
                        help=f"the `job` label of the agents' scrape, for {AGENT_DOWN_ALERT} "
                             f"(default {DEFAULT_SCRAPE_JOB}: the shipped prometheus.yml "
@@ -96,7 +105,7 @@ def add_parser(commands: Any) -> None:
 def rules_command(args: argparse.Namespace) -> int:
     try:
         options = RuleOptions(rate_window=args.rate_window, for_=args.for_,
-                              scrape_job=args.scrape_job)
+                              straggler_for=args.straggler_for, scrape_job=args.scrape_job)
     except ValueError as error:
         raise UsageError(str(error), "see dlprof-agent rules --help") from None
     text = rules_file(options)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # A straggler's own time per step is above the job's median by at least this share
@@ -52,6 +53,20 @@ PROBE_MEMORY = "1h"
 
 DEFAULT_RATE_WINDOW = "1m"
 DEFAULT_FOR = "2m"
+# Windows counted in steps: a rank's figures per step are its means over the last
+# STEP_WINDOW when it ended at least STEP_WINDOW_MIN_STEPS steps in it, else over the
+# rate window. Ten 1 s scrapes; a job of 20+ steps in 10 s is judged on its latest
+# steps, a slower one (or a slower scrape, which leaves the short window empty) on the
+# rate window's.
+STEP_WINDOW = "10s"
+STEP_WINDOW_MIN_STEPS = 20
+# A straggler must hold at every evaluation for this long: on a 10 s window that is
+# an excess held over several consecutive short windows, where a healthy job's noise
+# (a neighbour's burst on one rank's core) flickers. Measured in
+# docs/results/stragglers.md; --for sets the other alerts'. DlprofSlowExchange keeps
+# --for: on a shared 2-core machine the least-waiting rank's 10 s share in collectives
+# passed a fifth for seconds at a time on a healthy job.
+STRAGGLER_FOR = "5s"
 # The `job` label of the agents' scrape: the shipped prometheus.yml's job and the
 # ServiceMonitor's (the Service's name).
 DEFAULT_SCRAPE_JOB = "dlprof|dlprof-agent"
@@ -86,6 +101,7 @@ JOB_SCALING_EFFICIENCY = "job_id:dlprof_scaling_efficiency:ratio"
 JOB_RANKS_UP = "job_id:dlprof_ranks_up:count"
 JOB_WORLD_SIZE = "job_id:dlprof_target_world_size:max"
 RANK_GPU_SLOWDOWN = "job_id_rank:dlprof_gpu_throttle_reason_active:max"
+RANK_RUN_QUEUE_MEAN = "job_id_rank:dlprof_process_main_thread_run_queue_wait_seconds:mean"
 RANK_STRAGGLER_EXCESS = "job_id_rank:dlprof_step_own_seconds:straggler_excess"
 RANK_STRAGGLER_CAUSE = "job_id_rank_cause:dlprof_step_own_seconds:straggler_excess"
 
@@ -127,12 +143,14 @@ class RuleOptions:
 
     rate_window: str = DEFAULT_RATE_WINDOW  # a Prometheus duration, above 0
     for_: str = DEFAULT_FOR  # how long a condition holds before its alert fires
+    straggler_for: str = STRAGGLER_FOR  # the same for the straggler alert
     scrape_job: str = DEFAULT_SCRAPE_JOB  # a regex for `up`'s job label
 
     def __post_init__(self) -> None:
         if duration_ms(self.rate_window) <= 0:
             raise ValueError(f"a rate window of {self.rate_window} holds no samples")
         duration_ms(self.for_)
+        duration_ms(self.straggler_for)
         try:
             re.compile(self.scrape_job)
         except re.error as error:
@@ -191,17 +209,39 @@ def dashboard_rules() -> list[Record]:
     ]
 
 
+def _steps_counted(per_step: Callable[[str], str], window: str) -> str:
+    """`per_step` (an expression of a window) over STEP_WINDOW for the ranks that
+    ended STEP_WINDOW_MIN_STEPS steps in it, over `window` for the others."""
+    if duration_ms(window) <= duration_ms(STEP_WINDOW):
+        return per_step(window)
+    enough = ("sum by (job_id, rank) (increase(dlprof_step_duration_seconds_count"
+              f"{{{_RANKED}}}[{STEP_WINDOW}])) >= {STEP_WINDOW_MIN_STEPS}")
+    short = per_step(STEP_WINDOW).replace("\n", "\n  ")
+    return f"(\n  {short}\n)\nand on (job_id, rank) ({enough})\nor\n{per_step(window)}"
+
+
 def job_rules(window: str) -> list[Record]:
     """Per job and per rank: throughput, the time split per step, and the stragglers."""
-    steps = ("sum by (job_id, rank) (rate(dlprof_step_duration_seconds_count"
-             f"{{{_RANKED}}}[{window}])) > 0")
+
+    def steps(over: str) -> str:
+        return ("sum by (job_id, rank) (rate(dlprof_step_duration_seconds_count"
+                f"{{{_RANKED}}}[{over}])) > 0")
+
     input_excess = (f'{RANK_PHASE_ABOVE_MEDIAN}{{phase="other"}}\n'
                     f"  >= ignoring (phase) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
     compute_excess = (f"sum by (job_id, rank) ({RANK_PHASE_ABOVE_MEDIAN}"
                       '{phase=~"forward|backward|optimizer"})\n'
                       f"  >= ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
+    # A CPU finding names the cause unless the rank's main thread waited for its CPU
+    # less than half its excess per step more than the median rank's: on a shared
+    # machine a rank that computes or sleeps longer for another reason meets the
+    # finding's threshold too, and then the finding is not why it is slow.
+    run_queue_above = (f"{RANK_RUN_QUEUE_MEAN}\n  - on (job_id) group_left ()\n"
+                       f"  quantile by (job_id) (0.5, {RANK_RUN_QUEUE_MEAN})")
     cpu = (f'max by (job_id, rank) (dlprof_finding{{{_RANKED},'
-           f'finding=~"{_any_of(CPU_STARVED_FINDINGS)}"}}) == 1')
+           f'finding=~"{_any_of(CPU_STARVED_FINDINGS)}"}}) == 1\n'
+           f"unless on (job_id, rank)\n(\n  {run_queue_above}\n"
+           f"  < on (job_id, rank) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})\n)")
     memory = (f'max by (job_id, rank) (dlprof_finding{{{_RANKED},'
               f'finding=~"{_any_of(MEMORY_PRESSURE_FINDINGS)}"}}) == 1')
     return [
@@ -214,19 +254,20 @@ def job_rules(window: str) -> list[Record]:
                f'sum by (job_id, rank) (rate(dlprof_steps_total{{{_RANKED},phase="steady"}}'
                f"[{window}]))"),
         Record("Mean step time of each rank; no series (not NaN) while it ends no step.",
-               RANK_STEP_MEAN,
-               f"sum by (job_id, rank) (rate(dlprof_step_duration_seconds_sum{{{_RANKED}}}"
-               f"[{window}]))\n/\n({steps})"),
+               RANK_STEP_MEAN, _steps_counted(lambda over: (
+                   f"sum by (job_id, rank) (rate(dlprof_step_duration_seconds_sum"
+                   f"{{{_RANKED}}}[{over}]))\n/\n({steps(over)})"), window)),
         Record("Each phase's mean time per step of each rank: `exchange` is the wait in\n"
                "collectives, `other` the input (everything outside the model's steps).",
-               RANK_PHASE_MEAN,
-               f"sum by (job_id, rank, phase) (rate(dlprof_step_phase_seconds_total"
-               f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank) group_left ()\n({steps})"),
+               RANK_PHASE_MEAN, _steps_counted(lambda over: (
+                   f"sum by (job_id, rank, phase) (rate(dlprof_step_phase_seconds_total"
+                   f"{{{_RANKED}}}[{over}]))\n/ on (job_id, rank) group_left ()\n"
+                   f"({steps(over)})"), window)),
         Record("GPU time per step in collective (NCCL) kernels of each rank; no series for\n"
                "a job that runs none.",
-               RANK_COLLECTIVE_MEAN,
-               "sum by (job_id, rank) (rate(dlprof_collective_kernel_seconds_total"
-               f"{{{_RANKED}}}[{window}]))\n/ on (job_id, rank)\n({steps})"),
+               RANK_COLLECTIVE_MEAN, _steps_counted(lambda over: (
+                   "sum by (job_id, rank) (rate(dlprof_collective_kernel_seconds_total"
+                   f"{{{_RANKED}}}[{over}]))\n/ on (job_id, rank)\n({steps(over)})"), window)),
         Record("Each rank's wait for the others per step: its exchange phase, or its NCCL\n"
                "kernels' time where that is larger (an NCCL collective returns to the host\n"
                "once queued; the wait runs on the GPU). Kernels that overlap backward count\n"
@@ -281,6 +322,15 @@ def job_rules(window: str) -> list[Record]:
                f"  and on (job, instance, pid) dlprof_target_up == 1))"),
         Record("Each job's world size, as its ranks report it.",
                JOB_WORLD_SIZE, 'max by (job_id) (dlprof_target_world_size{job_id!=""})'),
+        Record("The time each rank's main thread waited in a run queue for a CPU per step;\n"
+               "no series where the kernel keeps no schedstat.",
+               RANK_RUN_QUEUE_MEAN, _steps_counted(lambda over: (
+                   "sum by (job_id, rank) (\n"
+                   f"  rate(dlprof_process_main_thread_run_queue_wait_seconds_total[{over}])\n"
+                   "  * on (job, instance, pid) group_left (job_id, rank)\n"
+                   "    group by (job, instance, pid, job_id, rank) "
+                   f"(dlprof_target_info{{{_RANKED}}})\n)\n"
+                   f"/ on (job_id, rank)\n({steps(over)})"), window)),
         Record("1 while a throttle reason that slows one GPU down holds any GPU the rank\n"
                "holds memory on; 0 while none does; no series without GPUs.",
                RANK_GPU_SLOWDOWN,
@@ -303,11 +353,12 @@ def job_rules(window: str) -> list[Record]:
                f"({RANK_OWN_ABOVE_MEDIAN}\n"
                f"  >= on (job_id) group_left () ({STRAGGLER_STEP_SHARE} * {JOB_STEP_MEDIAN}))"),
         Record("Each straggler with its cause, from its own signals: its input per step is\n"
-               "above the job's median by most of its excess (input); a CPU finding on it\n"
-               "(cpu_starved); a slowdown on its GPUs (gpu_throttled); a memory finding\n"
-               "(memory_pressure). Several may hold at once. Without any of them: its\n"
-               "forward, backward and optimizer time carry most of the excess (compute),\n"
-               "or nothing says (unknown).",
+               "above the job's median by most of its excess (input); a CPU finding on it,\n"
+               "unless its main thread's run-queue wait per step is above the median by\n"
+               "less than half its excess (cpu_starved); a slowdown on its GPUs\n"
+               "(gpu_throttled); a memory finding (memory_pressure). Several may hold at\n"
+               "once. Without any of them: its forward, backward and optimizer time carry\n"
+               "most of the excess (compute), or nothing says (unknown).",
                RANK_STRAGGLER_CAUSE,
                "\nor\n".join([
                    _with_cause(input_excess, "input"),
@@ -321,11 +372,11 @@ def job_rules(window: str) -> list[Record]:
     ]
 
 
-def job_alerts(window: str, for_: str) -> list[Alert]:
+def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR) -> list[Alert]:
     job = "job {{ $labels.job_id }}"
     return [
         Alert("A rank is slower than the rest of its job, which waits for it every step.",
-              STRAGGLER_ALERT, RANK_STRAGGLER_CAUSE, for_,
+              STRAGGLER_ALERT, RANK_STRAGGLER_CAUSE, straggler_for,
               (("severity", "warning"),),
               (("summary", f"rank {{{{ $labels.rank }}}} of {job} is a straggler "
                            "(cause: {{ $labels.cause }})"),
@@ -418,7 +469,8 @@ def rules(options: RuleOptions) -> list[tuple[str, str, list[Rule]]]:
         ("dlprof-job",
          "Each job and its ranks (the job dashboard), and the job's alerts. Rules of a\n"
          "group run in order at one time, so each may read those above it.",
-         [*job_rules(options.rate_window), *job_alerts(options.rate_window, options.for_)]),
+         [*job_rules(options.rate_window), *job_alerts(options.rate_window, options.for_,
+                                                          options.straggler_for)]),
         ("dlprof-agents", "The agents and their probes.",
          list(agent_alerts(options.scrape_job, options.for_))),
     ]
@@ -461,6 +513,8 @@ def _rule_lines(rule: Rule) -> list[str]:
 def rules_file(options: RuleOptions) -> str:
     """The whole rules file for `rule_files:` in prometheus.yml."""
     command = f"dlprof-agent rules --rate-window {options.rate_window} --for {options.for_}"
+    if options.straggler_for != STRAGGLER_FOR:
+        command += f" --straggler-for {options.straggler_for}"
     if options.scrape_job != DEFAULT_SCRAPE_JOB:
         command += f" --scrape-job '{options.scrape_job}'"
     lines = [
