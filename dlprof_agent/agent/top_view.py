@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rich import box
-from rich.console import Group, RenderableType
-from rich.panel import Panel
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -84,8 +84,10 @@ def split_bar(split: Sequence[tuple[str, float]], width: int) -> Text:
 
 class Lines:
     """A panel's content as lines that never wrap, each cut to the panel's inner
-    width: its height is known without asking Rich to lay it out, and a Text is
-    far cheaper to draw than a Table."""
+    width, and boxed by ``panel`` into lines of the panel's whole width: the screen
+    is then one Text, which Rich draws without a layout pass (a Panel in a Table
+    grid measured, padded and cropped every cell again at each refresh, and cost
+    the agent more than the rest of the refresh together)."""
 
     def __init__(self, width: int) -> None:
         self.width = max(1, width)
@@ -107,16 +109,25 @@ class Lines:
                             for cell, width in zip(row[1:], widths, strict=True))
             self.add(f"{name:<{first}}{cells}", style="dim" if index == 0 else "")
 
-    def panel(self, title: str) -> Panel:
-        body = Text("\n", no_wrap=True, overflow="crop").join(self.lines)
-        return Panel(body, title=title, title_align="left", box=box.ROUNDED)
+    def panel(self, title: str) -> list[Text]:
+        """The lines in a rounded box titled ``title``, as Rich's Panel draws one."""
+        inner = self.width
+        title = title if len(title) <= inner - 2 else title[:inner - 3] + "…"
+        boxed = [Text(f"╭─ {title} {'─' * (inner - len(title) - 1)}╮")]
+        for line in self.lines:
+            row = Text("│ ")
+            row.append_text(line)
+            row.append(" " * (inner - line.cell_len) + " │")
+            boxed.append(row)
+        boxed.append(Text(f"╰{'─' * (inner + 2)}╯"))
+        return boxed
 
     @property
     def height(self) -> int:
         return len(self.lines) + 2  # and the borders
 
 
-Sized = tuple[Panel, int]  # a panel and its height in lines
+Sized = tuple[list[Text], int]  # a panel's lines and its height
 Builder = Callable[[int], "Sized | None"]  # a panel drawn with at most so many table rows
 
 
@@ -249,7 +260,7 @@ def _findings_panel(frame: Frame, width: int, rows: int) -> Sized:
     return lines.panel(f"findings ({len(frame.findings)})"), lines.height
 
 
-def _fit(panels: Sequence[tuple[int, Builder]], height: int, rows: int) -> list[Panel]:
+def _fit(panels: Sequence[tuple[int, Builder]], height: int, rows: int) -> list[Text]:
     """The panels, in their order, drawn with up to ``rows`` table rows each and
     fitted into ``height`` lines: the lowest-priority panels (the highest number)
     first lose table rows, down to MIN_TABLE_ROWS, then are left out whole."""
@@ -266,8 +277,8 @@ def _fit(panels: Sequence[tuple[int, Builder]], height: int, rows: int) -> list[
             sized[priority] = builders[priority](shortened)
     while excess() > 0:
         del sized[max(priority for priority, drawn in sized.items() if drawn is not None)]
-    return [drawn[0] for priority, _ in panels
-            if (drawn := sized.get(priority)) is not None]
+    return [line for priority, _ in panels
+            if (drawn := sized.get(priority)) is not None for line in drawn[0]]
 
 
 def header(frame: Frame) -> Text:
@@ -295,7 +306,7 @@ def render(frame: Frame, state: ViewState, width: int, height: int) -> Renderabl
         lines = Lines(width - 4)
         for key, does in HELP:
             lines.add(f"{key}  {does}")
-        return Group(header(frame), lines.panel("help"), footer)
+        return _screen([header(frame), *lines.panel("help"), footer], width)
     rows = max(3, body_height // 3)
     wide = width >= WIDE_COLUMNS
     left_width = width // 2 if wide else width
@@ -309,16 +320,37 @@ def render(frame: Frame, state: ViewState, width: int, height: int) -> Renderabl
         (2, lambda rows: _cpu_panel(frame, state, right_width, rows)),
         (4, lambda _: _gpu_panel(frame, right_width))]
     if wide:
-        # Fixed column widths: the grid need not measure what it holds.
-        grid = Table.grid()
-        grid.add_column(width=left_width)
-        grid.add_column(width=right_width)
-        grid.add_row(Group(*_fit(left, body_height, rows)),
-                     Group(*_fit(right, body_height, rows)))
-        body: RenderableType = grid
+        left_lines, right_lines = _fit(left, body_height, rows), _fit(right, body_height, rows)
+        blank = Text(" " * left_width)
+        body = []
+        for index in range(max(len(left_lines), len(right_lines))):
+            line = (left_lines[index] if index < len(left_lines) else blank).copy()
+            if index < len(right_lines):
+                line.append_text(right_lines[index])
+            body.append(line)
     else:
-        body = Group(*_fit(sorted(left + right, key=lambda item: item[0]), body_height, rows))
-    return Group(header(frame), body, footer)
+        body = _fit(sorted(left + right, key=lambda item: item[0]), body_height, rows)
+    return _screen([header(frame), *body, footer], width)
+
+
+class ScreenLines:
+    """The screen's lines, each already cut to its width: Rich draws their styled
+    segments as they are, with no wrapping or measuring pass."""
+
+    def __init__(self, lines: list[Text]) -> None:
+        self.lines = lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        newline = Segment.line()
+        for line in self.lines:
+            yield from line.render(console)
+            yield newline
+
+
+def _screen(lines: list[Text], width: int) -> ScreenLines:
+    for line in lines:
+        line.truncate(width, overflow="ellipsis")
+    return ScreenLines(lines)
 
 
 def render_targets(rows: Sequence[TargetRow], chosen: int, url: str) -> RenderableType:
