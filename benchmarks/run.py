@@ -30,6 +30,7 @@ from benchmarks import (
     scaling,
     scrape,
     stragglers,
+    top,
 )
 from benchmarks.common import (
     DEFAULT_OUT,
@@ -43,7 +44,7 @@ from benchmarks.common import (
 from benchmarks.common import write_result as write
 
 BENCHMARKS: dict[str, ModuleType] = {module.NAME: module for module in (
-    overhead, footprint, scrape, probe_throughput, scaling, launch, stragglers)}
+    overhead, footprint, scrape, probe_throughput, scaling, launch, stragglers, top)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,9 +3,8 @@ the first full screen comes once the probe answers.
 
     python -m benchmarks.top [--smoke] [--refreshes N] [--first-screens N]
 
-It prints its tables and targets. It has the suite's shape (NAME, OPTIONS, run)
-but is not yet in benchmarks.run: that would need its results file in
-docs/results/, from a run on a quiet machine.
+It prints its tables and targets; `python -m benchmarks.run top` also writes them
+to docs/results/top.md.
 
 A real training job (`workload run`, the small CNN, one thread) gets the probe
 with layer timing from an agent core in this process, sampling every second.
@@ -141,9 +140,12 @@ def _first_screen(tmux: str) -> float:
     with Processes() as processes:
         job = _job(processes)
         command = " ".join(agent_command("top", str(job.pid), "--port", str(port)))
+        # COLUMNS and LINES, where exported, would override the window's size.
+        env = {name: value for name, value in child_env().items()
+               if name not in ("COLUMNS", "LINES")}
         subprocess.run([tmux, "-L", socket, "new-session", "-d", "-s", "top", "-x",
                         str(COLUMNS), "-y", str(LINES), command + "; sleep 600"],
-                       env=child_env(), cwd=REPO, check=True, timeout=30)
+                       env=env, cwd=REPO, check=True, timeout=30)
         try:
             def probe_up() -> bool:
                 body = scrape(port, headers="", keep_body=True).body  # plain text, not gzip

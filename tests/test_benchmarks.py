@@ -39,6 +39,7 @@ POSITIVE = {
     "probe": ("recorder.", "poll."),
     "scaling": (".per_interval_seconds",),
     "launch": (".start_seconds",),
+    "top": ("_seconds",),
 }
 
 

@@ -163,17 +163,18 @@ def test_two_nodes_one_job_the_slow_rank_is_named_with_its_cause(
             stop_launchers(tmp_path, processes[2:])
 
 
-STARVING_THREADS = 2
-SHORT_STEP_BATCH = 16  # about 12 ms a step here with the rank starved
+# Three busy threads leave the rank a quarter of its CPU: two left it a third, and an
+# excess of 22% of the step, too close to the rule's 20%.
+STARVING_THREADS = 3
+SHORT_STEP_BATCH = 16  # about 12 ms a step here with the rank starved by two
 WATCH_SECONDS = 30.0  # once the straggler is named: the exchange must not be blamed
 
 
 @pytest.mark.serial  # the starved rank's CPU must be shared with our busy threads only
 def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not_blamed(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
-    """Each rank pinned to a CPU of its own, the slow rank's shared with two busy
-    threads: its own time per step grows by a few milliseconds of a step of about 12
-    (printed), and its main thread waits for its CPU. The straggler alert names it
+    """Each rank pinned to a CPU of its own, the slow rank's shared with three busy
+    threads: its own time per step grows by a quarter of the step or more (printed), and its main thread waits for its CPU. The straggler alert names it
     with cause cpu_starved; while it holds, DlprofSlowExchange does not fire.
     Everything else the test starts (daemons, Prometheus, launchers) runs on the slow
     rank's CPU too: on two cores, beside the fast rank, it made that rank wait for
@@ -262,7 +263,7 @@ def test_a_healthy_job_stays_silent_for_ten_minutes(
     as shipped (rate window 1m, for 2m; each rank's last 10 s of steps and 5 s held for
     the straggler): no straggler and no slow exchange fires.
     Prints the largest excess any rank reached over the job's median step time (the
-    margin the rule's 10% leaves) and the alerts that were pending."""
+    margin the rule's 20% leaves) and the alerts that were pending."""
     ports = [start_daemon(processes, node) for node in (0, 1)]
     config = rules_config(tmp_path, ports, rate_window="1m", for_="2m")
     with running_prometheus(config, tmp_path / "data") as prometheus:

@@ -151,7 +151,7 @@ def test_help_teaches_the_straggler_rule() -> None:
     assert code == 0
     flat = " ".join(out.split())
     assert "own time per step (step time less the time it waited in collectives)" in flat
-    assert ("above its job's median by 10% of the job's median step time, and 0.5 ms"
+    assert ("above its job's median by 20% of the job's median step time, and 0.5 ms"
             in flat)
     assert "dlprof-agent rules --rate-window 10s --for 10s" in out
 
