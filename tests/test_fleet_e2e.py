@@ -174,8 +174,9 @@ WATCH_SECONDS = 30.0  # once the straggler is named: the exchange must not be bl
 def test_a_cpu_starved_rank_of_a_short_step_job_is_named_and_the_exchange_is_not_blamed(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
     """Each rank pinned to a CPU of its own, the slow rank's shared with three busy
-    threads: its own time per step grows by a quarter of the step or more (printed), and its main thread waits for its CPU. The straggler alert names it
-    with cause cpu_starved; while it holds, DlprofSlowExchange does not fire.
+    threads: its own time per step grows by a quarter of the step or more (printed),
+    and its main thread waits for its CPU. The straggler alert names it with cause
+    cpu_starved; while it holds, DlprofSlowExchange does not fire.
     Everything else the test starts (daemons, Prometheus, launchers) runs on the slow
     rank's CPU too: on two cores, beside the fast rank, it made that rank wait for
     its CPU a third of the time, and the two were not told apart."""
