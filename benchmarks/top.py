@@ -1,10 +1,7 @@
 """`dlprof-agent top`: what a refresh of its screen costs the agent, and how soon
-the first full screen comes once the probe answers.
-
-    python -m benchmarks.top [--smoke] [--refreshes N] [--first-screens N]
-
-It prints its tables and targets; `python -m benchmarks.run top` also writes them
-to docs/results/top.md.
+the first full screen comes once the probe answers. `python -m benchmarks.run top`
+writes docs/results/top.md; `python -m benchmarks.top [--smoke] [--refreshes N]
+[--first-screens N]` prints the same.
 
 A real training job (`workload run`, the small CNN, one thread) gets the probe
 with layer timing from an agent core in this process, sampling every second.
