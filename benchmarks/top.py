@@ -234,6 +234,10 @@ def run(settings: dict[str, Any]) -> Result:
         "The screen thread's work only: the pass itself (reading /proc and the probe) is "
         "the same as attach's and is not counted. A pass is shown once; keys and resizes "
         "redraw without reading (the draw row).")
+    result.notes.append(
+        "The first full screen comes with the first pass whose probe reading has steady "
+        "steps: the pass that first shows the probe up when the job was past its warm-up "
+        "(about 0 s), else the next, an interval later (about 1 s).")
     print(f"top: a refresh costs {1000 * median:.2f} ms of CPU (median)"
           + (f"; first screen {max(delays):.2f} s after the probe answered (max)"
              if delays else ""), file=sys.stderr)
