@@ -114,6 +114,22 @@ def test_options_change_the_window_for_and_scrape_job_only() -> None:
     assert "--rate-window 10s --for 30s --scrape-job 'agents'" in out.splitlines()[0]
 
 
+def test_the_straggler_share_moves_the_straggler_bar_and_the_suspects_with_it() -> None:
+    code, out, _ = command("--straggler-share", "0.05")
+    assert code == 0
+    rules = {rule.get("record") or rule.get("alert"): rule for rule in loaded(out)}
+    assert "(0.05 * job_id:dlprof_step_duration_seconds:median)" in \
+        rules["job_id_rank:dlprof_step_own_seconds:straggler_excess"]["expr"]
+    # A straggler is a suspect of a slow exchange too: the suspects' bar is no higher.
+    assert "(0.05 * job_id:dlprof_step_duration_seconds:median)" in \
+        rules["DlprofSlowExchange"]["expr"]
+    assert "--straggler-share 0.05" in out.splitlines()[0]
+    shipped = {rule.get("record") or rule.get("alert"): rule
+               for rule in loaded(SHIPPED.read_text())}
+    assert "(0.2 * " in shipped["job_id_rank:dlprof_step_own_seconds:straggler_excess"]["expr"]
+    assert "(0.1 * " in shipped["DlprofSlowExchange"]["expr"]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--rate-window", "0s"), "argument --rate-window: 0s holds no samples"),
     (("--rate-window", "1 m"), "'1 m' is not a Prometheus duration"),
@@ -122,6 +138,8 @@ def test_options_change_the_window_for_and_scrape_job_only() -> None:
     (("--for", "m1"), "'m1' is not a Prometheus duration"),
     (("--scrape-job", "dlprof("), "'dlprof(' is not a regular expression"),
     (("--scrape-job", "dlprof(?!-test)"), "Prometheus's regular expressions (RE2) do not"),
+    (("--straggler-share", "1.5"), "a straggler share of 1.5 is not a share of the step"),
+    (("--straggler-share", "0"), "a straggler share of 0 is not a share of the step"),
 ])
 def test_bad_values_are_one_line_errors(args: tuple[str, ...], message: str) -> None:
     code, out, err = command(*args)
@@ -151,8 +169,8 @@ def test_help_teaches_the_straggler_rule() -> None:
     assert code == 0
     flat = " ".join(out.split())
     assert "own time per step (step time less the time it waited in collectives)" in flat
-    assert ("above its job's median by 20% of the job's median step time, and 0.5 ms"
-            in flat)
+    assert ("above its job's median by --straggler-share (20%) of the job's median step "
+            "time, and 0.5 ms" in flat)
     assert "dlprof-agent rules --rate-window 10s --for 10s" in out
 
 

@@ -65,7 +65,7 @@ def add_parser(commands: Any) -> None:
             "as shipped.") + "\n\n" + paragraph(
             f"A rank is a straggler when its own time per step (step time less the time "
             f"it waited in collectives) is above its job's median by "
-            f"{STRAGGLER_STEP_SHARE:.0%} of the job's median step time, and "
+            f"--straggler-share ({STRAGGLER_STEP_SHARE:.0%}) of the job's median step time, and "
             f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms, for --straggler-for; each rank's "
             f"figures per step are over the last {STEP_WINDOW} when it ended "
             f"{STEP_WINDOW_MIN_STEPS} steps in it, else over --rate-window; "
@@ -94,6 +94,12 @@ def add_parser(commands: Any) -> None:
                        metavar="DURATION",
                        help=f"the same for {STRAGGLER_ALERT} "
                             f"(default {STRAGGLER_FOR})")
+    rules.add_argument("--straggler-share", type=float, default=STRAGGLER_STEP_SHARE,
+                       metavar="SHARE",
+                       help="how far above its job's median a rank's own time per step "
+                            "must be, as a share of the median step time, to be named a "
+                            f"straggler (default {STRAGGLER_STEP_SHARE:g}; lower it where "
+                            "healthy ranks stay closer together than on a shared machine)")
     rules.add_argument("--scrape-job", default=DEFAULT_SCRAPE_JOB, metavar="REGEX",
                        help=f"the `job` label of the agents' scrape, for {AGENT_DOWN_ALERT} "
                             f"(default {DEFAULT_SCRAPE_JOB}: the shipped prometheus.yml "
@@ -105,7 +111,8 @@ def add_parser(commands: Any) -> None:
 def rules_command(args: argparse.Namespace) -> int:
     try:
         options = RuleOptions(rate_window=args.rate_window, for_=args.for_,
-                              straggler_for=args.straggler_for, scrape_job=args.scrape_job)
+                              straggler_for=args.straggler_for,
+                              straggler_share=args.straggler_share, scrape_job=args.scrape_job)
     except ValueError as error:
         raise UsageError(str(error), "see dlprof-agent rules --help") from None
     text = rules_file(options)

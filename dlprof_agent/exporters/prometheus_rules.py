@@ -37,6 +37,10 @@ STRAGGLER_STEP_SHARE = 0.2
 # ...and by at least this many seconds, so that sub-millisecond steps do not raise
 # it on the scheduler's noise.
 STRAGGLER_FLOOR_SECONDS = 0.0005
+# A rank above the median by this share (and the floor) is not alerted on, but it is
+# the first suspect of a slow exchange: its own side of each collective runs slow
+# too, so DlprofSlowExchange stays silent while one stands out this much.
+SUSPECT_STEP_SHARE = 0.1
 # A cause explains a straggler when its figure is at least this share of the
 # rank's excess own time ("most of it").
 CAUSE_SHARE = 0.5
@@ -147,6 +151,7 @@ class RuleOptions:
     rate_window: str = DEFAULT_RATE_WINDOW  # a Prometheus duration, above 0
     for_: str = DEFAULT_FOR  # how long a condition holds before its alert fires
     straggler_for: str = STRAGGLER_FOR  # the same for the straggler alert
+    straggler_share: float = STRAGGLER_STEP_SHARE  # the straggler's bar, of the step
     scrape_job: str = DEFAULT_SCRAPE_JOB  # a regex for `up`'s job label
 
     def __post_init__(self) -> None:
@@ -154,6 +159,9 @@ class RuleOptions:
             raise ValueError(f"a rate window of {self.rate_window} holds no samples")
         duration_ms(self.for_)
         duration_ms(self.straggler_for)
+        if not 0 < self.straggler_share < 1:
+            raise ValueError(f"a straggler share of {self.straggler_share:g} is not a share "
+                             "of the step between 0 and 1")
         try:
             re.compile(self.scrape_job)
         except re.error as error:
@@ -223,7 +231,7 @@ def _steps_counted(per_step: Callable[[str], str], window: str) -> str:
     return f"(\n  {short}\n)\nand on (job_id, rank) ({enough})\nor\n{per_step(window)}"
 
 
-def job_rules(window: str) -> list[Record]:
+def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> list[Record]:
     """Per job and per rank: throughput, the time split per step, and the stragglers."""
 
     def steps(over: str) -> str:
@@ -346,15 +354,11 @@ def job_rules(window: str) -> list[Record]:
                "    max by (job, instance, gpu) (dlprof_gpu_throttle_reason_active"
                f'{{reason=~"{_any_of(GPU_SLOWDOWN_REASONS)}"}})\n)'),
         Record("Stragglers: ranks whose own time per step is above the job's median by at\n"
-               f"least {STRAGGLER_STEP_SHARE:.0%} of the job's median step time (what the "
+               f"least {straggler_share:.0%} of the job's median step time (what the "
                "job loses to it) and\n"
                f"{STRAGGLER_FLOOR_SECONDS * 1000:g} ms; the value is the excess in seconds. "
                "A rank that waits in\ncollectives is not one: waiting is not own time.",
-               RANK_STRAGGLER_EXCESS,
-               f"({RANK_OWN_ABOVE_MEDIAN} >= {STRAGGLER_FLOOR_SECONDS})\n"
-               f"and on (job_id, rank)\n"
-               f"({RANK_OWN_ABOVE_MEDIAN}\n"
-               f"  >= on (job_id) group_left () ({STRAGGLER_STEP_SHARE} * {JOB_STEP_MEDIAN}))"),
+               RANK_STRAGGLER_EXCESS, _above_median_by(straggler_share)),
         Record("Each straggler with its cause, from its own signals: its input per step is\n"
                "above the job's median by most of its excess (input); a CPU finding on it,\n"
                "unless its main thread's run-queue wait per step is above the median by\n"
@@ -375,7 +379,18 @@ def job_rules(window: str) -> list[Record]:
     ]
 
 
-def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR) -> list[Alert]:
+def _above_median_by(share: float) -> str:
+    """The ranks whose own time per step is above the job's median by ``share`` of the
+    median step time and by the floor; the value is the excess in seconds."""
+    return (f"({RANK_OWN_ABOVE_MEDIAN} >= {STRAGGLER_FLOOR_SECONDS})\n"
+            f"and on (job_id, rank)\n"
+            f"({RANK_OWN_ABOVE_MEDIAN}\n"
+            f"  >= on (job_id) group_left () ({share} * {JOB_STEP_MEDIAN}))")
+
+
+def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR,
+               straggler_share: float = STRAGGLER_STEP_SHARE) -> list[Alert]:
+    suspect = min(SUSPECT_STEP_SHARE, straggler_share)  # a straggler is a suspect too
     job = "job {{ $labels.job_id }}"
     return [
         Alert("A rank is slower than the rest of its job, which waits for it every step.",
@@ -394,14 +409,17 @@ def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR) -> li
                 "unknown: none of its signals says."))),
         Alert("Every rank, even the one that waits least, spends a large share of its step\n"
               "in collectives: the exchange itself is slow, not a rank. Which link or rank\n"
-              "slows a collective cannot be told from the ranks' time split. Not while the\n"
-              "job has a straggler: it explains the others' wait, and its own side of each\n"
+              "slows a collective cannot be told from the ranks' time split. Not while a\n"
+              f"rank's own time is above the median by {suspect:.0%} of the step "
+              "(a straggler\nor nearly one): it explains the others' wait, and its own side "
+              "of each\n"
               "collective runs slow too (a starved rank's communication threads share its\n"
               "CPUs), so the rank, not the network, is the first suspect.",
               SLOW_EXCHANGE_ALERT,
               f"min by (job_id) (\n  {RANK_WAIT_MEAN}\n"
               f"  / on (job_id, rank) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
-              f"unless on (job_id) {RANK_STRAGGLER_EXCESS}",
+              f"unless on (job_id) (\n  "
+              + _above_median_by(suspect).replace("\n", "\n  ") + "\n)",
               for_, (("severity", "warning"), ("cause", "slow_collective")),
               (("summary", f"{job} spends {{{{ $value | humanizePercentage }}}} of each step "
                            "in collectives on its least-waiting rank"),
@@ -472,8 +490,9 @@ def rules(options: RuleOptions) -> list[tuple[str, str, list[Rule]]]:
         ("dlprof-job",
          "Each job and its ranks (the job dashboard), and the job's alerts. Rules of a\n"
          "group run in order at one time, so each may read those above it.",
-         [*job_rules(options.rate_window), *job_alerts(options.rate_window, options.for_,
-                                                          options.straggler_for)]),
+         [*job_rules(options.rate_window, options.straggler_share),
+          *job_alerts(options.rate_window, options.for_, options.straggler_for,
+                      options.straggler_share)]),
         ("dlprof-agents", "The agents and their probes.",
          list(agent_alerts(options.scrape_job, options.for_))),
     ]
@@ -518,6 +537,8 @@ def rules_file(options: RuleOptions) -> str:
     command = f"dlprof-agent rules --rate-window {options.rate_window} --for {options.for_}"
     if options.straggler_for != STRAGGLER_FOR:
         command += f" --straggler-for {options.straggler_for}"
+    if options.straggler_share != STRAGGLER_STEP_SHARE:
+        command += f" --straggler-share {options.straggler_share:g}"
     if options.scrape_job != DEFAULT_SCRAPE_JOB:
         command += f" --scrape-job '{options.scrape_job}'"
     lines = [
