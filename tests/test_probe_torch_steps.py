@@ -207,6 +207,31 @@ def test_hooks_that_arrive_mid_step_split_every_steady_step() -> None:
     assert snapshot["phase_split"] == "split"
 
 
+@pytest.mark.slow  # imports torch
+def test_a_loop_with_no_training_module_still_reaches_steady_steps() -> None:
+    """An optimizer over bare tensors: no module to find, so discovery ends after a
+    whole step without one, and the steps are steady (not split) rather than warm-up
+    for ever."""
+    torch = pytest.importorskip("torch")
+    from dlprof_agent.probe.torch_hooks import TorchHooks
+
+    weight = torch.zeros(4, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.01)
+    recorder = Recorder(warmup_steps=1)
+    hooks = TorchHooks(recorder, layers=False)
+    hooks.install()
+    try:
+        for _ in range(8):
+            optimizer.zero_grad()
+            (weight * torch.ones(4)).sum().backward()
+            optimizer.step()
+    finally:
+        hooks.remove()
+    snapshot = recorder.snapshot()
+    assert snapshot["steps"]["steady"] >= 5 and not recorder.discovering
+    assert snapshot["phase_split"] == "forward not seen"
+
+
 def _counted(hook: Any, name: str, calls: dict[str, int]) -> Any:
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[name] = calls.get(name, 0) + 1

@@ -291,8 +291,9 @@ class TorchHooks:
         if self._whole_iteration and self._seen:
             self._finish_discovery()
         else:
-            if self._whole_iteration:
-                # A whole step with no training module: steps are steady, not split.
+            if self._whole_iteration and self.recorder.discovering:
+                # A whole step with no training module: steps are steady, not split
+                # (told once: a loop that never calls one keeps looking at each step).
                 self.recorder.discovery_ended()
             self._seen.clear()
             self._whole_iteration = True
