@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow  # real jobs, real agents, a terminal
 TMUX = shutil.which("tmux")
 AGENT = [sys.executable, "-m", "dlprof_agent"]
 # The probe's injection and an 8-thread job's first steps, beside CI's other workers
-# on 2 cores (60 s was not always enough there; alone it draws in 15 s).
+# on 2 cores: a generous bound (it draws in about 15 s; the misses once blamed on load
+# were xdist's COLUMNS and LINES, see Terminal).
 SCREEN_SECONDS = 180
 WIDE, TALL = 140, 45
 
