@@ -358,6 +358,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def has_exited(process: subprocess.Popen[str]) -> bool:
+    """Whether the child has ended, without taking a ptrace stop meant for an injector
+    in this process: a tracee's stops go to whichever of the tracer's threads waits
+    first, and Popen.poll() would reap one as an exit (returncode -133, SIGTRAP|0x80)."""
+    if process.returncode is not None:
+        return True
+    try:
+        state = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return process.poll() is not None
+    if state is None or state.si_code not in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED):
+        return False
+    return process.poll() is not None
+
+
 def wait_until(condition: Callable[[], Any], what: str, *, timeout: float = 30.0,
                alive: subprocess.Popen[str] | None = None) -> Any:
     """Poll until ``condition`` is truthy; an OSError counts as not yet."""
@@ -367,7 +382,7 @@ def wait_until(condition: Callable[[], Any], what: str, *, timeout: float = 30.0
             value = condition()
             if value:
                 return value
-        if alive is not None and alive.poll() is not None:
+        if alive is not None and has_exited(alive):
             raise RuntimeError(f"{what}: the process exited with {alive.returncode}: "
                                f"{stderr_tail(alive) or 'it said nothing'}")
         if time.monotonic() > deadline:

@@ -26,6 +26,7 @@ from benchmarks.common import (
 )
 from benchmarks.common import render_markdown as markdown
 from tests.conftest import REPO, agent_env
+from tests.helpers import wait_until
 
 TOP_LEVEL = {"benchmark", "title", "what", "smoke", "date", "duration_seconds", "command",
              "machine", "settings", "noise", "figures", "targets", "tables", "unavailable",
@@ -134,3 +135,37 @@ def test_the_median_interval_covers_the_median_and_narrows_with_more_rounds() ->
     assert median_interval([2.0]) == (2.0, 2.0, 2.0)
     with pytest.raises(ValueError):
         median_interval([])
+
+
+def test_has_exited_leaves_a_tracees_stop_to_its_tracer() -> None:
+    """A benchmark's agent injects from the job's own parent, where a Popen.poll() on
+    another thread used to take the injector's ptrace stop as the job's exit."""
+    import os
+    import signal
+
+    from benchmarks.common import has_exited
+    from dlprof_agent.reach.tracer import PTRACE_DETACH, WALL, Tracer
+
+    ptrace_attach = 16
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
+    ptrace = Tracer()
+    try:
+        try:
+            ptrace(ptrace_attach, job.pid)
+        except OSError as error:
+            pytest.skip(f"this machine refuses ptrace: {error}")
+        wait_until(lambda: os.waitid(os.P_PID, job.pid, os.WEXITED | os.WNOHANG
+                                     | os.WNOWAIT), timeout=10)
+        assert not has_exited(job)
+        waited, status = os.waitpid(job.pid, WALL | os.WNOHANG)
+        assert waited == job.pid and os.WIFSTOPPED(status), "the tracer's stop was taken"
+        assert os.WSTOPSIG(status) == signal.SIGSTOP  # which PTRACE_ATTACH sends
+        ptrace(PTRACE_DETACH, job.pid)
+        assert not has_exited(job)
+        job.kill()
+        wait_until(lambda: has_exited(job), timeout=10)
+        assert job.returncode == -signal.SIGKILL
+    finally:
+        if job.returncode is None:
+            job.kill()
+            job.wait()
