@@ -79,6 +79,8 @@ KINDS: dict[str, Kind] = {
                  2500),
     "avx512": Kind("numpy float32 MLP (OpenBLAS and numpy kernels: AVX-512 where the CPU "
                    "has it)", 6000, ("numpy",)),
+    "compile": Kind("torch.compile: a compiled module, and a train step compiled whole "
+                    "(its digest holds dynamo's frames and every warning)", 3000),
 }
 
 
@@ -209,6 +211,47 @@ def _numpy_mlp(log: Any, steps: int) -> list[Any]:
             return [w1, w2]
 
 
+def _compiled(log: Any, steps: int) -> dict[str, Any]:
+    """torch.compile as jobs use it, each step: a compiled module (dynamo's eager
+    backend: its guards and frames without a compiler's minutes) trained around it,
+    and a train step compiled whole with AOTAutograd (forward, loss and backward in one
+    function), the optimizer's step after it. Beside the weights, what dynamo compiled
+    and every warning raised: an attach that makes it compile again, or that warns on
+    the job's stderr, changes the digest."""
+    import warnings
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    module, module_optimizer = _mlp(256)
+    compiled_module: Any = torch.compile(module, backend="eager")
+    whole, whole_optimizer = _mlp(128)
+    data, target = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    small = torch.randn(64, 128)
+
+    def forward_backward(inputs: Any, labels: Any) -> Any:
+        loss: Any = torch.nn.functional.cross_entropy(whole(inputs), labels)
+        loss.backward()
+        return loss
+
+    compiled_step: Any = torch.compile(forward_backward, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        while True:
+            module_optimizer.zero_grad()
+            loss: Any = torch.nn.functional.cross_entropy(compiled_module(data), target)
+            loss.backward()
+            module_optimizer.step()
+            whole_optimizer.zero_grad()
+            compiled_step(small, target)
+            whole_optimizer.step()
+            if log.step_ended():
+                break
+    said = sorted({f"{warning.category.__name__}: {warning.message}" for warning in caught})
+    return {"model": torch.nn.ModuleList([module, whole]),
+            "facts": json.dumps({"dynamo": dict(counters["stats"]), "warnings": said})}
+
+
 BODIES: dict[str, Callable[[Any, int], Any]] = {
     "pinned": lambda log, steps: _torch_loop(log),
     "python": _pure_python,
@@ -218,6 +261,7 @@ BODIES: dict[str, Callable[[Any, int], Any]] = {
     "sleep": lambda log, steps: _torch_loop(log, sleep_seconds=0.01),
     "bf16": lambda log, steps: _torch_loop(log, width=512, autocast=True),
     "avx512": _numpy_mlp,
+    "compile": _compiled,
 }
 
 
@@ -225,6 +269,10 @@ def _state_bytes(model: Any) -> Iterator[bytes]:
     """The bytes of a model's state: a torch module's (a Lightning trainer's module),
     a Keras model's weights, numpy arrays, or Python floats."""
     model = getattr(model, "lightning_module", model)
+    if isinstance(model, dict):  # weights, and facts a harm would change ("compile")
+        yield from _state_bytes(model["model"])
+        yield model["facts"].encode()
+        return
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(model, torch.nn.Module):
         for name, tensor in model.state_dict().items():

@@ -24,6 +24,7 @@ from benchmarks import no_harm, reach
     ("python", "default"),  # a busy main thread, met in the eval loop's own code
     ("pinned", "default"),  # a busy main thread, met in libtorch
     ("sleep", "gdb"),  # gdb needs a thread waiting in the kernel: the sleeping main
+    ("compile", "default"),  # nothing recompiled, nothing warned, a compiled step timed
 ])
 def test_attaches_and_kills_leave_the_job_computing_the_same(kind: str, injector: str) -> None:
     missing = no_harm.missing(kind)

@@ -73,3 +73,83 @@ def test_a_compiled_module_is_hooked_without_a_warning_or_a_recompile() -> None:
     assert snapshot["phase_split"] == "split" and snapshot["hook_errors"] == 0
     for plain, hooked in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(plain, hooked)
+
+
+def compiled_step_training(seed: int = 0) -> tuple[Any, Any, Any]:
+    """A train step whose forward and backward run in one compiled function, the
+    optimizer's step after it (eager): the model's hooks never fire."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    inputs, labels = torch.randn(32, 8), torch.randint(0, 4, (32,))
+
+    def forward_backward_eager(inputs: Any, labels: Any) -> Any:
+        loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        return loss
+
+    forward_backward = torch.compile(forward_backward_eager, backend="eager")
+
+    def step() -> None:
+        optimizer.zero_grad()
+        forward_backward(inputs, labels)
+        optimizer.step()
+
+    return model, step, forward_backward
+
+
+def test_a_compiled_train_step_is_a_phase_without_a_warning_or_a_recompile() -> None:
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    from dlprof_agent.probe.torch_hooks import compile_context
+
+    plain_model, plain_step, plain_compiled = compiled_step_training()
+    model, step, compiled = compiled_step_training()
+    inputs, labels = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    for _ in range(3):
+        plain_step()
+        step()
+    compiled_frames = dict(counters["stats"])
+    context = compile_context(compiled)
+    assert context is not None
+    hooks_before = list(context.enter_exit_hooks)
+    recorder = Recorder(warmup_steps=0)
+    hooks = TorchHooks(recorder, layers=False)
+    hooks.install()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(STEPS):
+                plain_step()
+                step()
+            # A call off the training thread is no phase of its steps (the twin's too,
+            # for the same gradients).
+            for function in (plain_compiled, compiled):
+                other = threading.Thread(target=function, args=(inputs, labels))
+                other.start()
+                other.join()
+            written = hooks._events.written
+            plain_step()  # the twin is a job of the same kind: its steps are stamped too
+            step()
+            # Each: the call's entry and exit, the optimizer's two; nothing else.
+            assert hooks._events.written == written + 2 * 4
+            frames_attached = dict(counters["stats"])
+            # A new shape compiles again, with the probe in: it traces none of its hooks.
+            for function in (plain_compiled, compiled):
+                function(inputs[:5], labels[:5])
+    finally:
+        hooks.remove()
+    assert context.enter_exit_hooks == hooks_before, "the compile context keeps a hook"
+    assert [str(warning.message) for warning in caught] == []
+    assert frames_attached == compiled_frames, "the probe made dynamo compile again"
+    snapshot = recorder.snapshot()
+    assert snapshot["phase_split"] == "split" and snapshot["hook_errors"] == 0
+    phases = snapshot["phase_seconds"]
+    # The call holds the step's compute: more than everything else but the rest.
+    assert phases["compiled"] > phases["optimizer"] > 0
+    assert "unsplit" not in phases and "forward" not in phases
+    assert sum(phases.values()) == pytest.approx(snapshot["step_seconds_sum"])
+    for plain, hooked in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(plain, hooked)

@@ -12,6 +12,8 @@ from dlprof_agent.probe.recorder import Recorder
 from dlprof_agent.probe.torch_steps import (
     CLOSURE_ENDED,
     CLOSURE_STARTED,
+    COMPILED_ENDED,
+    COMPILED_STARTED,
     FORWARD_ENDED,
     FORWARD_STARTED,
     OPTIMIZER_ENDED,
@@ -90,6 +92,60 @@ def test_a_direct_addition_replays_the_stamps_before_it() -> None:
     phases = recorder.snapshot()["phase_seconds"]
     assert phases["exchange"] == pytest.approx(3.0)
     assert phases["backward"] == pytest.approx(2.0)  # 5 s less the 3 s inside it
+
+
+def stamp_compiled_step(events: StepEvents, start: float) -> float:
+    """One step of 10 s whose forward and backward run in one compiled call (7 s,
+    from 2 s), the optimizer's step 1 s after it: no forward hook fires."""
+    events.stamp(COMPILED_STARTED, start + 2, 8)
+    events.stamp(COMPILED_ENDED, start + 9, 1.0)
+    events.stamp(OPTIMIZER_STARTED, start + 9.5)
+    events.stamp(OPTIMIZER_ENDED, start + 10, 1.0)
+    return start + 10
+
+
+def test_a_compiled_train_step_is_split_around_its_call() -> None:
+    events = StepEvents(slots=64)
+    recorder = recorder_with(events)
+    now = stamp_compiled_step(events, 0.0)
+    for _ in range(3):
+        now = stamp_compiled_step(events, now)
+    snapshot = recorder.snapshot()
+    assert snapshot["phase_split"] == "split" and snapshot["samples"]["steady"] == 3 * 8
+    # Per step: the call 7 s, backward derived from its end to the optimizer 0.5 s
+    # (a backward run after the call would be there), the optimizer 0.5 s, the rest other.
+    assert snapshot["phase_seconds"] == pytest.approx(
+        {"compiled": 21.0, "backward": 1.5, "optimizer": 1.5, "other": 6.0})
+
+
+def test_compiled_calls_inside_a_phase_are_that_phases() -> None:
+    """A compiled loss after the forward, a compiled block inside it, and one compiled
+    call nested in another: none is a phase of its own, and the nesting is counted."""
+    events = StepEvents(slots=64)
+    recorder = recorder_with(events)
+    now = stamp_step(events, 0.0)
+    events.stamp(FORWARD_STARTED, now + 2, 8)
+    events.stamp(COMPILED_STARTED, now + 2.5)  # inside the forward
+    events.stamp(COMPILED_ENDED, now + 3, 1.0)
+    events.stamp(FORWARD_ENDED, now + 4, 1.0)
+    events.stamp(COMPILED_STARTED, now + 4.5)  # the loss, inside the derived backward
+    events.stamp(COMPILED_ENDED, now + 5, 1.0)
+    events.stamp(OPTIMIZER_STARTED, now + 9)
+    events.stamp(OPTIMIZER_ENDED, now + 10, 1.0)
+    now += 10
+    events.stamp(COMPILED_STARTED, now + 1, 8)  # a whole step in one call, nesting
+    events.stamp(COMPILED_STARTED, now + 2, 8)  # another, and an eager forward that
+    events.stamp(COMPILED_ENDED, now + 3, 1.0)  # counts the samples itself
+    events.stamp(FORWARD_STARTED, now + 4, 8)
+    events.stamp(FORWARD_ENDED, now + 5, 0.0)
+    events.stamp(COMPILED_ENDED, now + 8, 1.0)
+    events.stamp(OPTIMIZER_STARTED, now + 9)
+    events.stamp(OPTIMIZER_ENDED, now + 10, 1.0)
+    snapshot = recorder.snapshot()
+    assert snapshot["samples"]["steady"] == 8 + 8
+    assert snapshot["phase_seconds"] == pytest.approx(
+        {"forward": 2.0 + 1.0, "backward": 5.0 + 1.0, "optimizer": 2.0, "compiled": 6.0,
+         "other": 2.0 + 1.0})
 
 
 def test_a_second_forward_in_a_step_is_told_to_the_hooks() -> None:

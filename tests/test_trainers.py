@@ -1,7 +1,8 @@
 """The trainers tier: `attach --layers` to real third-party trainers on small
 in-memory data (tests/jobs/: Hugging Face Trainer on accelerate, Lightning
 Trainer.fit, Keras fit compiled and eager, a manual-SGD loop without torch.optim,
-a torchrun DDP job of two gloo ranks) and hold what the agent exports to what the
+a train step compiled whole with torch.compile, a torchrun DDP job of two gloo
+ranks) and hold what the agent exports to what the
 job itself measured, over the same steps:
 
 - the probe is up;
@@ -58,6 +59,7 @@ class Trainer:
     packages: tuple[str, ...]  # importable modules it needs
     install: str  # what to install when one is missing
     ranks: int = 1
+    phases: tuple[str, ...] = ()  # phases its split must have, beyond the sum
 
 
 TRAINERS = (
@@ -69,6 +71,8 @@ TRAINERS = (
     Trainer("keras_eager", ("tests/jobs/keras_fit.py", "--eager"), ("tensorflow", "keras"),
             "tensorflow-cpu"),
     Trainer("manual_sgd", ("tests/jobs/manual_sgd.py",), ("torch",), "torch"),
+    Trainer("compiled_step", ("tests/jobs/compiled_step.py",), ("torch",), "torch",
+            phases=("compiled", "optimizer")),
     Trainer("torchrun_ddp", ("-m", "torch.distributed.run", "--nproc_per_node", "2",
                              "--standalone", "tests/jobs/torch_ddp.py"), ("torch",), "torch",
             ranks=2),
@@ -367,5 +371,7 @@ def test_attach_with_layers_tells_the_truth_about_a_real_trainer(
         # Its ranks wait in the all-reduce: that time is exchange, never input (and
         # input_bound, which may judge such a rank once it is, must not fire).
         measured.failures.append("no exchange in the split of a rank of a process group")
+    measured.failures.extend(f"no {phase} in the split" for phase in trainer.phases
+                             if not measured.split.get(phase))
     RESULTS[trainer.name] = measured
     assert not measured.failures, _row(measured)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from dlprof_agent.exporters.metrics_reader import Readings
 from dlprof_agent.model.findings.catalogue import KINDS_BY_ID, SEVERITIES
 
-PHASES = ("forward", "backward", "optimizer", "exchange", "other", "unsplit")
+PHASES = ("forward", "backward", "compiled", "optimizer", "exchange", "other", "unsplit")
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from dlprof_agent.agent.status import format_bytes, format_evidence
 from dlprof_agent.agent.top_frame import Frame, TargetRow
 
 SPARKS = "▁▂▃▄▅▆▇█"
-PHASE_STYLES = {"forward": "green", "backward": "blue", "optimizer": "magenta",
-                "exchange": "red", "other": "yellow", "unsplit": "white"}
+PHASE_STYLES = {"forward": "green", "backward": "blue", "compiled": "cyan",
+                "optimizer": "magenta", "exchange": "red", "other": "yellow",
+                "unsplit": "white"}
 SEVERITY_STYLES = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 SORTS = ("time", "name")  # what `s` cycles through: the tables' order
 WIDE_COLUMNS = 110  # two columns from this width
@@ -170,8 +171,9 @@ def _layers_panel(frame: Frame, state: ViewState, width: int, rows: int) -> Size
     if frame.layer_timing != "on" and not frame.layers:
         if frame.probe == "none":
             return None
-        lines.add("layer timing is off: press l to turn it on (or attach with --layers)",
-                  style="dim")
+        lines.add(f"layer timing is {frame.layer_timing}" if frame.layer_timing.startswith(
+            "unavailable") else "layer timing is off: press l to turn it on (or attach with "
+            "--layers)", style="dim")
         return lines.panel("layers"), lines.height
     layers = sorted(frame.layers, key=(lambda row: row.name) if state.sort == "name"
                     else (lambda row: -row.step_ratio))

@@ -241,7 +241,7 @@ def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> lis
     input_excess = (f'{RANK_PHASE_ABOVE_MEDIAN}{{phase="other"}}\n'
                     f"  >= ignoring (phase) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
     compute_excess = (f"sum by (job_id, rank) ({RANK_PHASE_ABOVE_MEDIAN}"
-                      '{phase=~"forward|backward|optimizer"})\n'
+                      '{phase=~"forward|backward|compiled|optimizer"})\n'
                       f"  >= ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
     # A CPU finding names the cause unless the rank's main thread waited for its CPU
     # less than half its excess per step more than the median rank's: on a shared

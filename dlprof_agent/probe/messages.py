@@ -26,6 +26,9 @@ Frame = dict[str, object]
 # Values a reply carries that the agent's rules read: a phase's name and a split's
 # state. Here and not in the recorder, whose import the agent does without.
 EXCHANGE_PHASE = "exchange"  # waiting for the other ranks in collectives
+# A torch.compile'd function called outside the model's forward (a compiled train
+# step): its forward, and its backward where it runs inside.
+COMPILED_PHASE = "compiled"
 SPLIT = "split"
 # The row that rows past a limit fold into: layers past max_layers, kernels past
 # the tracer's cap (per device), layer GPU time of layers past max_layers.

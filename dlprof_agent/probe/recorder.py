@@ -47,7 +47,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from dlprof_agent.probe.messages import DEFAULT_WARMUP_STEPS, OTHER, SPLIT, RecorderSnapshot
+from dlprof_agent.probe.messages import (
+    COMPILED_PHASE,
+    DEFAULT_WARMUP_STEPS,
+    OTHER,
+    SPLIT,
+    RecorderSnapshot,
+)
 
 if TYPE_CHECKING:
     from dlprof_agent.probe.trace_window import Capture
@@ -450,6 +456,8 @@ class Recorder:
             state = SPLIT_OFF
         elif self.unsplit_reason:
             state = self.unsplit_reason
+        elif phases.get(COMPILED_PHASE, 0.0) > 0:
+            state = SPLIT  # a compiled train step: its call, and what ran around it
         elif phases.get("forward", 0.0) <= 0:
             state = FORWARD_NOT_SEEN
         elif phases.get("backward", 0.0) <= 0:

@@ -65,6 +65,7 @@ import gc
 import os
 import sys
 import threading
+import types
 from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.probe.recorder import Recorder, priced
@@ -72,6 +73,8 @@ from dlprof_agent.probe.torch_exchange import CollectiveTiming, DdpWait, holds_d
 from dlprof_agent.probe.torch_steps import (
     CLOSURE_ENDED,
     CLOSURE_STARTED,
+    COMPILED_ENDED,
+    COMPILED_STARTED,
     FORWARD_ENDED,
     FORWARD_STARTED,
     OPTIMIZER_ENDED,
@@ -91,18 +94,64 @@ if TYPE_CHECKING:
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
 PRICE_EVERY = 16  # the stamping hooks time themselves on one step in this many
+COMPILED_LAYERS = ("unavailable: the model runs in a torch.compile'd function (its layers "
+                   "are one graph; the step's split times the call)")
 
 
-def compiled_modules() -> list[Any]:
-    """The job's ``torch.compile(module)`` wrappers (OptimizedModule), found with one
-    scan of the garbage collector's objects; none, without a scan, where torch.compile
-    was never used."""
+def compiled_objects() -> tuple[list[Any], list[Any]]:
+    """The job's ``torch.compile(module)`` wrappers (OptimizedModule), and the compile
+    contexts of its compiled functions (an OptimizeContext each, whose
+    ``enter_exit_hooks`` every call of its wrapper runs on entry, outside the compiled
+    frame), found with one scan of the garbage collector's objects; none, without a
+    scan, where torch.compile was never used."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
+    context_type = getattr(eval_frame, "OptimizeContext", None)
     if optimized is None:
-        return []
-    # type(), not isinstance: isinstance reads __class__, which some proxies warn on.
-    return [found for found in gc.get_objects() if issubclass(type(found), optimized)]
+        return [], []
+    modules: list[Any] = []
+    wrappers: list[Any] = []
+    function = types.FunctionType
+    for found in gc.get_objects():
+        # type(), not isinstance: isinstance reads __class__, which some proxies warn on.
+        kind = type(found)
+        if kind is function:
+            # getattr, not __dict__: a function's empty dict would be made on reading.
+            if getattr(found, "_torchdynamo_orig_callable", None) is not None:
+                wrappers.append(found)
+        elif issubclass(kind, optimized):
+            modules.append(found)
+    # A compiled module's forward is such a wrapper too: its module's hooks time it.
+    of_modules = {id(module.__dict__.get("dynamo_ctx")) for module in modules}
+    contexts: dict[int, Any] = {}
+    for wrapper in wrappers:
+        context = compile_context(wrapper)
+        if (context is not None and type(context) is context_type
+                and id(context) not in of_modules):
+            contexts[id(context)] = context
+    return modules, list(contexts.values())
+
+
+def compile_context(wrapper: Any) -> Any:
+    """The context a compiled function's wrapper closes over (``self``), where it keeps
+    a list of ``enter_exit_hooks``; None for another torch's wrapper."""
+    code, cells = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or not cells or "self" not in code.co_freevars:
+        return None
+    try:
+        context = cells[code.co_freevars.index("self")].cell_contents
+    except ValueError:  # an empty cell
+        return None
+    return context if isinstance(getattr(context, "enter_exit_hooks", None), list) else None
+
+
+def _nothing() -> None:
+    """The exit of a compiled call made off the training thread."""
+
+
+def _not_compiling() -> bool:
+    """A torch without ``torch.compiler.is_compiling`` (before 2.3)."""
+    return False
 
 
 class HandleGroup:
@@ -130,6 +179,11 @@ class TorchHooks:
         # Set by the first optimizer step: from there on, iterations are seen whole.
         self._whole_iteration = False
         self._step_optimizer: int | None = None
+        self._train_thread: int | None = None  # where the steps' optimizer steps
+        self._compile_contexts: list[Any] = []  # compiled functions' contexts, stamped
+        self._compiled_exit = self._compiled_ended  # one bound method for every entry
+        self._compiled_calls = 0
+        self._compiled_batch = 0  # samples a compiled call's arguments held, re-read rarely
         self._events = StepEvents()
         self._forward_open = False  # a training forward's start was stamped
         self._grad_enabled: Any = None  # torch.is_grad_enabled, bound at install
@@ -147,6 +201,11 @@ class TorchHooks:
         self._blas: str | None = None
         self.model_name = ""
         self._torch: Any = sys.modules["torch"]  # the probe only hooks an imported torch
+        # True only while dynamo traces a hook into a graph (a compile after the attach
+        # that inlines a global hook): the hook then does nothing, so the graph neither
+        # breaks nor falls back to eager, and nothing warns on the job's stderr.
+        self._compiling: Any = getattr(getattr(self._torch, "compiler", None),
+                                       "is_compiling", _not_compiling)
         self._collectives = CollectiveTiming(recorder)
         self._ddp_wait = DdpWait(recorder, self._torch)
         # Kernel attribution: the kernel tracer (its ``correlator`` may come and go),
@@ -177,7 +236,7 @@ class TorchHooks:
         # In the order a step meets them, the boundary last: the job runs on while
         # they go in (the scan below can take a step under load), and the first
         # boundary must find discovery, and the optimizer's start, already in.
-        compiled = compiled_modules()
+        compiled, contexts = compiled_objects()
         if compiled:
             # torch.compile(module) warns on the job's stderr at each call while any
             # global module hook is in: discover among the compiled modules instead.
@@ -188,10 +247,18 @@ class TorchHooks:
         if self.split:  # the optimizer's own time; its end is the step's, split or not
             self._handles.append(register_optimizer_step_pre_hook(self._optimizer_started))
             self._collectives.install(self._torch)
+            # A new list, never one changed in place: a call may be iterating the old.
+            for context in contexts:
+                context.enter_exit_hooks = [*context.enter_exit_hooks, self._compiled_entered]
+            self._compile_contexts = contexts
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_ended))
 
     def remove(self) -> None:
         self._collectives.remove()
+        for context in self._compile_contexts:
+            context.enter_exit_hooks = [hook for hook in context.enter_exit_hooks
+                                        if hook != self._compiled_entered]
+        self._compile_contexts = []
         if self._layer_boundary in self.recorder.layer_listeners:
             self.recorder.layer_listeners.remove(self._layer_boundary)
         with self._layer_lock:
@@ -216,6 +283,8 @@ class TorchHooks:
     # time, and where the hook's own price starts.
 
     def _optimizer_started(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        if self._compiling():
+            return None
         now = self._clock()
         try:
             events = self._events
@@ -254,6 +323,8 @@ class TorchHooks:
         return timed_closure
 
     def _optimizer_ended(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._compiling():
+            return
         now = self._clock()
         try:
             # With several optimizers (a GAN, say) the first one to step marks the steps.
@@ -269,6 +340,7 @@ class TorchHooks:
             if marks_steps:
                 if self._step_optimizer is None:
                     self._step_optimizer = id(optimizer)
+                    self._train_thread = threading.get_ident()
                 if self._discovery is not None:
                     self._discovery_step()
                 self._boundary_here()
@@ -295,11 +367,21 @@ class TorchHooks:
                 # A whole step with no training module: steps are steady, not split
                 # (told once: a loop that never calls one keeps looking at each step).
                 self.recorder.discovery_ended()
+                if self._compile_contexts:
+                    # Its model runs in compiled frames: stop looking, or a compile to
+                    # come (a new shape) would trace the global hook into its graph.
+                    self._discovery.remove()
+                    self._discovery = None
+                    return
             self._seen.clear()
             self._whole_iteration = True
 
-    @priced
     def _discover(self, module: Any, args: Any) -> None:
+        if not self._compiling():
+            self._discover_module(module)
+
+    @priced
+    def _discover_module(self, module: Any) -> None:
         try:
             if not (module.training and self._torch.is_grad_enabled()):
                 return
@@ -437,6 +519,70 @@ class TorchHooks:
                 self.recorder.hook_seconds += (self._clock() - now) * PRICE_EVERY
         except Exception as error:
             self.recorder.hook_failed("model_forward", error)
+
+    def _compiled_entered(self) -> Any:
+        """A compiled function's call begins (its context's enter hook, run before the
+        compiled frame): stamped on the training thread once steps are seen. Returns
+        the call's exit hook, which its context runs when the call ends."""
+        if threading.get_ident() != self._train_thread:
+            return _nothing
+        now = self._clock()
+        try:
+            events = self._events
+            written = events.written
+            at = (written & events.mask) * WORDS_PER_EVENT
+            words = events.words
+            calls = self._compiled_calls
+            self._compiled_calls = calls + 1
+            if calls % SETTINGS_EVERY_CALLS == 0:
+                self._compiled_batch = self._read_compiled_batch()
+            words[at] = COMPILED_STARTED
+            words[at + 1] = now
+            words[at + 2] = self._compiled_batch
+            events.written = written + 1
+            # A compiled train step has no forward hook to count the steps to price.
+            countdown = self._price_countdown - 1
+            if countdown:
+                self._price_countdown, self._pricing = countdown, False
+            else:
+                self._price_countdown, self._pricing = PRICE_EVERY, True
+                self.recorder.hook_seconds += (self._clock() - now) * PRICE_EVERY
+        except Exception as error:
+            self.recorder.hook_failed("compiled_call", error)
+        return self._compiled_exit
+
+    def _read_compiled_batch(self) -> int:
+        """The batch in a compiled call's arguments: the first tensor's first dimension,
+        read from its wrapper's frame, whose locals cost a microsecond to read (so not
+        each call: a smaller last batch of an epoch counts as the full one)."""
+        frame: Any = sys._getframe(2)  # the wrapper's, or a comprehension's in it (3.11)
+        for _ in range(3):
+            if frame is None:
+                break
+            code = frame.f_code
+            if "args" in code.co_varnames and code.co_name in ("compile_wrapper", "_fn"):
+                names = frame.f_locals
+                tensor = batch_tensor(names.get("args"), names.get("kwargs"),
+                                      self._torch.Tensor)
+                return int(tensor.size(0)) if tensor is not None else 0
+            frame = frame.f_back
+        return 0
+
+    def _compiled_ended(self) -> None:
+        now = self._clock()
+        try:
+            events = self._events
+            written = events.written
+            at = (written & events.mask) * WORDS_PER_EVENT
+            words = events.words
+            words[at] = COMPILED_ENDED
+            words[at + 1] = now
+            words[at + 2] = 0.0 if events.several_forwards else 1.0  # backward derived
+            events.written = written + 1
+            if self._pricing:
+                self.recorder.hook_seconds += (self._clock() - now) * PRICE_EVERY
+        except Exception as error:
+            self.recorder.hook_failed("compiled_call", error)
 
     @priced
     def _backward_started_hook(self, grad_outputs: Any) -> None:
@@ -583,5 +729,10 @@ class TorchHooks:
         for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             settings[variable.lower()] = os.environ.get(variable, "unset")
         settings.update(self._observed)
-        settings["layer_timing"] = "on" if self.layers else "off"
+        if not self.layers:
+            settings["layer_timing"] = "off"
+        elif self._discovery is None and not self.model_name and self._compile_contexts:
+            settings["layer_timing"] = COMPILED_LAYERS  # discovery found no eager model
+        else:
+            settings["layer_timing"] = "on"
         return settings

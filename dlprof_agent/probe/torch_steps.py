@@ -18,6 +18,13 @@ forwards before one optimizer step, DDP, whose wait is ``exchange``) does a pre-
 on the output's autograd node, with an end-of-backward callback, still mark backward
 each step (``torch_hooks``); ``FORWARD_ENDED``'s value says which.
 
+A ``torch.compile``'d function called with no phase open (a compiled train step,
+whose forward and backward the model's hooks never see) is its own phase,
+``compiled``, stamped by two hooks on its compile context (``torch_hooks``); backward
+is derived from its end, as from the forward's, for a loop whose backward runs after
+it. Compiled calls inside a phase (a compiled loss, a compiled submodule) are that
+phase's.
+
 A ring the replay does not keep up with (an agent that stopped reading for minutes
 of millisecond steps) loses its oldest events: they are counted, and the steps resume
 at the next boundary, as after a pause.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dlprof_agent.probe.messages import COMPILED_PHASE
 from dlprof_agent.probe.recorder import OTHER_PHASE
 
 if TYPE_CHECKING:
@@ -39,6 +47,8 @@ OPTIMIZER_STARTED = 3.0
 OPTIMIZER_ENDED = 4.0  # value: 1.0 for the optimizer whose steps are the job's steps
 CLOSURE_STARTED = 5.0
 CLOSURE_ENDED = 6.0
+COMPILED_STARTED = 7.0  # value: the batch's samples (0 where unknown)
+COMPILED_ENDED = 8.0  # value: as FORWARD_ENDED's
 
 STAMP_SLOTS = 1 << 14  # events: 16k, 384 KiB; seconds of 1 ms steps between replays
 WORDS_PER_EVENT = 3
@@ -64,6 +74,9 @@ class StepEvents:
         self._backward: tuple[float, float] | None = None  # derived, open since forward
         self._optimizer: tuple[float, float] | None = None
         self._closure: tuple[float, float] | None = None
+        self._compiled: tuple[float, float] | None = None  # a compiled call with no phase
+        self._compiled_depth = 0  # compiled calls open, nested ones included
+        self._compiled_samples = 0  # the timed call's, unless a forward inside counts them
 
     def stamp(self, kind: float, now: float, value: float = 0.0) -> None:
         """One event (the hooks write theirs inline, the same way)."""
@@ -82,6 +95,8 @@ class StepEvents:
     def reset(self) -> None:
         """Forget the open phases: the hooks were out for a while."""
         self._forward = self._backward = self._optimizer = self._closure = None
+        self._compiled = None
+        self._compiled_depth = 0
 
     def replay(self, recorder: Recorder) -> None:
         """Everything written since the last replay, in order, into ``recorder``'s
@@ -112,6 +127,7 @@ class StepEvents:
                 self._end_backward(recorder, now)
             recorder.step_boundary_unchecked("forward", now)
             recorder.add_samples_unchecked(int(value))
+            self._compiled_samples = 0
             self._forward = (now, recorder.phase_total)
         elif kind == FORWARD_ENDED:
             if self._forward is None:
@@ -133,6 +149,21 @@ class StepEvents:
                 self._closure = None
                 # The closure's own time (zero_grad, what precedes the forward): other.
                 recorder.add_phase_time_unchecked(OTHER_PHASE, now - started, since=mark)
+        elif kind == COMPILED_STARTED:
+            self._compiled_depth += 1
+            if (self._compiled_depth == 1 and self._forward is None and self._backward is None
+                    and self._optimizer is None and self._closure is None):
+                self._compiled = (now, recorder.phase_total)
+                self._compiled_samples = int(value)
+        elif kind == COMPILED_ENDED:
+            self._compiled_depth = max(0, self._compiled_depth - 1)
+            if self._compiled_depth == 0 and self._compiled is not None:
+                started, mark = self._compiled
+                self._compiled = None
+                recorder.add_phase_time_unchecked(COMPILED_PHASE, now - started, since=mark)
+                recorder.add_samples_unchecked(self._compiled_samples)
+                if value:  # a backward run after it
+                    self._backward = (now, recorder.phase_total)
         elif kind == OPTIMIZER_ENDED:
             if self._optimizer is not None:
                 started, mark = self._optimizer
