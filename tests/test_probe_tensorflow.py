@@ -151,6 +151,38 @@ def test_fit_started_later_with_steps_per_execution(make_hooks: MakeHooks) -> No
     assert_same_time(recorder, clock.ticks)
 
 
+def test_a_keras_step_is_stamped_and_each_fit_counted_with_its_own_batches(
+        make_hooks: MakeHooks) -> None:
+    """The job's thread only stamps each step: the recorder closes steps when it
+    replays them. Two fits of different batches and data, with no snapshot between
+    them, are each counted with their own, their last partial batches included."""
+    recorder, hooks = make_hooks()
+    hooks.install()
+    boundaries_on_the_job: list[tuple[Any, ...]] = []
+    step_boundary = recorder.step_boundary
+
+    def told(*args: Any) -> None:
+        boundaries_on_the_job.append(args)
+        step_boundary(*args)
+
+    recorder.step_boundary = told  # type: ignore[method-assign,assignment]
+    model = cnn()
+    x, y = data(10 * BATCH + 4)  # 11 batches, the last of 4
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    x, y = data(6 * 8 + 3)  # 7 batches of 8, the last of 3
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert recorder.events is hooks._events and hooks._events.pending()
+    snap = recorder.snapshot()
+    # Only the first call's tf.function, before Keras's first step outranked it.
+    assert boundaries_on_the_job == [("tf_function",)]
+    assert snap["step_source"] == "keras" and snap["hook_errors"] == 0
+    # 11 + 14 calls; the first call of all only opens a step.
+    assert snap["steps"]["warmup"] + snap["steps"]["steady"] == 11 + 14 - 1
+    # Every call's samples but the last's, whose step is still open (its partial 3).
+    assert snap["samples"]["warmup"] + snap["samples"]["steady"] == \
+        (10 * BATCH + 4) + 2 * (6 * 8 + 3) - 3
+
+
 def test_keras_loaded_after_install(make_hooks: MakeHooks,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # Attached between `import tensorflow` and Keras's import: the Keras hooks
@@ -259,11 +291,12 @@ def test_remove_restores_everything(make_hooks: MakeHooks) -> None:
 
 
 def test_a_failing_hook_is_counted_and_training_goes_on(make_hooks: MakeHooks) -> None:
-    class FailingRecorder(Recorder):
-        def add_samples(self, count: int) -> None:
-            raise RuntimeError("recorder is broken")
+    recorder, hooks = make_hooks()
 
-    recorder, hooks = make_hooks(recorder=FailingRecorder(warmup_steps=WARMUP))
+    def broken(caller: Any) -> int:
+        raise RuntimeError("recorder is broken")
+
+    hooks._samples.count = broken  # type: ignore[method-assign]
     hooks.install()
     x, y = data(6 * BATCH)
     history = cnn().fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
@@ -273,6 +306,10 @@ def test_a_failing_hook_is_counted_and_training_goes_on(make_hooks: MakeHooks) -
     assert "recorder is broken" in snap["hook_error_kinds"]["keras.train_function"]
     assert snap["steps"]["warmup"] + snap["steps"]["steady"] == 5
     hooks.remove()
+
+    class FailingRecorder(Recorder):
+        def add_samples(self, count: int) -> None:
+            raise RuntimeError("recorder is broken")
 
     recorder, hooks = make_hooks(recorder=FailingRecorder(warmup_steps=WARMUP))
     hooks.install()

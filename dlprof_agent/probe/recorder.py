@@ -69,6 +69,7 @@ BACKWARD_NOT_SEEN = "backward not seen"
 COMPILED_GRAPH = "not split: compiled graph"
 SPLIT_OFF = "not split: turned off"  # the agent asked for no phases (--no-split)
 DEFAULT_LAYER_BUDGET = 0.01  # layer timing may add this fraction of step time
+PRICE_EVERY = 16  # stamping hooks time themselves on one call in this many
 # Under a budget: one timed step in MIN_SAMPLE_INTERVAL at most (so a timed step
 # costing up to 5% stays within 1% even if its cost is misjudged), one in
 # MAX_SAMPLE_INTERVAL at least, and one in FIRST_SAMPLE_INTERVAL until the cost is known.

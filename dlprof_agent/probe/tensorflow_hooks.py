@@ -16,7 +16,10 @@ Four hooks, all patched in place and restored by ``remove()``:
   starts (source ``"keras"``); its samples are the batch size, read from the
   fit loop's data adapter, times the steps one call runs
   (``steps_per_execution``), with the final partial batch of array data
-  counted as it is.
+  counted as it is. Each call only stamps its time and the fit's count of steps
+  into a ring the recorder replays off the job's path (``tensorflow_steps``),
+  where no other framework's hooks own the recorder's ring; the fit's data is
+  read at its first step (``tensorflow_samples``).
 - Custom loops: ``__call__`` of TensorFlow's ``tf.function`` class is patched.
   The first ``tf.function`` instance called twice from eager code is taken as
   the step function; calls made while tracing and calls nested in a running
@@ -69,7 +72,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlprof_agent.probe.patching import Patch
-from dlprof_agent.probe.recorder import COMPILED_GRAPH, Recorder, priced
+from dlprof_agent.probe.recorder import COMPILED_GRAPH, PRICE_EVERY, Recorder, priced
 from dlprof_agent.probe.tensorflow_samples import KerasSamples, leading_dim
 from dlprof_agent.probe.tensorflow_settings import (
     KERAS_CONFIG_MODULE,
@@ -78,6 +81,12 @@ from dlprof_agent.probe.tensorflow_settings import (
     read_precision,
     read_settings,
 )
+from dlprof_agent.probe.tensorflow_steps import (
+    KERAS_STEP_EAGER,
+    KERAS_STEP_GRAPH,
+    KerasStepEvents,
+)
+from dlprof_agent.probe.torch_steps import WORDS_PER_EVENT
 
 _FUNCTION_MODULES = (
     ("tensorflow.python.eager.polymorphic_function.polymorphic_function", "Function"),
@@ -131,6 +140,8 @@ class TensorFlowHooks:
         self._keras_config: Any = None
         self._wrapped_models: dict[int, tuple[weakref.ref[Any], Any]] = {}
         self._samples = KerasSamples()
+        self._events = KerasStepEvents(self._samples)  # the recorder's, unless another's
+        self._price_countdown = PRICE_EVERY
         # Facts seen on the training thread, for settings() on the probe thread.
         self._boundaries = 0
         self._layer_calls_in_step = 0
@@ -162,6 +173,8 @@ class TensorFlowHooks:
                 if self._active:
                     return
                 self._active = True
+                if self.recorder.events is None:  # else PyTorch's hooks stamp into it
+                    self.recorder.events = self._events
                 try:
                     self._install_tf_function()
                 except Exception as exc:
@@ -177,6 +190,10 @@ class TensorFlowHooks:
         with self._process_lock():
             self._active = False
             self._keras_pending = False
+            if self.recorder.events is self._events:
+                self.recorder.drain()
+                self.recorder.events = None
+                self._events.reset()
             for patch in reversed(self._patches):
                 try:
                     patch.undo()
@@ -293,9 +310,13 @@ class TensorFlowHooks:
     def _function_call_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         hooks = self
 
+        recorder = self.recorder
+
         @functools.wraps(original)
         def __call__(function: Any, *args: Any, **kwargs: Any) -> Any:
-            if not hooks._function_call_start(function, args):
+            # Under Keras's fit its train function marks the steps: a call saved.
+            if recorder.step_source == "keras" or not hooks._function_call_start(function,
+                                                                                 args):
                 return original(function, *args, **kwargs)
             try:
                 return original(function, *args, **kwargs)
@@ -370,6 +391,8 @@ class TensorFlowHooks:
         """True when this is a top-level eager call, which the caller must
         close by clearing ``inside``."""
         try:
+            if self.recorder.step_source == "keras":
+                return False  # Keras's fit marks the steps, and outranks any tf.function
             local = self._local
             if not self._active or getattr(local, "inside", False):
                 return False
@@ -381,8 +404,6 @@ class TensorFlowHooks:
                     self._install_keras()
                 finally:
                     self._lock.release()
-            if self.recorder.step_source == "keras":
-                return False  # Keras's fit marks the steps, and outranks any tf.function
             if function is self._choose_step_function(function):
                 recorder = self.recorder
                 recorder.step_boundary("tf_function")
@@ -421,24 +442,75 @@ class TensorFlowHooks:
         self._candidates[key] = weakref.ref(function)
         return None
 
-    @priced
     def _keras_call_start(self, model_ref: weakref.ref[Any]) -> None:
+        """A Keras train function's call: a step boundary, stamped into the ring where
+        this hook owns the recorder's (no other framework's hooks stamp into it).
+        Priced one call in PRICE_EVERY, times PRICE_EVERY."""
+        recorder = self.recorder
+        now = recorder.clock()
         try:
-            recorder = self.recorder
-            recorder.step_boundary("keras")
+            events = self._events
+            if recorder.events is not events:
+                self._keras_boundary(model_ref, now)
+                return
+            model = model_ref()
+            if recorder.step_source != "manual":
+                self._note_boundary(model)
+            count = self._step_count(sys._getframe(2))  # the wrapper's caller: fit
+            written = events.written
+            at = (written & events.mask) * WORDS_PER_EVENT
+            words = events.words
+            words[at] = KERAS_STEP_EAGER if getattr(model, "run_eagerly", False) \
+                else KERAS_STEP_GRAPH
+            words[at + 1] = now
+            words[at + 2] = count
+            events.written = written + 1
+            if recorder.layer_listeners or recorder.capture is not None:
+                recorder.drain()  # layer patches go in or out at this boundary
+                recorder.tell_layer_listeners()
+            countdown = self._price_countdown - 1
+            if countdown:
+                self._price_countdown = countdown
+            else:
+                self._price_countdown = PRICE_EVERY
+                recorder.hook_seconds += (recorder.clock() - now) * PRICE_EVERY
+        except Exception as exc:
+            self.recorder.hook_failed("keras.train_function", exc)
+
+    def _step_count(self, caller: Any) -> int:
+        """The event's value (``tensorflow_steps``): the fit's count of steps, or the
+        step's samples negated; 0 where they cannot be read (the step still counts)."""
+        try:
+            count = self._samples.count(caller)
+            if count is None:  # a fit's first step: its shape, once its earlier steps
+                self.recorder.drain()  # are counted with the shape of theirs
+                count = -(self._samples.of_caller(caller) or 0)
+            return count
+        except Exception as exc:
+            self.recorder.hook_failed("keras.train_function", exc)
+            return 0
+
+    def _keras_boundary(self, model_ref: weakref.ref[Any], now: float) -> None:
+        """The step boundary told to the recorder at once: the ring is another
+        framework's (a job that imported PyTorch's hooks' too)."""
+        recorder = self.recorder
+        try:
+            recorder.step_boundary("keras", now)
             if recorder.step_source != "keras":
                 return
             model = model_ref()
             recorder.unsplit_reason = ("" if getattr(model, "run_eagerly", False)
                                        else COMPILED_GRAPH)
             self._note_boundary(model)
-            # Frames: this one, priced's, the wrapper, then whoever called
+            # Frames: this one, _keras_call_start, the wrapper, then whoever called
             # train_function.
             samples = self._samples.of_caller(sys._getframe(3))
             if samples:
                 recorder.add_samples(samples)
         except Exception as exc:
-            self.recorder.hook_failed("keras.train_function", exc)
+            recorder.hook_failed("keras.train_function", exc)
+        finally:
+            recorder.hook_seconds += recorder.clock() - now
 
     @priced
     def _phase_start(self) -> tuple[float, float] | None:

@@ -5,14 +5,12 @@ Tensors, adapters and frames are TensorFlow's and Keras's objects (Any)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
-
-# A weak reference to a data adapter, its batch size, batches per epoch and
-# final partial batch size.
-_AdapterCache = tuple[weakref.ref[Any], int | None, int | None, int | None]
 
 
 def leading_dim(values: tuple[Any, ...]) -> int | None:
@@ -46,44 +44,21 @@ def _shape_dim(value: Any) -> int | None:
     return first if first is not None and first > 0 else None
 
 
-class KerasSamples:
-    """The samples of a Keras step, read from the fit loop that called it."""
+@dataclass(frozen=True)
+class FitShape:
+    """What a fit's steps hold, read once a fit: the batch, the batches an epoch
+    (None: unknown), the final partial batch (None: none), steps a call."""
 
-    def __init__(self) -> None:
-        self._adapter_cache: _AdapterCache | None = None
+    batch: int
+    batches: int | None
+    partial: int | None
+    per_call: int
+    fixed_steps: bool  # steps_per_epoch was given: the index says nothing of the data
 
-    def forget(self) -> None:
-        self._adapter_cache = None
-
-    def of_caller(self, caller: FrameType) -> int | None:
-        name = caller.f_code.co_name
-        if name == "fit":
-            names = caller.f_locals
-            begin, end = names.get("begin_step"), names.get("end_step")
-            if isinstance(begin, int) and isinstance(end, int):
-                return self._epoch_samples(names.get("epoch_iterator"), begin, end)
-        elif name == "train_on_batch":
-            return leading_dim((caller.f_locals.get("x"),))
-        return None
-
-    def _epoch_samples(self, epoch_iterator: Any, begin: int, end: int) -> int | None:
-        adapter = getattr(epoch_iterator, "data_adapter", None)
-        if adapter is None:
-            return None
-        cache = self._adapter_cache
-        if cache is None or cache[0]() is not adapter:
-            # Properties of some adapters run TensorFlow ops: read them once per fit.
-            batch, batches, partial = adapter.batch_size, adapter.num_batches, None
-            if adapter.has_partial_batch:
-                partial = adapter.partial_batch_size
-            cache = (weakref.ref(adapter), _positive(batch), _positive(batches),
-                     _positive(partial))
-            self._adapter_cache = cache
-        _, batch, batches, partial = cache
-        if batch is None:
-            return None
-        if getattr(epoch_iterator, "steps_per_epoch", None) or batches is None:
-            # The step index says nothing about where in the data the step is.
+    def samples(self, begin: int, end: int) -> int | None:
+        """Samples of the steps ``begin`` to ``end`` of an epoch."""
+        batch, batches, partial = self.batch, self.batches, self.partial
+        if self.fixed_steps or batches is None:
             return batch * (end - begin + 1)
         if begin >= batches:
             return None
@@ -92,6 +67,94 @@ class KerasSamples:
         if partial is not None and last == batches - 1:
             samples -= batch - partial
         return samples
+
+
+class KerasSamples:
+    """The samples of a Keras step, read from the fit loop that called it.
+
+    Reading a frame's locals builds a dict of them all, and run cold, after a
+    step's compute, attribute reads of Keras's objects cost microseconds each. So a
+    fit's locals, its data adapter and its epoch iterator are read at its first step
+    (``of_caller``); each later step only reads the epoch iterator's count of the
+    steps it handed out (``count``, whose last ``per_call`` are the step's), and its
+    samples are worked out from that count off the job's path (``of_count``)."""
+
+    def __init__(self) -> None:
+        # The fit frame's id and its epoch iterator, where its count agreed.
+        self._fit: tuple[int, weakref.ref[Any]] | None = None
+        self.shape: FitShape | None = None  # the latest fit's, for of_count
+        self._adapter: weakref.ref[Any] | None = None  # whose properties made shape
+
+    def forget(self) -> None:
+        self._fit = None
+        self.shape = None
+        self._adapter = None
+
+    def count(self, caller: FrameType) -> int | None:
+        """The epoch iterator's count at this step, where ``caller`` is the fit whose
+        first step ``of_caller`` read; None: read it with ``of_caller``."""
+        fit = self._fit
+        # A frame's id is reused once it is gone; its epoch iterator is gone too.
+        iterator = fit[1]() if fit is not None and fit[0] == id(caller) else None
+        seen = getattr(iterator, "_steps_seen", None)
+        return seen if type(seen) is int else None
+
+    def of_count(self, count: int) -> int | None:
+        """The samples of the step at which the epoch iterator's count was ``count``."""
+        shape = self.shape
+        if shape is None or count < shape.per_call:
+            return None
+        begin = count - shape.per_call
+        return shape.samples(begin, begin + shape.per_call - 1)
+
+    def of_caller(self, caller: FrameType) -> int | None:
+        name = caller.f_code.co_name
+        if name == "fit":
+            names = caller.f_locals
+            begin, end = names.get("begin_step"), names.get("end_step")
+            if isinstance(begin, int) and isinstance(end, int):
+                iterator = names.get("epoch_iterator")
+                self._fit = None
+                adapter = getattr(iterator, "data_adapter", None)
+                if self._adapter is None or self._adapter() is not adapter:
+                    self.shape, self._adapter = _fit_shape(iterator, adapter), None
+                    with contextlib.suppress(TypeError):  # no weak references to it
+                        self._adapter = weakref.ref(adapter)
+                if self.shape is None:
+                    return None
+                if _begin_step(iterator) == begin:
+                    with contextlib.suppress(TypeError):  # no weak references to it
+                        self._fit = (id(caller), weakref.ref(iterator))
+                return self.shape.samples(begin, end)
+        elif name == "train_on_batch":
+            return leading_dim((caller.f_locals.get("x"),))
+        return None
+
+
+def _fit_shape(epoch_iterator: Any, adapter: Any) -> FitShape | None:
+    if adapter is None:
+        return None
+    # Properties of some adapters run TensorFlow ops: read them once a fit, on the
+    # job's thread.
+    batch, batches, partial = adapter.batch_size, adapter.num_batches, None
+    if adapter.has_partial_batch:
+        partial = adapter.partial_batch_size
+    batch = _positive(batch)
+    per_call = getattr(epoch_iterator, "steps_per_execution", 1)
+    if batch is None or type(per_call) is not int or per_call < 1:
+        return None
+    return FitShape(batch, _positive(batches), _positive(partial), per_call,
+                    bool(getattr(epoch_iterator, "steps_per_epoch", None)))
+
+
+def _begin_step(epoch_iterator: Any) -> int | None:
+    """The first step of the one the epoch iterator last handed out, from its count."""
+    seen = getattr(epoch_iterator, "_steps_seen", None)
+    per_call = getattr(epoch_iterator, "steps_per_execution", None)
+    if type(seen) is int and type(per_call) is int and per_call > 0 and seen >= per_call:
+        return seen - per_call
+    return None
+
 
 def _positive(value: Any) -> int | None:
     if isinstance(value, int) and value > 0:

@@ -68,7 +68,7 @@ import threading
 import types
 from typing import TYPE_CHECKING, Any
 
-from dlprof_agent.probe.recorder import Recorder, priced
+from dlprof_agent.probe.recorder import PRICE_EVERY, Recorder, priced
 from dlprof_agent.probe.torch_exchange import CollectiveTiming, DdpWait, holds_ddp
 from dlprof_agent.probe.torch_steps import (
     CLOSURE_ENDED,
@@ -93,7 +93,6 @@ if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import LayerCorrelator, LayerIdSource
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
-PRICE_EVERY = 16  # the stamping hooks time themselves on one step in this many
 COMPILED_LAYERS = ("unavailable: the model runs in a torch.compile'd function (its layers "
                    "are one graph; the step's split times the call)")
 
