@@ -482,9 +482,10 @@ class TensorFlowHooks:
         step's samples negated; 0 where they cannot be read (the step still counts)."""
         try:
             count = self._samples.count(caller)
-            if count is None:  # a fit's first step: its shape, once its earlier steps
-                self.recorder.drain()  # are counted with the shape of theirs
-                count = -(self._samples.of_caller(caller) or 0)
+            if count is None:
+                if caller.f_code.co_name == "fit":  # its first step: its shape, once the
+                    self.recorder.drain()  # earlier steps are counted with theirs
+                count = -(self._samples.of_caller(caller) or 0)  # train_on_batch: each
             return count
         except Exception as exc:
             self.recorder.hook_failed("keras.train_function", exc)
