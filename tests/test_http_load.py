@@ -185,6 +185,8 @@ def test_the_agents_threads_yield_to_the_job() -> None:
         # Each serving thread lowers itself as it starts.
         wait_for(lambda: list(scheduling(agent.pid).values()).count(serving) >= 1 + WORKERS,
                  "the serving threads at nice 10")
+        # The sampler starts after the server answers; a slow machine shows it later.
+        wait_for(lambda: len(scheduling(agent.pid)) >= 2 + 1 + WORKERS, "the sampler thread")
         threads = scheduling(agent.pid)
         assert not any(policy == SCHED_IDLE for _, policy in threads.values())
         assert threads[agent.pid] == (started_nice, SCHED_OTHER)
