@@ -92,13 +92,13 @@ def test_layer_time_covers_most_of_the_step_and_phases_add_up() -> None:
 
 
 def test_a_failing_hook_is_counted_and_training_goes_on() -> None:
-    class Broken(Recorder):
-        def add_layer_time(self, layer: str, phase: str, seconds: float) -> None:
+    class Broken(TorchHooks):
+        def _hook_output(self, output: Any, node: Any, hook: Any) -> None:
             raise RuntimeError("broken on purpose")
 
     job = Job()
-    recorder = Broken(warmup_steps=0)
-    hooks = TorchHooks(recorder, layers=True)
+    recorder = Recorder(warmup_steps=0)
+    hooks = Broken(recorder, layers=True)
     hooks.install()
     before = [p.detach().clone() for p in job.model.parameters()]
     for _ in range(3):
@@ -124,6 +124,40 @@ def test_inplace_activations_and_tuple_outputs_are_not_disturbed() -> None:
         output.sum().backward()
         optimizer.step()
     hooks.remove()
+    assert recorder.hook_errors == 0, recorder.hook_error_kinds
+
+
+def test_the_jobs_own_hooks_on_a_layers_output_run_come_off_and_pickle_quietly() -> None:
+    """The layer hooks ride on the output's hook dict, as Tensor.register_hook's own
+    do: a hook the job then adds to that output runs once a backward and comes off
+    with its handle, and pickling the output (torch.save does) says nothing about
+    the probe's hook."""
+    import pickle
+    import warnings
+
+    job = Job()
+    seen: list[int] = []
+    recorder = Recorder(warmup_steps=0)
+    hooks = TorchHooks(recorder, layers=True)
+    hooks.install()
+    try:
+        for _ in range(6):  # the model's output is its last leaf's, which is timed
+            job.optimizer.zero_grad()
+            logits = job.model(job.images)
+            handle = logits.register_hook(lambda grad: seen.append(grad.shape[0]))
+            torch.nn.functional.cross_entropy(logits, job.labels).backward()
+            job.optimizer.step()
+            handle.remove()  # the job's own handle takes only its own hook
+        timed = {row[0] for row in recorder.snapshot()["layers"] if row[4] > 0}
+        last = list(job.model.named_modules())[-1][0]
+        assert any(label.startswith(f"{last} ") for label in timed)  # the probe's ran too
+        assert len(logits._backward_hooks) == 1  # the probe's, after the job's came off
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "backward hook ... will not be serialized"
+            pickle.dumps(logits)
+    finally:
+        hooks.remove()
+    assert seen == [BATCH] * 6
     assert recorder.hook_errors == 0, recorder.hook_error_kinds
 
 

@@ -214,6 +214,9 @@ class Recorder:
         # Called on the training thread after each boundary with ``layer_step``:
         # the framework hooks install or remove their layer hooks.
         self.layer_listeners: list[Callable[[bool], None]] = []
+        # Called as a boundary closes a step, wherever it is replayed: hooks that sum
+        # layer time on their own (torch_hooks) add it here, to the step it belongs to.
+        self.layer_flushes: list[Callable[[], None]] = []
         self.hook_errors = 0
         self.hook_error_kinds: dict[str, str] = {}
         self.hook_seconds = 0.0  # time in the priced hooks (``priced``)
@@ -279,6 +282,8 @@ class Recorder:
             current = SOURCE_RANK.get(self.step_source, 0)
             if rank < current:
                 return
+            for flush in self.layer_flushes:
+                flush()
             capture = self.capture
             if capture is not None:
                 capture.step(now)
@@ -325,6 +330,20 @@ class Recorder:
         else:
             stats[2] += seconds
             stats[3] += 1
+
+    def add_layer_stats(self, layer: str, stats: list[float]) -> None:
+        """A timed step's [forward seconds, calls, backward seconds, calls] for
+        ``layer``, summed by its hooks (``layer_flushes``)."""
+        if not self.steady:
+            return
+        pending = self._pending_layers.get(layer)
+        if pending is None:
+            if layer not in self.layers and len(self.layers) + len(
+                    self._pending_layers) >= self.max_layers:
+                layer = OTHER
+            pending = self._pending_layers.setdefault(layer, [0.0, 0, 0.0, 0])
+        for at in range(4):
+            pending[at] += stats[at]
 
     def phase_mark(self) -> float:
         """Taken where a phase starts, for ``add_phase_time(since=...)`` at its end."""

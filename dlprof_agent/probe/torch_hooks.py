@@ -16,10 +16,14 @@ cost every step. Leaves past the ``max_layers`` cap are never hooked. A layer
 is named by its path in the model and its type (``features.0 Conv2d``).
 
 Backward time per layer runs from the moment autograd reaches the node that
-produced the layer's output (a node pre-hook, registered during forward) to
-the moment it reaches the next layer's, or the end of the backward pass: the
-layer's own gradients plus the glue between it and the next layer. No tensor
-is wrapped, so in-place operations behave as without the probe.
+produced the layer's output to the moment it reaches the next layer's, or the
+end of the backward pass: the layer's own gradients plus the glue between it and
+the next layer. The hook goes in during forward as ``Tensor.register_hook`` puts
+one in, a hook dict on the output attached to its node, but without the
+``RemovableHandle`` that ``register_hook`` and ``Node.register_prehook`` build:
+that handle cost 3-4x the rest of a layer's backward hook here. An output that
+already has hooks, or is not a plain tensor, gets a node pre-hook instead. No
+tensor is wrapped, so in-place operations behave as without the probe.
 On a GPU these are host-side times (launch and synchronisation); kernel time
 is the CUPTI tracer's job. While it traces, each layer's forward and backward
 push an external correlation id (``probe.kernel_tracer``), so CUPTI ties every
@@ -66,6 +70,7 @@ import os
 import sys
 import threading
 import types
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from dlprof_agent.probe.recorder import PRICE_EVERY, Recorder, priced
@@ -93,6 +98,9 @@ if TYPE_CHECKING:
     from dlprof_agent.probe.activity_binding import LayerCorrelator, LayerIdSource
 
 SETTINGS_EVERY_CALLS = 64  # re-read thread counts and precision this often
+# The layer hook's key in an output's hook dict: never one of RemovableHandle's ids
+# (ints), so a hook the job adds to that tensor later keeps its own entry.
+LAYER_HOOK_KEY = "dlprof-agent layer"
 COMPILED_LAYERS = ("unavailable: the model runs in a torch.compile'd function (its layers "
                    "are one graph; the step's split times the call)")
 
@@ -190,9 +198,14 @@ class TorchHooks:
         self._price_countdown = PRICE_EVERY
         self._backward_started = 0.0  # hooked backward (no optimizer, DDP): its start
         self._backward_mark = 0.0
-        self._layer_started: dict[int, float] = {}
-        self._labels: dict[int, str] = {}  # id of a hooked leaf module -> its name
-        self._segment_label: str | None = None  # the layer whose backward is running
+        # Per layer index, on the training thread: the open forward's start, and the
+        # timed step's [forward seconds, calls, backward seconds, calls], handed to the
+        # recorder as its boundary closes the step (``_flush_layers``).
+        self._layer_starts: list[float | None] = []
+        self._layer_stats: list[list[float]] = []
+        self._layer_hooks: list[tuple[Any, Any]] = []  # per index: (pre, post) for its leaf
+        self._layers_unflushed = False
+        self._segment_index = -1  # the layer whose backward is running, or -1
         self._segment_start = 0.0
         self._root_calls = 0
         self._batch_dim = 0  # where the batch is in the model's input (torch_values)
@@ -211,12 +224,13 @@ class TorchHooks:
         # each hooked layer's index in ``layer_labels``, and what is pushed where.
         self.kernels: LayerIdSource | None = None
         self.layer_labels: list[str] = []
-        self._layer_index: dict[int, int] = {}
+        self._backward_hooks: list[Any] = []  # per layer index: its output's hook
+        self._hook_dicts = True  # False once this torch lacks the hook-dict path
         self._leaves: list[Any] = []  # the modules timed in a timed step, capped
         self._layer_handles: list[Any] = []  # present only during a timed step
         # Step boundaries (training thread) and remove() (probe thread) both change them.
         self._layer_lock = threading.Lock()
-        self._pushed: dict[int, LayerCorrelator] = {}  # id of a module in forward ->
+        self._pushed: dict[int, LayerCorrelator] = {}  # index of a layer in forward ->
         self._backward_pushed: dict[int, LayerCorrelator] = {}  # thread ident ->
 
     # Lifecycle, from the probe thread.
@@ -260,6 +274,8 @@ class TorchHooks:
         self._compile_contexts = []
         if self._layer_boundary in self.recorder.layer_listeners:
             self.recorder.layer_listeners.remove(self._layer_boundary)
+        if self._flush_layers in self.recorder.layer_flushes:
+            self.recorder.layer_flushes.remove(self._flush_layers)
         with self._layer_lock:
             handles, self._handles = self._handles + self._layer_handles, []
             self._layer_handles = []
@@ -270,8 +286,6 @@ class TorchHooks:
         for handle in handles:
             handle.remove()
         self._seen.clear()
-        self._layer_started.clear()
-        self._labels.clear()
         self._pushed.clear()
         self._backward_pushed.clear()
 
@@ -426,10 +440,20 @@ class TorchHooks:
             if len(self._leaves) >= self.recorder.max_layers:
                 break  # past the cap: never hooked, so they cost nothing
             label = f"{name} {type(module).__name__}" if name else type(module).__name__
-            self._labels[id(module)] = label
-            self._layer_index[id(module)] = len(self.layer_labels)
+            index = len(self.layer_labels)
+            # Each leaf's hooks know its index: no lookup by module on the hot path.
+            self._layer_hooks.append((functools.partial(self._layer_pre, index),
+                                      functools.partial(self._layer_post, index)))
+            hook = functools.partial(self._backward_reached, index)
+            # What torch.utils.hooks.unserializable_hook sets: torch.save of an output
+            # would otherwise warn, on the job's stderr, that this hook is not saved.
+            hook.__torch_unserializable__ = True  # type: ignore[attr-defined]
+            self._backward_hooks.append(hook)
+            self._layer_starts.append(None)
+            self._layer_stats.append([0.0, 0, 0.0, 0])
             self.layer_labels.append(label)
             self._leaves.append(module)
+        self.recorder.layer_flushes.append(self._flush_layers)
         self.recorder.layer_listeners.append(self._layer_boundary)
         self._layer_boundary(self.recorder.layer_step)
 
@@ -441,15 +465,16 @@ class TorchHooks:
             with self._layer_lock:
                 if timed and not self._layer_handles:
                     handles = self._layer_handles
-                    for module in self._leaves:  # empty once removed
-                        handles.append(module.register_forward_pre_hook(self._layer_pre))
-                        handles.append(module.register_forward_hook(self._layer_post,
-                                                                    always_call=True))
+                    self._layers_unflushed = True
+                    for module, (pre, post) in zip(self._leaves, self._layer_hooks, strict=False):
+                        handles.append(module.register_forward_pre_hook(pre))
+                        handles.append(module.register_forward_hook(post, always_call=True))
                 elif not timed and self._layer_handles:
                     handles, self._layer_handles = self._layer_handles, []
                     for handle in handles:
                         handle.remove()
-                    self._layer_started.clear()
+                    starts = self._layer_starts
+                    starts[:] = [None] * len(starts)
                     for correlator in self._pushed.values():
                         correlator.pop()
                     self._pushed.clear()
@@ -476,7 +501,7 @@ class TorchHooks:
             words[at + 2] = samples
             events.written = written + 1
             self._forward_open = self.split
-            self._segment_label = None  # a backward pass that failed never closed
+            self._segment_index = -1  # a backward pass that failed never closed
             calls = self._root_calls
             self._root_calls = calls + 1
             if calls % SETTINGS_EVERY_CALLS == 0:
@@ -607,67 +632,93 @@ class TorchHooks:
         except Exception as error:
             self.recorder.hook_failed("model_backward", error)
 
-    def _layer_pre(self, module: Any, args: Any) -> None:
-        self._layer_started[id(module)] = self._clock()
+    # Layer hooks: stamps and sums in per-index lists; the recorder gets them whole.
+
+    def _layer_pre(self, index: int, module: Any, args: Any) -> None:
+        self._layer_starts[index] = self._clock()
         kernels = self.kernels
         if kernels is not None and kernels.correlator is not None:
-            self._push_forward(id(module), kernels)
+            self._push_forward(index, kernels)
 
-    def _push_forward(self, key: int, kernels: LayerIdSource) -> None:
+    def _push_forward(self, index: int, kernels: LayerIdSource) -> None:
         try:
             correlator = kernels.correlator
             if correlator is not None:
-                correlator.push(correlator.base | self._layer_index[key] << 1)
-                self._pushed[key] = correlator
+                correlator.push(correlator.base | index << 1)
+                self._pushed[index] = correlator
         except Exception as error:
             self.recorder.hook_failed("layer_forward", error)
 
-    def _layer_post(self, module: Any, args: Any, output: Any) -> None:
+    def _layer_post(self, index: int, module: Any, args: Any, output: Any) -> None:
         try:
             now = self._clock()
             if self._pushed:
-                correlator = self._pushed.pop(id(module), None)
+                correlator = self._pushed.pop(index, None)
                 if correlator is not None:
                     correlator.pop()
-            started = self._layer_started.pop(id(module), None)
+            starts = self._layer_starts
+            started = starts[index]
             if started is None:
-                return
-            label = self._labels[id(module)]
-            self.recorder.add_layer_time(label, "forward", now - started)
+                return  # its forward began before the hooks went in
+            starts[index] = None
+            stats = self._layer_stats[index]
+            stats[0] += now - started
+            stats[1] += 1
             capture = self.recorder.capture
             if capture is not None:
-                capture.layer(label, "forward", started, now)
+                capture.layer(self.layer_labels[index], "forward", started, now)
+            hook = self._backward_hooks[index]
+            if (type(output) is self._torch.Tensor and self._hook_dicts
+                    and output._backward_hooks is None):
+                node = output.grad_fn
+                if node is not None:
+                    self._hook_output(output, node, hook)
+                return
             node = getattr(output, "grad_fn", None)
             if node is None and isinstance(output, (tuple, list)):
                 node = getattr(first_tensor(output, self._torch.Tensor), "grad_fn", None)
             if node is not None:
-                node.register_prehook(functools.partial(
-                    self._backward_reached, label, self._layer_index[id(module)]))
+                node.register_prehook(hook)
         except Exception as error:
             self.recorder.hook_failed("layer_forward", error)
 
-    def _backward_reached(self, label: str, index: int, grad_outputs: Any) -> None:
-        """Autograd reached ``label``'s output: the previous layer's backward ends."""
+    def _hook_output(self, output: Any, node: Any, hook: Any) -> None:
+        """``hook`` runs when autograd reaches ``output``'s gradient: a hook dict
+        attached to its node, as the first ``Tensor.register_hook`` attaches one."""
+        hooks: OrderedDict[Any, Any] = OrderedDict()  # weakly referable, as handles need
+        hooks[LAYER_HOOK_KEY] = hook
+        try:
+            output._backward_hooks = hooks
+            node._register_hook_dict(output)
+        except (AttributeError, TypeError):  # a torch without this path: handles instead
+            self._hook_dicts = False
+            output._backward_hooks = None
+            node.register_prehook(hook)
+
+    def _backward_reached(self, index: int, grad_outputs: Any) -> None:
+        """Autograd reached layer ``index``'s output: the previous layer's backward ends."""
         try:
             now = self._clock()
-            previous = self._segment_label
-            if previous is None:  # this pass's first layer: have its end reported
+            previous = self._segment_index
+            if previous < 0:  # this pass's first layer: have its end reported
                 self._torch.autograd.Variable._execution_engine.queue_callback(
                     self._backward_done)
             else:
                 self._backward_segment(previous, now)
-            self._segment_label, self._segment_start = label, now
+            self._segment_index, self._segment_start = index, now
             kernels = self.kernels
             if kernels is not None and (kernels.correlator is not None or self._backward_pushed):
                 self._switch_backward(index)
         except Exception as error:
             self.recorder.hook_failed("layer_backward", error)
 
-    def _backward_segment(self, label: str, now: float) -> None:
-        self.recorder.add_layer_time(label, "backward", now - self._segment_start)
+    def _backward_segment(self, index: int, now: float) -> None:
+        stats = self._layer_stats[index]
+        stats[2] += now - self._segment_start
+        stats[3] += 1
         capture = self.recorder.capture
         if capture is not None:
-            capture.layer(label, "backward", self._segment_start, now)
+            capture.layer(self.layer_labels[index], "backward", self._segment_start, now)
 
     def _switch_backward(self, index: int | None) -> None:
         """Pop this thread's backward id, and push ``index``'s (None: push nothing)."""
@@ -682,13 +733,25 @@ class TorchHooks:
 
     def _backward_done(self) -> None:
         try:
-            label, self._segment_label = self._segment_label, None
-            if label is not None:
-                self._backward_segment(label, self._clock())
+            index, self._segment_index = self._segment_index, -1
+            if index >= 0:
+                self._backward_segment(index, self._clock())
             if self._backward_pushed:
                 self._switch_backward(None)
         except Exception as error:
             self.recorder.hook_failed("layer_backward", error)
+
+    def _flush_layers(self) -> None:
+        """The timed step's layer times, to the recorder as a boundary closes the step
+        (``Recorder.layer_flushes``); nothing to do on the steps between timed ones."""
+        if not self._layers_unflushed:
+            return
+        self._layers_unflushed = bool(self._layer_handles)
+        recorder, labels = self.recorder, self.layer_labels
+        for index, stats in enumerate(self._layer_stats):
+            if stats[1] or stats[3]:
+                recorder.add_layer_stats(labels[index], stats)
+                stats[:] = (0.0, 0, 0.0, 0)
 
     # Framework settings.
 
