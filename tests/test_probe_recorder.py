@@ -195,6 +195,29 @@ def test_what_taking_the_layer_hooks_out_costs_the_next_step_is_priced_too() -> 
     assert sum(timed) * 0.05 / 1000 <= 0.01 * 1.05
 
 
+def test_a_timed_steps_cost_that_varies_is_priced_by_its_mean() -> None:
+    """One timed step in three also pays a collection: a median would price the cheap
+    two and time steps three times as often as 1% allows; the mean keeps the budget."""
+    sampling = LayerSampling(budget=0.01)
+    recorder = Recorder(warmup_steps=0, clock=Clock(), layer_sampling=sampling)
+    recorder.step_boundary("optimizer")
+    clock = recorder.clock
+    assert isinstance(clock, Clock)
+    added = 0.0
+    timed = 0
+    for index in range(6000):
+        cost = 0.0
+        if recorder.layer_step:
+            timed += 1
+            cost = 0.14 if timed % 3 == 0 else 0.02
+            if index >= 3000:  # past learning
+                added += cost
+        clock.now += 1.0 + cost
+        recorder.step_boundary("optimizer")
+    assert sampling.interval >= 5
+    assert added / 3000 <= 0.01 * 1.1
+
+
 class Hooks:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder

@@ -158,18 +158,25 @@ class LayerSampling:
                 self.cost_seconds += max(0.0, after)
             self._after_sample = False
         if not self.every and len(self._costs) >= MIN_COST_SAMPLES and self._baseline:
-            cost = max(0.0, statistics.median(self._costs))
+            cost = self._typical_cost()
             wanted = cost / (self.budget * statistics.median(self._baseline))
             self.interval = min(MAX_SAMPLE_INTERVAL,
                                 max(MIN_SAMPLE_INTERVAL, math.ceil(wanted - 1e-9)))
         return self.since_sample + 1 >= self.interval
+
+    def _typical_cost(self) -> float:
+        """What a timed step adds on average, its largest recent cost left out: a mean,
+        not a median, as the job pays it (a timed step that sometimes also meets a
+        garbage collection costs that share too), robust to one stall of the machine's."""
+        costs = sorted(self._costs)[:-1]
+        return max(0.0, sum(costs) / len(costs))
 
     @property
     def cost_ratio(self) -> float | None:
         """What a timed step adds, as a fraction of an untimed one."""
         if len(self._costs) < MIN_COST_SAMPLES or not self._baseline:
             return None
-        return max(0.0, statistics.median(self._costs)) / statistics.median(self._baseline)
+        return self._typical_cost() / statistics.median(self._baseline)
 
 
 class Recorder:
