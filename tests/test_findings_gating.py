@@ -46,6 +46,23 @@ def test_a_full_split_with_most_of_the_step_unseen_is_still_input_bound() -> Non
     assert check.evidence["other_step_ratio"] == pytest.approx(0.65)
 
 
+def test_a_compiled_train_step_is_a_full_split() -> None:
+    """torch.compile'd forward and backward are one phase, "compiled": with the
+    optimizer's, the rest of the step is what no hook saw, and is read as such."""
+    waiting = rules.input_bound(job_window((("compiled", 0.3), ("optimizer", 0.05),
+                                            ("other", 0.65))))
+    assert waiting is not None and waiting.holds
+    assert waiting.evidence["other_step_ratio"] == pytest.approx(0.65)
+    # The trainers tier's compiled_step, as measured: busy, not waiting.
+    healthy = rules.input_bound(job_window((("compiled", 0.91), ("optimizer", 0.04),
+                                            ("other", 0.04), ("backward", 0.01))))
+    assert healthy is not None and not healthy.holds
+    assert healthy.evidence["other_step_ratio"] == pytest.approx(0.04)
+    # Without the optimizer's phase, it is partial like any other.
+    partial = rules.input_bound(job_window((("compiled", 0.3), ("other", 0.7))))
+    assert partial is not None and "other_step_ratio" not in partial.evidence
+
+
 def test_keras_eager_without_backward_and_optimizer_is_not_input_bound() -> None:
     # The issue's Keras fit(run_eagerly=True): forward 13%, other 83%, with the
     # tape's gradient and the optimizer's apply in "other". The host computes.

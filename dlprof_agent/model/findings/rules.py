@@ -37,7 +37,8 @@ MAIN_RUNNABLE_SHARE = 0.2
 # two 65%; a DDP rank beside two, 52% (waking from its wait in the all-reduce, CFS
 # lets it run ahead of them).
 MAIN_WAIT_SHARE = 0.3
-# Input-bound. With every phase of the step measured (window.SPLIT_PHASES),
+# Input-bound. With every phase of the step measured (window.SPLIT_PHASES, or
+# COMPILED_SPLIT_PHASES for a torch.compile'd train step),
 # "other" is the step time no hook saw: data loading, the loss and the loop's
 # Python. The loss and the loop are a few per cent of a step; half the step there
 # is time spent waiting for data. A rank of a process group waits for its peers in

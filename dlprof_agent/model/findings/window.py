@@ -11,7 +11,7 @@ from dlprof_agent.collectors.gpu_samples import GpuSample
 from dlprof_agent.collectors.host import HostSample
 from dlprof_agent.collectors.limits import LimitsSample
 from dlprof_agent.model.snapshot import AgentSelfSample, Snapshot
-from dlprof_agent.probe.messages import EXCHANGE_PHASE, SPLIT
+from dlprof_agent.probe.messages import COMPILED_PHASE, EXCHANGE_PHASE, SPLIT
 from dlprof_agent.probe_link.samples import ProbeSample
 
 
@@ -34,6 +34,8 @@ MIN_WINDOW_STEPS = 3
 # was seen: a phase the hooks missed (backward in a compiled graph, an optimizer
 # that is not torch.optim) falls into "other", where it reads as time for input.
 SPLIT_PHASES = ("forward", "backward", "optimizer")
+# A torch.compile'd train step: forward and backward timed together as one phase.
+COMPILED_SPLIT_PHASES = (COMPILED_PHASE, "optimizer")
 # The probe's process_group setting of a job that is no rank of several.
 NO_PROCESS_GROUP = "none"
 
@@ -139,12 +141,13 @@ class Window:
         return phases, probes[1].step_seconds_sum - probes[0].step_seconds_sum
 
     def step_split(self) -> tuple[dict[str, float], float] | None:
-        """``phase_seconds()``, only when every phase of SPLIT_PHASES was measured
-        in the window and the probe says its latest step was split (not "backward
-        not seen", "not split: compiled graph"; a probe too old to say is taken
-        at its phases)."""
+        """``phase_seconds()``, only when every phase of SPLIT_PHASES (or, for a
+        compiled train step, of COMPILED_SPLIT_PHASES) was measured in the window
+        and the probe says its latest step was split (not "backward not seen", "not
+        split: compiled graph"; a probe too old to say is taken at its phases)."""
         split = self.phase_seconds()
-        if split is None or any(split[0].get(p, 0.0) <= 0 for p in SPLIT_PHASES):
+        if split is None or not any(all(split[0].get(p, 0.0) > 0 for p in phases)
+                                    for phases in (SPLIT_PHASES, COMPILED_SPLIT_PHASES)):
             return None
         said = self.last.probe.phase_split if self.last.probe is not None else None
         return split if said in (None, SPLIT) else None
