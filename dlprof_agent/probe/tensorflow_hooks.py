@@ -84,6 +84,7 @@ from dlprof_agent.probe.tensorflow_settings import (
 from dlprof_agent.probe.tensorflow_steps import (
     KERAS_STEP_EAGER,
     KERAS_STEP_GRAPH,
+    TF_FUNCTION_STEP,
     KerasStepEvents,
 )
 from dlprof_agent.probe.torch_steps import WORDS_PER_EVENT
@@ -405,19 +406,35 @@ class TensorFlowHooks:
                 finally:
                     self._lock.release()
             if function is self._choose_step_function(function):
-                recorder = self.recorder
-                recorder.step_boundary("tf_function")
-                if recorder.step_source == "tf_function":
-                    recorder.unsplit_reason = COMPILED_GRAPH
-                    self._note_boundary(None)
-                    samples = leading_dim(args)
-                    if samples:
-                        recorder.add_samples(samples)
+                self._function_boundary(args)
             local.inside = True
             return True
         except Exception as exc:
             self.recorder.hook_failed("tensorflow.function_call", exc)
             return False
+
+    def _function_boundary(self, args: tuple[Any, ...]) -> None:
+        """The step function's call: a boundary stamped into the ring where this hook
+        owns the recorder's, its bookkeeping then off the job's path; told to the
+        recorder at once where the ring is another framework's."""
+        recorder = self.recorder
+        events = self._events
+        now = recorder.clock()
+        if recorder.events is not events:
+            recorder.step_boundary("tf_function", now)
+            if recorder.step_source == "tf_function":
+                recorder.unsplit_reason = COMPILED_GRAPH
+                self._note_boundary(None)
+                samples = leading_dim(args)
+                if samples:
+                    recorder.add_samples(samples)
+            return
+        if recorder.step_source in ("", "tf_function"):  # else a stronger source's steps
+            self._note_boundary(None)
+        events.stamp(TF_FUNCTION_STEP, now, -(leading_dim(args) or 0))
+        if recorder.layer_listeners or recorder.capture is not None:
+            recorder.drain()  # layer patches go in or out at this boundary
+            recorder.tell_layer_listeners()
 
     def _choose_step_function(self, function: Any) -> Any:
         chosen_ref = self._step_function

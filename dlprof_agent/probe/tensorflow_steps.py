@@ -1,7 +1,7 @@
-"""Keras's hot path: the step boundary that ``model.fit``'s train function stamps,
-and how the stamps become steps.
+"""Keras's and tf.function's hot path: the step boundary that ``model.fit``'s train
+function, or a custom loop's step function, stamps, and how the stamps become steps.
 
-A Keras step costs the job one stamp (``torch_steps.StepEvents``'s ring: an event,
+A step costs the job one stamp (``torch_steps.StepEvents``'s ring: an event,
 the time, the step's samples); the recorder replays it with the PyTorch stamps'
 machinery, on the probe's thread when the agent asks for a snapshot, or on the job's
 thread before anything that adds to the recorder directly (an eager phase, a layer's
@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 # shape, or the step's samples themselves, negated (<= 0; 0: unknown).
 KERAS_STEP_GRAPH = 11.0  # a compiled fit: the step is one graph, not split
 KERAS_STEP_EAGER = 12.0  # fit(run_eagerly=True): the eager phases split it
+# A custom loop's tf.function step function was called; value: its samples, negated.
+TF_FUNCTION_STEP = 13.0
 
 
 class KerasStepEvents(StepEvents):
-    """The ring of Keras step boundaries. The hook drains it before a fit's first
+    """The ring of Keras and tf.function step boundaries. The hook drains it before a fit's first
     step changes ``samples.shape``, so each count is read with its own fit's."""
 
     def __init__(self, samples: KerasSamples) -> None:
@@ -36,6 +38,13 @@ class KerasStepEvents(StepEvents):
         self.samples = samples
 
     def _replay_one(self, recorder: Recorder, kind: float, now: float, value: float) -> None:
+        if kind == TF_FUNCTION_STEP:
+            recorder.step_boundary_unchecked("tf_function", now)
+            if recorder.step_source == "tf_function":
+                recorder.unsplit_reason = COMPILED_GRAPH
+                if value < 0:
+                    recorder.add_samples_unchecked(int(-value))
+            return
         recorder.step_boundary_unchecked("keras", now)
         if recorder.step_source != "keras":
             return  # a stronger source marks the steps (an explicit probe.step())
