@@ -4,6 +4,7 @@ each hook once a step, recompiles nothing, and leaves its weights as they would 
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Any
 
@@ -151,5 +152,71 @@ def test_a_compiled_train_step_is_a_phase_without_a_warning_or_a_recompile() -> 
     assert phases["compiled"] > phases["optimizer"] > 0
     assert "unsplit" not in phases and "forward" not in phases
     assert sum(phases.values()) == pytest.approx(snapshot["step_seconds_sum"])
+    for plain, hooked in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(plain, hooked)
+
+
+def test_a_module_compiled_after_the_probe_came_warns_nothing() -> None:
+    """With ``run`` the hooks go in before the script compiles its model: discovery's
+    global hook is then in while torch.compile(module)'s wrapper is called, which
+    warns at each call about global hooks, unless the check leaves the probe's out.
+    Another global hook is still counted, and the check is put back at the end."""
+    from torch.nn.modules import module as module_module
+
+    original_check = module_module._has_any_global_hook
+    gc.collect()  # no compiled module of an earlier test left for install()'s scan
+    recorder = Recorder(warmup_steps=0)
+    hooks = TorchHooks(recorder, layers=False)
+    hooks.install()  # before the model exists, as `run` installs them
+    try:
+        model, step = training()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(STEPS):
+                step()
+        theirs = module_module.register_module_forward_pre_hook(lambda module, args: None)
+        try:
+            assert module_module._has_any_global_hook()  # the job's own hook counts
+        finally:
+            theirs.remove()
+    finally:
+        hooks.remove()
+    assert [str(warning.message) for warning in caught] == []
+    assert module_module._has_any_global_hook is original_check
+    snapshot = recorder.snapshot()
+    assert snapshot["phase_split"] == "split" and snapshot["hook_errors"] == 0
+    assert snapshot["phase_seconds"]["forward"] > 0
+    plain_model, plain_step = training()  # its twin, without the probe
+    for _ in range(STEPS):
+        plain_step()
+    for plain, hooked in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(plain, hooked)
+
+
+def test_a_function_compiled_after_the_probe_came_is_a_phase() -> None:
+    """The train step compiled after the hooks went in: the first step that shows
+    no training module has the compile contexts scanned for, and from there the
+    compiled call is the step's phase."""
+    gc.collect()  # no compiled function of an earlier test left for install()'s scan
+    recorder = Recorder(warmup_steps=0)
+    hooks = TorchHooks(recorder, layers=False)
+    hooks.install()
+    try:
+        model, step, _compiled = compiled_step_training()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(STEPS):
+                step()
+    finally:
+        hooks.remove()
+    assert [str(warning.message) for warning in caught] == []
+    snapshot = recorder.snapshot()
+    assert snapshot["phase_split"] == "split" and snapshot["hook_errors"] == 0
+    phases = snapshot["phase_seconds"]
+    assert phases["compiled"] > phases["optimizer"] > 0
+    assert "unsplit" not in phases and "forward" not in phases
+    plain_model, plain_step, _ = compiled_step_training()  # its twin, without the probe
+    for _ in range(STEPS):
+        plain_step()
     for plain, hooked in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(plain, hooked)

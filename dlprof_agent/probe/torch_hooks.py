@@ -5,8 +5,11 @@ fall back to the start of each training-mode forward of the model. The model
 is found by watching module calls for one iteration: the outermost module with
 parameters. In a job that has ``torch.compile(module)`` wrappers, only those are
 watched, each with a hook of its own: while any global module hook is in, every
-call of such a wrapper warns on the job's stderr. After that only hooks on the
-model remain, so a step costs a handful of Python calls.
+call of such a wrapper warns on the job's stderr. A wrapper made after the hooks
+went in (``run`` loads them first) meets the global hook: while it is in, torch's
+check for global hooks leaves it out (``global_hook_check_without``). A function
+compiled after them is looked for once, on the first step that shows no model.
+After that only hooks on the model remain, so a step costs a handful of Python calls.
 
 Layer timing is duty-cycled (``recorder.LayerSampling``): hooks go on the leaf
 modules at the step boundary before a timed step and come off at the next
@@ -73,6 +76,7 @@ import types
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from dlprof_agent.probe.patching import Patch
 from dlprof_agent.probe.recorder import PRICE_EVERY, Recorder, priced
 from dlprof_agent.probe.torch_exchange import CollectiveTiming, DdpWait, holds_ddp
 from dlprof_agent.probe.torch_steps import (
@@ -162,14 +166,40 @@ def _not_compiling() -> bool:
 
 
 class HandleGroup:
-    """Hook handles removed as one."""
+    """Hook handles (or Patches, undone) removed as one."""
 
     def __init__(self, handles: list[Any]) -> None:
         self.handles = handles
 
     def remove(self) -> None:
         for handle in self.handles:
-            handle.remove()
+            if isinstance(handle, Patch):
+                handle.undo()
+            else:
+                handle.remove()
+
+
+def global_hook_check_without(module_module: Any, key: int) -> Patch | None:
+    """A Patch of ``torch.nn.modules.module._has_any_global_hook`` that does not count
+    the global hook registered under ``key``: torch.compile(module)'s wrapper calls it
+    at each call and warns, on the job's stderr, while any global hook is in (that hook
+    fires an extra time for the wrapper, which discovery takes in its stride). The
+    dicts it reads are the original's own globals; None where it reads none."""
+    original = module_module.__dict__.get("_has_any_global_hook")
+    namespace = module_module.__dict__
+    names = [name for name in getattr(getattr(original, "__code__", None), "co_names", ())
+             if name.startswith("_global_") and isinstance(namespace.get(name), dict)]
+    if not names:
+        return None
+
+    def has_any_global_hook() -> bool:
+        for name in names:
+            hooks = namespace.get(name)
+            if hooks and (len(hooks) > 1 or key not in hooks):
+                return True
+        return False
+
+    return Patch(module_module, "_has_any_global_hook", has_any_global_hook)
 
 
 class TorchHooks:
@@ -188,6 +218,7 @@ class TorchHooks:
         self._step_optimizer: int | None = None
         self._train_thread: int | None = None  # where the steps' optimizer steps
         self._compile_contexts: list[Any] = []  # compiled functions' contexts, stamped
+        self._scanned_compiled = False  # for contexts made after install, once
         self._compiled_exit = self._compiled_ended  # one bound method for every entry
         self._compiled_calls = 0
         self._compiled_batch = 0  # samples a compiled call's arguments held, re-read rarely
@@ -256,7 +287,13 @@ class TorchHooks:
             self._discovery = HandleGroup([module.register_forward_pre_hook(self._discover)
                                            for module in compiled])
         else:
-            self._discovery = register_module_forward_pre_hook(self._discover)
+            handle = register_module_forward_pre_hook(self._discover)
+            quiet = global_hook_check_without(sys.modules["torch.nn.modules.module"],
+                                              handle.id)
+            if quiet is not None:  # a module compiled after this would warn at each call
+                quiet.apply()
+            self._discovery = HandleGroup([handle] if quiet is None else [quiet, handle])
+        self._scanned_compiled = bool(compiled or contexts)
         if self.split:  # the optimizer's own time; its end is the step's, split or not
             self._handles.append(register_optimizer_step_pre_hook(self._optimizer_started))
             self._collectives.install(self._torch)
@@ -380,6 +417,8 @@ class TorchHooks:
                 # A whole step with no training module: steps are steady, not split
                 # (told once: a loop that never calls one keeps looking at each step).
                 self.recorder.discovery_ended()
+                if not self._scanned_compiled:
+                    self._hook_later_compiles()
                 if self._compile_contexts:
                     # Its model runs in compiled frames: stop looking, or a compile to
                     # come (a new shape) would trace the global hook into its graph.
@@ -388,6 +427,18 @@ class TorchHooks:
                     return
             self._seen.clear()
             self._whole_iteration = True
+
+    def _hook_later_compiles(self) -> None:
+        """A whole step with no training module: its model may run in a function
+        compiled after the hooks went in (``run`` loads them before the script's
+        code). Scanned for once, on the first such step."""
+        self._scanned_compiled = True
+        if not self.split or "torch._dynamo.eval_frame" not in sys.modules:
+            return  # torch.compile never ran
+        _modules, contexts = compiled_objects()
+        for context in contexts:
+            context.enter_exit_hooks = [*context.enter_exit_hooks, self._compiled_entered]
+        self._compile_contexts = contexts
 
     def _discover(self, module: Any, args: Any) -> None:
         if not self._compiling():
