@@ -176,7 +176,8 @@ def test_a_module_compiled_after_the_probe_came_warns_nothing() -> None:
                 step()
         theirs = module_module.register_module_forward_pre_hook(lambda module, args: None)
         try:
-            assert module_module._has_any_global_hook()  # the job's own hook counts
+            # The job's own global hook counts.
+            assert module_module._has_any_global_hook()  # type: ignore[no-untyped-call]
         finally:
             theirs.remove()
     finally:
