@@ -151,6 +151,20 @@ def test_fit_started_later_with_steps_per_execution(make_hooks: MakeHooks) -> No
     assert_same_time(recorder, clock.ticks)
 
 
+def boundaries_told(recorder: Recorder) -> list[tuple[Any, ...]]:
+    """The step boundaries told to ``recorder`` directly (by a hook on the job's
+    thread), not replayed from the ring; they still reach it."""
+    told: list[tuple[Any, ...]] = []
+    step_boundary = recorder.step_boundary
+
+    def telling(*args: Any) -> None:
+        told.append(args)
+        step_boundary(*args)
+
+    recorder.step_boundary = telling  # type: ignore[method-assign,assignment]
+    return told
+
+
 def test_a_keras_step_is_stamped_and_each_fit_counted_with_its_own_batches(
         make_hooks: MakeHooks) -> None:
     """The job's thread only stamps each step: the recorder closes steps when it
@@ -158,14 +172,7 @@ def test_a_keras_step_is_stamped_and_each_fit_counted_with_its_own_batches(
     them, are each counted with their own, their last partial batches included."""
     recorder, hooks = make_hooks()
     hooks.install()
-    boundaries_on_the_job: list[tuple[Any, ...]] = []
-    step_boundary = recorder.step_boundary
-
-    def told(*args: Any) -> None:
-        boundaries_on_the_job.append(args)
-        step_boundary(*args)
-
-    recorder.step_boundary = told  # type: ignore[method-assign,assignment]
+    boundaries_on_the_job = boundaries_told(recorder)
     model = cnn()
     x, y = data(10 * BATCH + 4)  # 11 batches, the last of 4
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -243,14 +250,7 @@ def test_custom_loop_with_a_tf_function_step(make_hooks: MakeHooks) -> None:
     closes a step itself."""
     recorder, hooks = make_hooks()
     hooks.install()
-    boundaries_on_the_job: list[tuple[Any, ...]] = []
-    step_boundary = recorder.step_boundary
-
-    def told(*args: Any) -> None:
-        boundaries_on_the_job.append(args)
-        step_boundary(*args)
-
-    recorder.step_boundary = told  # type: ignore[method-assign,assignment]
+    boundaries_on_the_job = boundaries_told(recorder)
     ticks: list[float] = []
     custom_loop(30, ticks)
     assert recorder.events is hooks._events and hooks._events.pending()
