@@ -126,7 +126,7 @@ class Row:
     came_up: bool
     seconds: float  # from the first try to the probe's first answer, or to the give-up
     tries: int
-    why: str = ""  # the last reason it was not reached
+    why: str = ""  # the last reason it was not reached (on a later try that reached it too)
 
 
 def root_python_version(root: Path) -> str | None:
@@ -252,7 +252,7 @@ def _reach(kind: str, pid: int, limit: float) -> Row:
         else:
             seconds = time.monotonic() - began
             client.stop()
-            return Row(kind, True, seconds, tries)
+            return Row(kind, True, seconds, tries, why)
         pause = RETRY_SECONDS[min(tries - 1, len(RETRY_SECONDS) - 1)]
         time.sleep(max(0.0, min(pause, limit - (time.monotonic() - began))))
     return Row(kind, False, time.monotonic() - began, tries, why)

@@ -123,3 +123,32 @@ def test_a_stopped_job_is_kept_then_dropped_on_the_channels_own_limits(
     now[0] += 55.0
     assert source.sample() is None and source.client is None  # past the silent limit
     source.stop()
+
+
+# A job whose probe, once injected, binds its socket a second before it listens, as
+# when the job's other threads hold the GIL between the two calls.
+LATE_LISTENER = textwrap.dedent("""
+    import _socket, socket, threading, time
+    def listen_late(self, *args):
+        time.sleep(1.0)
+        return _socket.socket.listen(self, *args)
+    socket.socket.listen = listen_late
+    print("ready", flush=True)
+    threading.Event().wait(120)
+""")
+
+
+def test_an_injected_probe_that_listens_late_is_reached_by_the_first_injection() -> None:
+    job = subprocess.Popen([sys.executable, "-c", LATE_LISTENER], env=agent_env(),
+                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert job.stdout is not None and job.stdout.readline().strip() == "ready"
+        client = try_connect(Target.of(job.pid), ProbeOptions(), 1.0, 0.0)
+        try:
+            assert client.hello["pid"] == job.pid
+        finally:
+            client.stop()
+            client.close()
+    finally:
+        job.kill()
+        job.wait(10)

@@ -33,6 +33,7 @@ log = logging.getLogger("dlprof_agent")
 _T = TypeVar("_T")
 
 SOCKET_WAIT_SECONDS = 10.0  # an injected bootstrap runs at the target's next safe point
+LISTEN_WAIT_SECONDS = 5.0  # from its socket's bind to its listen, in a job starved of the GIL
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,25 @@ def _reach_probe_steps(target: Target, options: ProbeOptions, wait_seconds: floa
                        "is older than 3.10)")
     try:
         progress.waiting_for(pid, "the injected probe's first answer")
-        return connect(path)
+        return _connect_once_listening(connect, path, LISTEN_WAIT_SECONDS)
     except ProbeBusy:
         raise
     except ProbeUnavailable as error:
         raise NoProbe(f"the injected probe did not answer: {error}") from None
+
+
+def _connect_once_listening(connect: Callable[[str], _T], path: str, seconds: float) -> _T:
+    """``connect(path)`` to a probe that is starting: its socket appears when it binds
+    and answers once it listens, which other threads of a busy job, taking the GIL in
+    between, can delay. Refused for up to ``seconds``, it is tried again."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return connect(path)
+        except ProbeStale:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.02)
 
 
 def connect_probe(target: Target, options: ProbeOptions, *, interval: float,
