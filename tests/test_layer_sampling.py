@@ -92,6 +92,45 @@ def test_untimed_steps_run_without_any_hook_on_the_model() -> None:
     assert snapshot["layers"][0][0] == "0 Conv2d"
 
 
+@pytest.mark.parametrize("every", [8, 0], ids=["one step in 8", "the default budget"])
+def test_the_jobs_thread_replays_only_the_boundaries_around_timed_steps(
+        every: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between timed steps, the boundaries that cannot open one cost the job's thread
+    no replay of the ring (the probe's thread replays them when it reads); every step
+    the recorder counts as timed had its layer hooks in, whichever thread replayed."""
+    model, step = training_step("small-cnn")
+    sampling = LayerSampling(every=every)
+    recorder, hooks = attach(sampling)
+    assert recorder.events is not None
+    replays_on_the_job = []
+    in_step = False
+    replay = recorder.events.replay
+
+    def counted_replay(into: Recorder) -> None:
+        if in_step:
+            replays_on_the_job.append(1)
+        replay(into)
+
+    monkeypatch.setattr(recorder.events, "replay", counted_replay)
+    hooked = []
+    try:
+        for index in range(240):
+            hooked.append(layer_hooks(model) > 2)  # on for the step it starts
+            in_step = True
+            step()
+            in_step = False
+            if index % 3 == 0:
+                recorder.snapshot()  # the probe's read, between two boundaries
+    finally:
+        hooks.remove()
+    snapshot = recorder.snapshot()
+    assert snapshot["layer_sampled_steps"] == sum(hooked) > 0
+    assert sampling.interval >= 5
+    # A timed step's open and close, and the close of the step after it; the
+    # boundaries of warm-up and discovery; none of the untimed steps' between.
+    assert len(replays_on_the_job) <= 3 * sum(hooked) + 4
+
+
 def test_leaves_past_the_name_cap_are_never_hooked() -> None:
     """5,002 small layers and a cap of 512: the layers past it cost nothing."""
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(5002)])

@@ -150,19 +150,33 @@ class LayerSampling:
             self.since_sample += 1
             if not self._after_sample:
                 self._baseline.append(seconds)
-            elif self._costs:
-                # Taking the hooks out lands in the step after a timed one (and the
-                # caches they left cold): part of what timing a step costs.
-                after = seconds - statistics.median(self._baseline)
-                self._costs[-1] += after
-                self.cost_seconds += max(0.0, after)
-            self._after_sample = False
+            else:
+                if self._costs:
+                    # Taking the hooks out lands in the step after a timed one (and the
+                    # caches they left cold): part of what timing a step costs.
+                    after = seconds - statistics.median(self._baseline)
+                    self._costs[-1] += after
+                    self.cost_seconds += max(0.0, after)
+                self._after_sample = False
+                self._set_interval()
+        return self.since_sample + 1 >= self.interval
+
+    def _set_interval(self) -> None:
+        """Once a timed step's cost is whole (the step after it has closed), and only
+        then: held until the next timed step, the boundaries before it are known in
+        advance (``untimed_boundaries_ahead``)."""
         if not self.every and len(self._costs) >= MIN_COST_SAMPLES and self._baseline:
             cost = self._typical_cost()
             wanted = cost / (self.budget * statistics.median(self._baseline))
             self.interval = min(MAX_SAMPLE_INTERVAL,
                                 max(MIN_SAMPLE_INTERVAL, math.ceil(wanted - 1e-9)))
-        return self.since_sample + 1 >= self.interval
+
+    def untimed_boundaries_ahead(self) -> int:
+        """How many of the next step boundaries are sure to open untimed steps, told
+        after an untimed step opened; 0 while the interval may still change."""
+        if self._after_sample:
+            return 0
+        return max(0, self.interval - 2 - self.since_sample)
 
     def _typical_cost(self) -> float:
         """What a timed step adds on average, its largest recent cost left out: a mean,
@@ -221,6 +235,10 @@ class Recorder:
         # Called on the training thread after each boundary with ``layer_step``:
         # the framework hooks install or remove their layer hooks.
         self.layer_listeners: list[Callable[[bool], None]] = []
+        # Boundaries the training thread may pass over without telling them
+        # (``layer_boundary``), while ``_layer_state_version`` is the one it was told at.
+        self._quiet_boundaries = 0
+        self._quiet_version = self._layer_state_version = 0
         # Called as a boundary closes a step, wherever it is replayed: hooks that sum
         # layer time on their own (torch_hooks) add it here, to the step it belongs to.
         self.layer_flushes: list[Callable[[], None]] = []
@@ -236,6 +254,7 @@ class Recorder:
         self.set_warmup_steps(warmup_steps)
 
     def set_warmup_steps(self, steps: int) -> None:
+        self._layer_state_version += 1
         self.warmup_steps = steps
         # Steady stays steady while the model is found again (hooks reinstalled).
         self.steady = self.steps["warmup"] >= steps and (self.steady or not self.discovering)
@@ -248,6 +267,7 @@ class Recorder:
     @layer_sampling.setter
     def layer_sampling(self, sampling: LayerSampling | None) -> None:
         with self._lock:
+            self._layer_state_version += 1
             self._layer_sampling = sampling
             self.layer_step = self.steady and sampling is None
 
@@ -272,6 +292,26 @@ class Recorder:
         self._catch_up()
         self.step_boundary_unchecked(source, now)
         self.tell_layer_listeners()
+
+    def layer_boundary(self) -> None:
+        """A step boundary was stamped on the job's thread, and layer hooks go in or
+        out at boundaries (``--layers``, a trace window): replay it and tell them.
+        Between a duty cycle's timed steps, the boundaries that cannot open one are
+        passed over, each a replay of the ring the job's thread does not wait for."""
+        quiet = self._quiet_boundaries
+        if quiet and self._quiet_version == self._layer_state_version and self.capture is None:
+            self._quiet_boundaries = quiet - 1
+            return
+        self.drain()
+        self.tell_layer_listeners()
+        version = self._layer_state_version
+        sampling = self._layer_sampling
+        if (sampling is None or self.layer_step or not self.steady or self.discovering
+                or self.capture is not None):
+            self._quiet_boundaries = 0
+        else:
+            self._quiet_boundaries = sampling.untimed_boundaries_ahead()
+        self._quiet_version = version
 
     def tell_layer_listeners(self) -> None:
         """Whether the open step is timed, to the hooks that put layer hooks in and
@@ -379,6 +419,7 @@ class Recorder:
         """Hooks are going in that must find the model first: a job with no steady
         step yet stays in warm-up until ``discovery_ended``."""
         with self._lock:
+            self._layer_state_version += 1
             self.discovering = True
             if not self.steps["steady"]:
                 self.steady = self.layer_step = False
@@ -389,6 +430,7 @@ class Recorder:
         boundary that ended discovery was stamped)."""
         self._catch_up()
         with self._lock:
+            self._layer_state_version += 1
             self.discovering = False
             if not self.steady and self.steps["warmup"] >= self.warmup_steps:
                 self._end_warmup()
@@ -409,11 +451,13 @@ class Recorder:
     def restart_steps(self) -> None:
         """The next boundary starts a step: what came before it was not all seen."""
         with self._lock:
+            self._layer_state_version += 1
             self._last_boundary = None
 
     # Internals, under the lock.
 
     def _restart(self, now: float) -> None:
+        self._layer_state_version += 1
         self._last_boundary = now
         self._pending_samples = 0
         self._pending_phases.clear()

@@ -433,8 +433,7 @@ class TensorFlowHooks:
             self._note_boundary(None)
         events.stamp(TF_FUNCTION_STEP, now, -(leading_dim(args) or 0))
         if recorder.layer_listeners or recorder.capture is not None:
-            recorder.drain()  # layer patches go in or out at this boundary
-            recorder.tell_layer_listeners()
+            recorder.layer_boundary()  # layer patches go in or out at boundaries
 
     def _choose_step_function(self, function: Any) -> Any:
         chosen_ref = self._step_function
@@ -483,8 +482,7 @@ class TensorFlowHooks:
             words[at + 2] = count
             events.written = written + 1
             if recorder.layer_listeners or recorder.capture is not None:
-                recorder.drain()  # layer patches go in or out at this boundary
-                recorder.tell_layer_listeners()
+                recorder.layer_boundary()  # layer patches go in or out at boundaries
             countdown = self._price_countdown - 1
             if countdown:
                 self._price_countdown = countdown

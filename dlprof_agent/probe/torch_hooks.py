@@ -401,11 +401,10 @@ class TorchHooks:
 
     def _boundary_here(self) -> None:
         """A step boundary was stamped: where layer hooks go in or out at boundaries
-        (``--layers``, a trace window), replay it now, on the job's thread."""
+        (``--layers``, a trace window), on the job's thread (``Recorder.layer_boundary``)."""
         recorder = self.recorder
         if recorder.layer_listeners or recorder.capture is not None:
-            recorder.drain()
-            recorder.tell_layer_listeners()
+            recorder.layer_boundary()
 
     def _discovery_step(self) -> None:
         # The probe may have arrived mid-forward, having seen only inner modules:
