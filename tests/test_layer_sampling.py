@@ -131,6 +131,34 @@ def test_the_jobs_thread_replays_only_the_boundaries_around_timed_steps(
     assert len(replays_on_the_job) <= 3 * sum(hooked) + 4
 
 
+def test_a_trace_window_armed_between_timed_steps_has_the_layers_of_each_step() -> None:
+    """Between timed steps the job's thread leaves its boundaries to the probe's thread;
+    a trace window armed then opens at a boundary the job's thread set up for it (its
+    layer hooks in), not at one replayed from before it was armed."""
+    from dlprof_agent.probe.trace_window import Capture
+
+    model, step = training_step("small-cnn")
+    recorder, hooks = attach(LayerSampling(every=8))
+    try:
+        while layer_hooks(model) == 2:  # to a timed step, past warm-up
+            step()
+        for _ in range(4):  # it, the step after it, and two the job's thread passes by
+            step()
+        capture = Capture(3, time.monotonic() + 60, 0)
+        recorder.capture = capture  # as the tracer arms it, from the probe's thread
+        recorder.snapshot()  # whose read replays the two boundaries passed by
+        for _ in range(5):
+            step()
+    finally:
+        recorder.capture = None
+        hooks.remove()
+    assert capture.phase == "collecting" and capture.steps_done == 3
+    first, last = capture.boundaries[0], capture.boundaries[-1]
+    # Ten leaves, forward and backward, in each of the three steps.
+    assert len(capture.layers) == 3 * 2 * 10
+    assert all(first <= start <= end <= last for _, _, start, end, _ in capture.layers)
+
+
 def test_leaves_past_the_name_cap_are_never_hooked() -> None:
     """5,002 small layers and a cap of 512: the layers past it cost nothing."""
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(5002)])

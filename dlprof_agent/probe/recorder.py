@@ -290,6 +290,9 @@ class Recorder:
         """A step ended (and the next began) at ``now``, as seen by ``source``."""
         now = self.clock() if now is None else now
         self._catch_up()
+        capture = self.capture
+        if capture is not None:
+            capture.live = True  # this boundary is now, on the job's thread
         self.step_boundary_unchecked(source, now)
         self.tell_layer_listeners()
 
@@ -303,6 +306,9 @@ class Recorder:
             self._quiet_boundaries = quiet - 1
             return
         self.drain()
+        capture = self.capture
+        if capture is not None:
+            capture.live = True  # its window opens at the next boundary, set up now
         self.tell_layer_listeners()
         version = self._layer_state_version
         sampling = self._layer_sampling

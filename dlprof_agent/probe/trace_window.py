@@ -49,6 +49,10 @@ class Capture:
         self.deadline = deadline  # monotonic
         self.offset_ns = offset_ns  # CUPTI's clock minus perf_counter's, ns
         self.phase = "waiting"  # waiting, recording, collecting, done, failed
+        # A boundary was handled on the job's thread since it was armed: the window
+        # opens at a boundary whose step the job's thread set up for it (layer hooks
+        # in), not at one replayed from the stamped events of before.
+        self.live = False
         self.error = ""
         self.boundaries: list[float] = []  # perf_counter seconds
         self.layers: list[tuple[str, int, float, float, int]] = []
@@ -66,6 +70,8 @@ class Capture:
 
     def step(self, now: float) -> None:
         if self.phase == "waiting":
+            if not self.live:
+                return
             self.boundaries.append(now)
             self.phase = "recording"
         elif self.phase == "recording":
