@@ -52,6 +52,23 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.0
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
 
+def wait_while_progressing(predicate: Callable[[], T], progress: Callable[[], object],
+                           stalled: float, *, what: str) -> T:
+    """``wait_until`` for work whose length depends on the machine's load (a job that
+    imports TensorFlow beside three others): it fails only once ``progress()`` has
+    not changed for ``stalled`` seconds, not after a fixed time."""
+    seen = progress()
+    while True:
+        try:
+            return wait_until(predicate, stalled, interval=0.2, what=what)
+        except AssertionError:
+            now = progress()
+            if now == seen:
+                raise AssertionError(f"no progress in {stalled:g} s ({now!r}) "
+                                     f"waiting for {what}") from None
+            seen = now
+
+
 def without_eval_loop_stops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The injector plans no busy-thread stop in the eval loop's own code (as where its
     extent is unknown): a pure-Python spin then has no safe point."""

@@ -147,7 +147,11 @@ def test_has_exited_leaves_a_tracees_stop_to_its_tracer() -> None:
     from dlprof_agent.reach.tracer import PTRACE_DETACH, WALL, Tracer
 
     ptrace_attach = 16
-    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
+    # Attached once it runs: attached mid-exec, its first stop would be the exec's
+    # SIGTRAP, not the attach's SIGSTOP.
+    job = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); "
+                            "import time; time.sleep(60)"], text=True, stdout=subprocess.PIPE)
+    assert job.stdout is not None and job.stdout.readline() == "ready\n"
     ptrace = Tracer()
     try:
         try:
@@ -166,6 +170,7 @@ def test_has_exited_leaves_a_tracees_stop_to_its_tracer() -> None:
         wait_until(lambda: has_exited(job), timeout=10)
         assert job.returncode == -signal.SIGKILL
     finally:
+        job.stdout.close()
         if job.returncode is None:
             job.kill()
             job.wait()

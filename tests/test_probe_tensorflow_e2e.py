@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, agent_env, free_port, wait_for
+from tests.helpers import wait_while_progressing
 from tests.test_probe_torch import info_labels, metrics, steady_steps
 
 pytest.importorskip("tensorflow")
@@ -38,7 +39,8 @@ def test_run_times_model_fit_steps_like_the_jobs_own_callback(
          sys.executable, JOB, "--log", str(log), "--steps", "120", "--linger", "3"],
         env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     processes.append(run)
-    wait_for(lambda: '"done"' in log.read_text(), "the job to finish fitting", 180)
+    wait_while_progressing(lambda: log.exists() and '"done"' in log.read_text(),
+                           lambda: len(starts(log)), 180, what="the job to finish fitting")
     time.sleep(1.0)  # five sampling intervals: the agent has read the final totals
     values = metrics(port)
     steady = int(values["dlprof_steps_total{phase=steady}"])
