@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -182,46 +181,28 @@ def test_injection_reaches_a_job_started_without_the_probe_and_detach_undoes_it(
     assert job.process.poll() is None
 
 
-def kill_agent_mid_run(processes: list[subprocess.Popen[bytes]], tmp_path: Path
-                       ) -> tuple[Job, float, float]:
-    """Step time before attaching and over the last 20 steps, after a kill -9."""
-    until = tmp_path / f"stop-{len(processes)}"
-    job = start_job(processes, tmp_path, "--steps", "100000", "--until", str(until))
-    wait_for_steps(job, 150)  # past the job's own warm-up
-    # The reference steps run with nothing else busy, as the last ones will.
-    quiet_from = len(job.ends())
-    time.sleep(1.5)
-    quiet_to = len(job.ends())
+def test_killing_the_agent_leaves_the_job_as_it_was_with_nothing_of_the_probe_in_a_step(
+        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    until = tmp_path / "stop"
+    job = start_job(processes, tmp_path, "--steps", "100000", "--until", str(until),
+                    "--count-probe-calls", "20")
+    wait_for_steps(job, 5)
     agent, port = start_agent(processes, "attach", str(job.process.pid), "--layers",
                               "--warmup-steps", "3")
     wait_for(lambda: steady_steps(port) >= 30, "steady steps with layer timing", 60)
-    attached_at = len(job.ends())
     agent.kill()  # kill -9: no goodbye; the probe sees its socket close
     agent.wait(10)
     socket_path = Path(probe_socket(job.process.pid))
     wait_for(lambda: not socket_path.exists(), "the probe to go dormant", 10)
     killed_at = len(job.ends())
-    wait_for_steps(job, killed_at + 60)
-    until.touch()  # the job completes
+    wait_for_steps(job, killed_at + 5)
+    until.touch()  # the job completes, after 20 steps that count calls into the probe
     assert job.process.wait(60) == 0
-    durations = job.durations()
-    assert len(durations) - attached_at >= 20
-    return (job, statistics.median(durations[quiet_from:quiet_to]),
-            statistics.median(durations[-20:]))
-
-
-@pytest.mark.serial  # step times before and after: other tests' load would differ between
-def test_killing_the_agent_leaves_the_job_as_it_was_and_at_its_previous_speed(
-        processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
-    timings = []
-    for _ in range(3):  # this machine is a shared VM: a busy neighbour can slow a window
-        job, before, after = kill_agent_mid_run(processes, tmp_path)
-        assert job.hooks_left() == 0  # every hook the probe installed is gone
-        timings.append((before, after))
-        # Not slower by more than 10%; faster is the machine's noise, not harm.
-        if 0.7 * before <= after <= 1.10 * before:
-            return
-    pytest.fail(f"step time before attaching vs the last 20 steps, per try: {timings}")
+    # What would slow the job's steps: a hook, callback or wrapper of the probe still
+    # called from them. Their speed is the no-harm benchmark's to measure.
+    records = [json.loads(line) for line in job.log.read_text().splitlines()]
+    assert [r["probe_calls"] for r in records if "probe_calls" in r] == [0]
+    assert job.hooks_left() == 0  # every hook the probe installed is gone
 
 
 def probe_socket(pid: int) -> str:

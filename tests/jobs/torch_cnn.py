@@ -34,6 +34,18 @@ def hooks_left(model: nn.Module) -> int:
             + len(optimizer._global_optimizer_post_hooks) + replaced)
 
 
+class ProbeCallCounter:
+    """Counts calls into dlprof_agent's code made on this thread (sys.setprofile):
+    what a detached probe must no longer add to a step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, frame: Any, event: str, _arg: Any) -> None:
+        if event == "call" and "dlprof_agent" in frame.f_code.co_filename:
+            self.calls += 1
+
+
 def tracer_state() -> str:
     """The probe's kernel tracer state, read in the job (a test's view from inside)."""
     from dlprof_agent.probe import runtime
@@ -56,6 +68,9 @@ def main() -> int:
                         help="stop after the step during which FILE appears")
     parser.add_argument("--linger", type=float, default=0.0,
                         help="seconds to stay alive after the last step")
+    parser.add_argument("--count-probe-calls", type=int, default=0, metavar="STEPS",
+                        help="after --until appears, run STEPS more steps counting calls "
+                             "into dlprof_agent on the job's thread, and log the count")
     parser.add_argument("--profile-when", metavar="FILE",
                         help="once FILE appears, run torch.profiler over the next steps")
     parser.add_argument("--profile-seconds", type=float, default=2.0,
@@ -111,6 +126,15 @@ def main() -> int:
             log.flush()
             if args.until and os.path.exists(args.until):
                 break
+        if args.count_probe_calls:
+            counter = ProbeCallCounter()
+            sys.setprofile(counter)
+            for _ in range(args.count_probe_calls):
+                optimizer.zero_grad()
+                loss_fn(model(images), labels).backward()
+                optimizer.step()
+            sys.setprofile(None)
+            log.write(json.dumps({"probe_calls": counter.calls}) + "\n")
         log.write(json.dumps({"done": True, "hooks": hooks_left(model)}) + "\n")
     time.sleep(args.linger)
     return 0
