@@ -32,6 +32,7 @@ memory_pressure) and two CPUs. Run it under `flock /tmp/dlprof-heavy.lock`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -355,8 +356,7 @@ class Job:
         elif cause == "memory_pressure":
             cgroup = self.cgroups[rank]
             usage = int((cgroup / "memory.usage_in_bytes").read_text())
-            limit = int(usage * settings["memory_share"])
-            (cgroup / "memory.limit_in_bytes").write_text(str(limit))
+            _limit_memory(cgroup, int(usage * settings["memory_share"]))
         elif cause == "slow_exchange":
             self.nodes.throttle(rank, settings["link_rate"])
 
@@ -371,6 +371,25 @@ class Job:
             (self.cgroups[rank] / "memory.limit_in_bytes").write_text("-1")
         elif cause == "slow_exchange":
             self.nodes.throttle(rank, None)
+
+
+def _limit_memory(cgroup: Path, limit: int, seconds: float = 10.0) -> None:
+    """Lower a v1 memory cgroup's limit to ``limit``. The kernel refuses (EBUSY) a
+    limit it cannot reclaim down to in one go, so where it does, the limit steps down
+    through the usage; after ``seconds`` it stays at the lowest one taken."""
+    limit_file, usage_file = cgroup / "memory.limit_in_bytes", cgroup / "memory.usage_in_bytes"
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            limit_file.write_text(str(limit))
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY:
+                raise
+        with contextlib.suppress(OSError):  # EBUSY again: the next step starts higher
+            limit_file.write_text(str(max(limit, int(int(usage_file.read_text()) * 0.8))))
+    print(f"memory_pressure: the limit stopped at {limit_file.read_text().strip()} bytes, "
+          f"not {limit}", file=sys.stderr)
 
 
 def _watch(job: Job, seconds: float) -> tuple[int, list[dict[str, str]]]:

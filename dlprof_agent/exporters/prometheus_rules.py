@@ -46,8 +46,13 @@ SUSPECT_STEP_SHARE = 0.1
 CAUSE_SHARE = 0.5
 # A job whose least-waiting rank spends this share of its step in collectives is
 # held up by the exchange itself: no rank makes it wait that long. The same fifth
-# of the step as the gradient_exchange finding (Kim et al., §VI).
+# of the step as the gradient_exchange finding (Kim et al., §VI). Held for --for
+# (2m): a healthy job's least-waiting share passes a fifth for seconds at a time on
+# a shared machine...
 SLOW_EXCHANGE_SHARE = 0.2
+# ...while twice that, held for STRAGGLER_FOR, names a link gone slow within
+# seconds: a link throttled to 150 Mbit/s gave 0.58 (docs/results/stragglers.md).
+SLOW_EXCHANGE_FAST_SHARE = 0.4
 # The NVML throttle reasons that slow one GPU down. sw_power_cap is left out: under
 # full load every GPU of a job sits at its power cap.
 GPU_SLOWDOWN_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
@@ -70,9 +75,8 @@ STEP_WINDOW_MIN_STEPS = 20
 # A straggler must hold at every evaluation for this long: on a 10 s window that is
 # an excess held over several consecutive short windows, where a healthy job's noise
 # (a neighbour's burst on one rank's core) flickers. Measured in
-# docs/results/stragglers.md; --for sets the other alerts'. DlprofSlowExchange keeps
-# --for: on a shared 2-core machine the least-waiting rank's 10 s share in collectives
-# passed a fifth for seconds at a time on a healthy job.
+# docs/results/stragglers.md; --for sets the other alerts'. DlprofSlowExchange fires
+# after it too, on SLOW_EXCHANGE_FAST_SHARE; its lower bar must hold for --for.
 STRAGGLER_FOR = "5s"
 # The `job` label of the agents' scrape: the shipped prometheus.yml's job and the
 # ServiceMonitor's (the Service's name).
@@ -105,6 +109,7 @@ RANK_PHASE_ABOVE_MEDIAN = "job_id_rank_phase:dlprof_step_phase_seconds:above_med
 JOB_STEP_SKEW = "job_id:dlprof_step_own_seconds:max_over_median"
 JOB_EXCHANGE_SHARE = "job_id:dlprof_step_exchange_seconds:ratio"
 JOB_SCALING_EFFICIENCY = "job_id:dlprof_scaling_efficiency:ratio"
+JOB_LEAST_WAIT_SHARE = "job_id:dlprof_step_wait_seconds:min_ratio"
 JOB_RANKS_UP = "job_id:dlprof_ranks_up:count"
 JOB_WORLD_SIZE = "job_id:dlprof_target_world_size:max"
 RANK_GPU_SLOWDOWN = "job_id_rank:dlprof_gpu_throttle_reason_active:max"
@@ -316,6 +321,11 @@ def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> lis
                f'phase="exchange"}}[{window}]))\n/\n'
                f"(sum by (job_id) (rate(dlprof_step_duration_seconds_sum{{{_RANKED}}}"
                f"[{window}])) > 0)"),
+        Record("The least share of its step that any rank of the job spends waiting in\n"
+               "collectives: what no rank of the job makes the others wait.",
+               JOB_LEAST_WAIT_SHARE,
+               f"min by (job_id) (\n  {RANK_WAIT_MEAN}\n"
+               f"  / on (job_id, rank) ({RANK_STEP_MEAN} > 0)\n)"),
         Record("Scaling efficiency, estimated: the share of each step that the job's median\n"
                "rank spends on its own work (median own time over mean step time). The\n"
                "rest is waiting, for the slowest rank and for the exchange; 1 would be\n"
@@ -388,6 +398,16 @@ def _above_median_by(share: float) -> str:
             f"  >= on (job_id) group_left () ({share} * {JOB_STEP_MEDIAN}))")
 
 
+def _held(series: str, bar: float, duration: str) -> str:
+    """``series >= bar`` at every evaluation over ``duration`` and present since its
+    start: ``for: duration`` inside an expression, so that one alert can hold a lower
+    bar longer than a higher one."""
+    if duration_ms(duration) == 0:
+        return f"{series} >= {bar}"
+    return (f"min_over_time({series}[{duration}]) >= {bar}\n"
+            f"and on (job_id) ({series} offset {duration})")
+
+
 def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR,
                straggler_share: float = STRAGGLER_STEP_SHARE) -> list[Alert]:
     suspect = min(SUSPECT_STEP_SHARE, straggler_share)  # a straggler is a suspect too
@@ -408,19 +428,20 @@ def job_alerts(window: str, for_: str, straggler_for: str = STRAGGLER_FOR,
                 "forward and backward are slower (another GPU model, a larger shard); "
                 "unknown: none of its signals says."))),
         Alert("Every rank, even the one that waits least, spends a large share of its step\n"
-              "in collectives: the exchange itself is slow, not a rank. Which link or rank\n"
-              "slows a collective cannot be told from the ranks' time split. Not while a\n"
-              f"rank's own time is above the median by {suspect:.0%} of the step "
+              f"in collectives ({SLOW_EXCHANGE_FAST_SHARE:.0%}, or {SLOW_EXCHANGE_SHARE:.0%} "
+              f"held for {for_}): the exchange itself is slow, not a rank. Which\n"
+              "link or rank slows a collective cannot be told from the ranks' time split.\n"
+              f"Not while a rank's own time is above the median by {suspect:.0%} of the step "
               "(a straggler\nor nearly one): it explains the others' wait, and its own side "
               "of each\n"
               "collective runs slow too (a starved rank's communication threads share its\n"
               "CPUs), so the rank, not the network, is the first suspect.",
               SLOW_EXCHANGE_ALERT,
-              f"min by (job_id) (\n  {RANK_WAIT_MEAN}\n"
-              f"  / on (job_id, rank) {RANK_STEP_MEAN}\n) >= {SLOW_EXCHANGE_SHARE}\n"
-              f"unless on (job_id) (\n  "
+              f"(\n  {JOB_LEAST_WAIT_SHARE} >= {SLOW_EXCHANGE_FAST_SHARE}\n  or "
+              + _held(JOB_LEAST_WAIT_SHARE, SLOW_EXCHANGE_SHARE, for_).replace("\n", "\n  ")
+              + "\n)\nunless on (job_id) (\n  "
               + _above_median_by(suspect).replace("\n", "\n  ") + "\n)",
-              for_, (("severity", "warning"), ("cause", "slow_collective")),
+              straggler_for, (("severity", "warning"), ("cause", "slow_collective")),
               (("summary", f"{job} spends {{{{ $value | humanizePercentage }}}} of each step "
                            "in collectives on its least-waiting rank"),
                ("description",
