@@ -100,7 +100,11 @@ OPTIONS = (
            positive_int, "N"),
     Option("--busy", 3, 3, "cpu_starved: busy processes on the rank's CPU", positive_int,
            "N"),
-    Option("--memory-share", 0.4, 0.4,
+    # An eighth of what the rank holds: its step about 1.6x as long (0.4 and 0.25 slowed
+    # it 1.0-1.3x; 0.08 1.1-1.7x, and once the cgroup's OOM killer took the rank). Its
+    # own side of each all-reduce pages too, so part of its slowdown is everyone's wait:
+    # 13% above the median, which the rules name because it pages.
+    Option("--memory-share", 0.12, 0.12,
            "memory_pressure: the rank's memory limit, a share of its charged memory",
            positive_float, "SHARE"),
     Option("--link-rate", "150mbit", "150mbit", "slow_exchange: tbf's rate on the link"),
@@ -612,8 +616,9 @@ def _report(result: Result, settings: dict[str, Any], plan: list[Trial], *,
         f"before the trials: {step * 1000:.1f} ms." if step else "")
     result.notes += [
         "slow_exchange counts as named when DlprofSlowExchange fires: it names the job, "
-        "not a rank (with two ranks both wait alike for a slow link), and it keeps --for "
-        "(2 m), so within a fault of --fault-seconds it is not expected to fire.",
+        "not a rank (with two ranks both wait alike for a slow link); it fires within "
+        "seconds once the least-waiting rank spends 40% of its step in collectives, and "
+        "after --for (2 m) at a fifth.",
         "A wrong cause is any other cause the alert gave the faulty rank during its "
         "fault, beside the right one or alone; a wrong rank, any straggler alert on "
         "another rank.",

@@ -60,6 +60,7 @@ GPU_SLOWDOWN_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_sl
 # The findings (model/findings/catalogue.py) that name a rank's cause.
 CPU_STARVED_FINDINGS = ("cpu_contention", "thread_oversubscription")
 MEMORY_PRESSURE_FINDINGS = ("memory_near_limit", "memory_stalls")
+PAGING_FINDING = "memory_stalls"  # the rank swaps or stalls on memory, not only nears it
 # A probe that was up within this time and is not now has gone down.
 PROBE_MEMORY = "1h"
 
@@ -243,8 +244,14 @@ def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> lis
         return ("sum by (job_id, rank) (rate(dlprof_step_duration_seconds_count"
                 f"{{{_RANKED}}}[{over}])) > 0")
 
+    # Input, unless the rank pages: a data path that reads memory swapped out waits on
+    # the paging, and memory is the cause to fix (the memory fault of
+    # benchmarks/stragglers.py slows its rank's batch sampling).
+    paging = (f'max by (job_id, rank) (dlprof_finding{{{_RANKED},'
+              f'finding="{PAGING_FINDING}"}}) == 1')
     input_excess = (f'{RANK_PHASE_ABOVE_MEDIAN}{{phase="other"}}\n'
-                    f"  >= ignoring (phase) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
+                    f"  >= ignoring (phase) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})\n"
+                    f"unless on (job_id, rank)\n{paging}")
     compute_excess = (f"sum by (job_id, rank) ({RANK_PHASE_ABOVE_MEDIAN}"
                       '{phase=~"forward|backward|compiled|optimizer"})\n'
                       f"  >= ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})")
@@ -260,6 +267,7 @@ def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> lis
            f"  < on (job_id, rank) ({CAUSE_SHARE} * {RANK_STRAGGLER_EXCESS})\n)")
     memory = (f'max by (job_id, rank) (dlprof_finding{{{_RANKED},'
               f'finding=~"{_any_of(MEMORY_PRESSURE_FINDINGS)}"}}) == 1')
+    suspect = min(SUSPECT_STEP_SHARE, straggler_share)
     return [
         Record("Job throughput: samples per second over all its ranks, in steady state.",
                JOB_SAMPLES_RATE,
@@ -370,23 +378,36 @@ def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> lis
                "A rank that waits in\ncollectives is not one: waiting is not own time.",
                RANK_STRAGGLER_EXCESS, _above_median_by(straggler_share)),
         Record("Each straggler with its cause, from its own signals: its input per step is\n"
-               "above the job's median by most of its excess (input); a CPU finding on it,\n"
+               "above the job's median by most of its excess, and it does not stall on\n"
+               "memory (input); a CPU finding on it,\n"
                "unless its main thread's run-queue wait per step is above the median by\n"
                "less than half its excess (cpu_starved); a slowdown on its GPUs\n"
-               "(gpu_throttled); a memory finding (memory_pressure). Several may hold at\n"
-               "once. Without any of them: its forward, backward and optimizer time carry\n"
-               "most of the excess (compute), or nothing says (unknown).",
+               "(gpu_throttled); a memory finding (memory_pressure; a rank that stalls on\n"
+               f"memory already at {SUSPECT_STEP_SHARE:.0%} above the median). Several may "
+               "hold at once.\nWithout any of them: its forward, backward and optimizer time "
+               "carry most of\nthe excess (compute), or nothing says (unknown).",
                RANK_STRAGGLER_CAUSE,
                "\nor\n".join([
                    _with_cause(input_excess, "input"),
                    _with_cause(cpu, "cpu_starved"),
                    _with_cause(f"{RANK_GPU_SLOWDOWN} == 1", "gpu_throttled"),
                    _with_cause(memory, "memory_pressure"),
+                   _paging_suspect(suspect, paging),
                ]) + "\nor on (job_id, rank)\n"
                + _with_cause(compute_excess, "compute")
                + "\nor on (job_id, rank)\n"
                f'label_replace({RANK_STRAGGLER_EXCESS}, "cause", "unknown", "", "")'),
     ]
+
+
+def _paging_suspect(suspect: float, paging: str) -> str:
+    """A rank that pages is named at the suspects' bar: the straggler's higher bar is
+    the healthy ranks' noise, and a healthy rank does not page. Its own side of each
+    collective pages too, which hides part of its excess in everyone's wait (the
+    benchmark's memory fault: the job's step 1.6x as long, the rank 13% above)."""
+    inner = (_above_median_by(suspect) + f"\nand on (job_id, rank)\n{paging}"
+             ).replace("\n", "\n  ")
+    return f'label_replace(\n  {inner},\n  "cause", "memory_pressure", "", "")'
 
 
 def _above_median_by(share: float) -> str:
