@@ -339,6 +339,13 @@ class Job:
             with contextlib.suppress(OSError):
                 cgroup.rmdir()
 
+    def check_alive(self) -> None:
+        """Raise if a rank's launcher has ended: every trial after would show nothing."""
+        for node, launcher in enumerate(self.launchers):
+            if launcher.poll() is not None:
+                raise RuntimeError(f"node {node}'s torchrun ended (exit {launcher.returncode}) "
+                                   "mid-run; the trials after it would measure no job")
+
     def step_seconds(self) -> float | None:
         return self.prometheus.value("job_id:dlprof_step_duration_seconds:median")
 
@@ -358,9 +365,12 @@ class Job:
                 f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
                 for _ in range(settings["busy"])]
         elif cause == "memory_pressure":
+            # Of the most it ever held: after an earlier memory fault part of it is still
+            # in swap, uncharged, and a share of what is charged now shrank each trial
+            # until the cgroup's OOM killer took the rank (the 31st trial of a run).
             cgroup = self.cgroups[rank]
-            usage = int((cgroup / "memory.usage_in_bytes").read_text())
-            _limit_memory(cgroup, int(usage * settings["memory_share"]))
+            peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
+            _limit_memory(cgroup, int(peak * settings["memory_share"]))
         elif cause == "slow_exchange":
             self.nodes.throttle(rank, settings["link_rate"])
 
@@ -498,6 +508,7 @@ def run(settings: dict[str, Any]) -> Result:
                     false_alarms += paused
                     alarms += pause_alarms
                     _trial(job, trial, settings["fault_seconds"])
+                    job.check_alive()
                     progress.advance(
                         f"{trial.cause} on rank {trial.rank}: fired "
                         f"{_seconds(trial.fired_seconds)}, cleared "

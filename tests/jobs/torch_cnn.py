@@ -35,14 +35,17 @@ def hooks_left(model: nn.Module) -> int:
 
 
 class ProbeCallCounter:
-    """Counts calls into dlprof_agent's code made on this thread (sys.setprofile):
+    """Counts calls into the probe's code made on this thread (sys.setprofile):
     what a detached probe must no longer add to a step."""
 
     def __init__(self) -> None:
+        import dlprof_agent.probe
+
         self.calls = 0
+        self._probe_folder = os.path.dirname(dlprof_agent.probe.__file__) + os.sep
 
     def __call__(self, frame: Any, event: str, _arg: Any) -> None:
-        if event == "call" and "dlprof_agent" in frame.f_code.co_filename:
+        if event == "call" and frame.f_code.co_filename.startswith(self._probe_folder):
             self.calls += 1
 
 
@@ -70,7 +73,7 @@ def main() -> int:
                         help="seconds to stay alive after the last step")
     parser.add_argument("--count-probe-calls", type=int, default=0, metavar="STEPS",
                         help="after --until appears, run STEPS more steps counting calls "
-                             "into dlprof_agent on the job's thread, and log the count")
+                             "into the probe's code on the job's thread, and log the count")
     parser.add_argument("--profile-when", metavar="FILE",
                         help="once FILE appears, run torch.profiler over the next steps")
     parser.add_argument("--profile-seconds", type=float, default=2.0,
