@@ -367,7 +367,7 @@ class Job:
         elif cause == "memory_pressure":
             # Of the most it ever held: after an earlier memory fault part of it is still
             # in swap, uncharged, and a share of what is charged now shrank each trial
-            # until the cgroup's OOM killer took the rank (the 31st trial of a run).
+            # until the cgroup's OOM killer took the rank (in the 30th trial of a run).
             cgroup = self.cgroups[rank]
             peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
             _limit_memory(cgroup, int(peak * settings["memory_share"]))

@@ -202,10 +202,12 @@ def _any_of(values: tuple[str, ...]) -> str:
     return "|".join(values)
 
 
-def _with_cause(condition: str, cause: str) -> str:
-    """The stragglers for which `condition` holds, labelled with `cause`."""
+def _with_cause(condition: str, cause: str, ranks: str = RANK_STRAGGLER_EXCESS) -> str:
+    """The stragglers (or other ``ranks``) for which `condition` holds, labelled with
+    `cause`."""
     inner = condition.replace("\n", "\n    ")
-    return (f"label_replace(\n  {RANK_STRAGGLER_EXCESS}\n  and on (job_id, rank)\n"
+    ranks = ranks.replace("\n", "\n  ")
+    return (f"label_replace(\n  {ranks}\n  and on (job_id, rank)\n"
             f'  (\n    {inner}\n  ),\n  "cause", "{cause}", "", "")')
 
 
@@ -383,7 +385,7 @@ def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> lis
                "unless its main thread's run-queue wait per step is above the median by\n"
                "less than half its excess (cpu_starved); a slowdown on its GPUs\n"
                "(gpu_throttled); a memory finding (memory_pressure; a rank that stalls on\n"
-               f"memory already at {SUSPECT_STEP_SHARE:.0%} above the median). Several may "
+               f"memory already at {suspect:.0%} above the median). Several may "
                "hold at once.\nWithout any of them: its forward, backward and optimizer time "
                "carry most of\nthe excess (compute), or nothing says (unknown).",
                RANK_STRAGGLER_CAUSE,
@@ -392,22 +394,17 @@ def job_rules(window: str, straggler_share: float = STRAGGLER_STEP_SHARE) -> lis
                    _with_cause(cpu, "cpu_starved"),
                    _with_cause(f"{RANK_GPU_SLOWDOWN} == 1", "gpu_throttled"),
                    _with_cause(memory, "memory_pressure"),
-                   _paging_suspect(suspect, paging),
+                   # A rank that pages, at the suspects' bar: the straggler's is the
+                   # healthy ranks' noise, and a healthy rank does not page. Its own
+                   # side of each collective pages too, hiding part of its excess in
+                   # everyone's wait (the benchmark's memory fault: the step 1.6x as
+                   # long, the rank 13% of it above the median).
+                   _with_cause(paging, "memory_pressure", _above_median_by(suspect)),
                ]) + "\nor on (job_id, rank)\n"
                + _with_cause(compute_excess, "compute")
                + "\nor on (job_id, rank)\n"
                f'label_replace({RANK_STRAGGLER_EXCESS}, "cause", "unknown", "", "")'),
     ]
-
-
-def _paging_suspect(suspect: float, paging: str) -> str:
-    """A rank that pages is named at the suspects' bar: the straggler's higher bar is
-    the healthy ranks' noise, and a healthy rank does not page. Its own side of each
-    collective pages too, which hides part of its excess in everyone's wait (the
-    benchmark's memory fault: the job's step 1.6x as long, the rank 13% above)."""
-    inner = (_above_median_by(suspect) + f"\nand on (job_id, rank)\n{paging}"
-             ).replace("\n", "\n  ")
-    return f'label_replace(\n  {inner},\n  "cause", "memory_pressure", "", "")'
 
 
 def _above_median_by(share: float) -> str:
