@@ -3,7 +3,6 @@ a running job, opted into from code; killed, fed garbage, and shared."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -45,10 +44,6 @@ class Job:
 
     def done(self) -> bool:
         return self.log.exists() and '"done"' in self.log.read_text()
-
-    def durations(self) -> list[float]:
-        ends = self.ends()
-        return [later - earlier for earlier, later in itertools.pairwise(ends)]
 
 
 def start_job(processes: list[subprocess.Popen[bytes]], tmp_path: Path, *args: str,
