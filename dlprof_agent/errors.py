@@ -155,6 +155,11 @@ class InjectionUnsafe(InjectionFailed):
     with what it reads from outside."""
 
 
+class StateNotKept(DlprofError):
+    """A signal frame cannot hold a thread's whole register state (``reach/frame.py``,
+    ``reach/arm64.py``); the message says what and why, in a few words."""
+
+
 class InjectionNotNow(InjectionFailed):
     """The target cannot take the probe at this moment; a later try may work."""
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dlprof_agent.collectors.target import Target
-from dlprof_agent.errors import InjectionUnsafe
-from dlprof_agent.reach import frame, ptrace, register_state
+from dlprof_agent.errors import InjectionUnsafe, StateNotKept
+from dlprof_agent.reach import frame, register_state, x86_64
 from dlprof_agent.reach.inject import inject
 from dlprof_agent.reach.xsave_layout import (
     Component,
@@ -119,7 +119,7 @@ def test_without_the_check_such_a_frame_loses_the_upper_halves(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the two tests above guard against, shown on this CPU: the job sees it."""
     monkeypatch.setattr(frame, "frame_state", _fxsave_frame)
-    monkeypatch.setattr(ptrace, "put_back", lambda *args: None)
+    monkeypatch.setattr(x86_64, "put_back", lambda *args: None)
     assert _upper_half_after_a_borrow(tmp_path) == 0
 
 
@@ -183,7 +183,7 @@ def test_a_thread_with_tiles_in_use_gets_them_in_its_frame() -> None:
 ], ids=["none", "compacted", "unknown component", "short"])
 def test_state_the_frame_cannot_hold_is_refused(image: bytes | None, why: str) -> None:
     """Never a smaller frame in silence: the injector borrows nothing then."""
-    with pytest.raises(frame.StateNotKept, match=why):
+    with pytest.raises(StateNotKept, match=why):
         frame.frame_state(image, bytes(512), AVX512_ONLY)
 
 

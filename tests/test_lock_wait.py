@@ -8,14 +8,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from dlprof_agent.reach import lock_wait
 from dlprof_agent.reach.frame import REGISTERS, signal_frame
 from dlprof_agent.reach.lock_wait import (
     STACK_SCAN_BYTES,
     ParkingLotWait,
     frame_bytes,
-    in_lock_wait,
     waits_in_parking_lot,
 )
+from dlprof_agent.reach.x86_64 import X86_64
 from dlprof_agent.reach.xsave_layout import X87_SSE, XsaveLayout
 
 LOCK_FUNCTION = (0x401000, 0x401266)  # [start, end) of PyThread_acquire_lock_timed
@@ -44,6 +45,16 @@ def reader(found: dict[int, int]) -> Callable[[int, int], bytes]:
 def registers(**changed: int) -> dict[str, int]:
     return {"orig_rax": 202, "rax": (1 << 64) - 512, "rsi": FUTEX_WAIT_BITSET_PRIVATE,
             "rsp": STACK_TOP - 4096, **changed}
+
+
+def in_lock_wait(named: dict[str, int], read: Callable[[int, int], bytes], stack_end: int,
+                 lock_function: lock_wait.LockWait) -> bool:
+    """lock_wait.in_lock_wait for a thread stopped with the x86-64 registers ``named``
+    (the others 0)."""
+    cpu = X86_64()
+    values = dict.fromkeys(REGISTERS, 0) | named
+    stopped = cpu.stopped([values[name] for name in REGISTERS], read)
+    return lock_wait.in_lock_wait(cpu, stopped, read, stack_end, lock_function)
 
 
 RETURN_ADDRESS = 0x401100  # inside the lock function, after its call to sem_wait

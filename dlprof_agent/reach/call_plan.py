@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
+from dlprof_agent.reach.cpus import this_cpu
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, call_targets
 from dlprof_agent.reach.mapped_files import (
@@ -28,9 +29,8 @@ from dlprof_agent.reach.runtime import PythonRuntime
 from dlprof_agent.reach.safe_point import BusyStops
 from dlprof_agent.reach.shutdown import LifeWords, life_words
 
-# mov $15,%rax; syscall (and the %eax form): rt_sigreturn, as libc's signal restorer does it
-_SIGRETURN = (b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05", b"\xb8\x0f\x00\x00\x00\x0f\x05")
 _MAX_CODE_BYTES = 64 << 20  # an executable mapping of libc larger than this is not searched
+_INSTRUCTION_ALIGNMENT = {8: 4}  # arm64's two instructions start on a 4-byte boundary
 
 
 class CallAddresses(NamedTuple):
@@ -55,9 +55,10 @@ class CallAddresses(NamedTuple):
 def plan_calls(target: Target, runtime: PythonRuntime) -> CallAddresses | None:
     """Addresses in the target of Py_AddPendingCall, PyRun_SimpleString, mmap and an
     rt_sigreturn; None when one cannot be found and checked (then gdb is used)."""
+    cpu = this_cpu()
     maps = memory_map(target.pid, procfs=target.procfs)
     libc = libc_path(maps)
-    if libc is None:
+    if libc is None or cpu is None:
         return None
     try:
         exe = executable(target.pid, procfs=target.procfs)
@@ -72,19 +73,22 @@ def plan_calls(target: Target, runtime: PythonRuntime) -> CallAddresses | None:
     add = function_address(target, maps, runtime.library, python_files, "Py_AddPendingCall")
     run = function_address(target, maps, runtime.library, python_files, "PyRun_SimpleString")
     allocate = function_address(target, maps, libc, mapped_file_paths(target, libc, maps), "mmap")
-    gadget = _find_sigreturn(target, maps, libc)
+    gadget = _find_sigreturn(target, maps, libc, cpu.sigreturn_code)
     if add is None or run is None or allocate is None or gadget is None:
         return None
-    # Up to 3.12; 3.13 only where its pending-call mutex is found (``pending_mutex``)
+    # Up to 3.12; 3.13 only where its pending-call mutex is found (``pending_mutex``,
+    # which reads x86-64 code)
     mutex = (_pending_mutex(target, maps, runtime.library, python_files)
-             if runtime.version == (3, 13) else None)
+             if runtime.version == (3, 13) and cpu.name == "x86-64" else None)
     busy = (BusyStops(frozenset({runtime.library, exe}),
                       _function_extent(target, maps, runtime.library, python_files,
                                        "_PyEval_EvalFrameDefault"), mutex)
             if runtime.version is not None and (runtime.version < (3, 13) or mutex is not None)
             else None)
+    # 3.13's parking lot is recognised by x86-64 prologues and calls (``lock_wait``)
     lock_wait: LockWait | None = (
-        _parking_lot_wait(target, maps, runtime.library, python_files)
+        (_parking_lot_wait(target, maps, runtime.library, python_files)
+         if cpu.name == "x86-64" else None)
         if runtime.version in PARKING_LOT_VERSIONS else
         _function_extent(target, maps, runtime.library, python_files,
                          "PyThread_acquire_lock_timed")
@@ -150,16 +154,20 @@ def _function_extent(target: Target, maps: list[Mapping], path: str, files: list
     return None
 
 
-def _find_sigreturn(target: Target, maps: list[Mapping], libc: str) -> int | None:
+def _find_sigreturn(target: Target, maps: list[Mapping], libc: str, code: tuple[bytes, ...]
+                    ) -> int | None:
+    """An rt_sigreturn in libc's code (x86-64's signal restorer) or the vDSO's (arm64's
+    ``__kernel_rt_sigreturn``, where glibc's handlers return)."""
     for start, end, permissions, _, path in maps:
-        if path != libc or "x" not in permissions or end - start > _MAX_CODE_BYTES:
+        if path not in (libc, "[vdso]") or "x" not in permissions or (
+                end - start > _MAX_CODE_BYTES):
             continue
         try:
-            code = read_memory(target, start, end - start)
+            found = read_memory(target, start, end - start)
         except OSError:
             continue
-        for gadget in _SIGRETURN:
-            at = code.find(gadget)
-            if at >= 0:
+        for gadget in code:
+            at = found.find(gadget)
+            if at >= 0 and at % _INSTRUCTION_ALIGNMENT.get(len(gadget), 1) == 0:
                 return start + at
     return None

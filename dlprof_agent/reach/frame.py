@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import struct
 
-from dlprof_agent import errors
+from dlprof_agent.errors import StateNotKept
 from dlprof_agent.reach.lock_wait import EINTR
 from dlprof_agent.reach.xsave_layout import (
     HEADER_BYTES,
@@ -50,11 +50,6 @@ UC_FP_XSTATE = 0x1  # uc_flags: the frame's FPU state is an XSAVE image
 COMPONENT_NAMES = {0: "x87", 1: "SSE", 2: "AVX", 3: "MPX BNDREGS", 4: "MPX BNDCSR",
                    5: "AVX-512 opmask", 6: "AVX-512 ZMM_Hi256", 7: "AVX-512 Hi16_ZMM",
                    9: "PKRU", 17: "AMX TILECFG", 18: "AMX TILEDATA", 19: "APX"}
-
-
-class StateNotKept(errors.DlprofError):
-    """The frame cannot hold the thread's whole register state; the message says
-    what and why, in a few words."""
 
 
 def component_names(mask: int) -> str:

@@ -5,7 +5,8 @@ the same protocol through the job's debug offsets (``remote_debug``), except whe
 the job's main thread waits in a lock (``waiting_main``): it would take the script
 only when the wait returns, so the ptrace injector queues a pending call and ends
 that wait with EINTR. Before 3.14, or where those offsets are not known, the agent's
-own ptrace injector on x86-64 (``ptrace``), or gdb elsewhere (``gdb``).
+own ptrace injector on x86-64 and arm64 (``ptrace``, ``cpu``), or gdb elsewhere
+(``gdb``).
 
 Two rules decide whether the job survives.
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import sys
 
 from dlprof_agent.collectors.target import Target
@@ -138,7 +138,7 @@ def _inject(target: Target, code: str, runtime: PythonRuntime, wait_seconds: flo
         # Another Python than the agent's: PEP 768's protocol by hand, before ptrace.
         table = find_remote_debug(target, runtime)
         if table is not None:
-            calls = plan_calls(target, runtime) if platform.machine() == "x86_64" else None
+            calls = plan_calls(target, runtime)
             if calls is not None and _parked(target, calls) and opted_out(target, table) is None:
                 # A main thread in a lock wait would take the script only when the
                 # wait returns: the ptrace injector ends that wait with EINTR and
@@ -148,7 +148,7 @@ def _inject(target: Target, code: str, runtime: PythonRuntime, wait_seconds: flo
                     return inject_with_ptrace(target, code, calls, _PARKED_WAIT_SECONDS,
                                               say_waiting=say_waiting)
             return inject_with_remote_debug(target, code, table)
-    if calls is None and platform.machine() == "x86_64":
+    if calls is None:
         calls = plan_calls(target, runtime)
     if calls is not None:
         return inject_with_ptrace(target, code, calls, wait_seconds,

@@ -44,7 +44,20 @@ instruction."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
+
+from dlprof_agent.reach.stopped import Read, Stopped
+
+
+class CallSites(Protocol):
+    """What of its CPU's place (``cpu``) the wait is recognised by."""
+
+    futex: int
+    restart_syscall: int
+
+    def after_a_call(self, read: Read, address: int) -> bool: ...
+
+    def code_address(self, word: int) -> int: ...
 
 FUTEX = 202
 # A wait with a timeout that a ptrace stop interrupted goes on as restart_syscall, its
@@ -52,9 +65,6 @@ FUTEX = 202
 RESTART_SYSCALL = 219
 _FUTEX_COMMAND = 0x7F  # without FUTEX_PRIVATE_FLAG (128) and FUTEX_CLOCK_REALTIME (256)
 _FUTEX_WAITS = frozenset({0, 9})  # FUTEX_WAIT, FUTEX_WAIT_BITSET
-# How the kernel leaves a futex wait that a ptrace stop interrupted: ERESTARTSYS
-# (no timeout, or an absolute one), ERESTART_RESTARTBLOCK (a timeout it resumes)
-_INTERRUPTED_FUTEX = frozenset({-512, -516})
 EINTR = 4
 # From the futex call's stack pointer: libc's futex wrapper, its semaphore wait and
 # the semaphore call take a few hundred bytes at most.
@@ -62,11 +72,7 @@ STACK_SCAN_BYTES = 1024
 _PROLOGUE_BYTES = 48  # of _PySemaphore_Wait: enough for its pushes and its frame
 
 
-def _signed(register: int) -> int:
-    return register - (1 << 64) if register >= 1 << 63 else register
-
-
-def _after_a_call(read: Callable[[int, int], bytes], address: int) -> bool:
+def after_a_call(read: Callable[[int, int], bytes], address: int) -> bool:
     """``address`` follows a call instruction: ``call rel32`` or ``call *disp(%rip)``,
     the two forms a call into libc's semaphore functions takes."""
     try:
@@ -99,16 +105,15 @@ def _calls(read: Callable[[int, int], bytes], address: int, function: int) -> bo
             and address + int.from_bytes(before[1:], "little", signed=True) == function)
 
 
-def _stack_words(registers: dict[str, int], read: Callable[[int, int], bytes],
+def _stack_words(cpu: CallSites, stopped: Stopped, read: Callable[[int, int], bytes],
                  stack_end: int) -> list[int]:
-    """The words just above the stopped futex wait, nearest first; none unless it is
-    one (a futex wait, interrupted by the stop)."""
-    if _signed(registers["orig_rax"]) not in (FUTEX, RESTART_SYSCALL) or _signed(
-            registers["rax"]) not in _INTERRUPTED_FUTEX:
+    """The words just above the stopped futex wait, nearest first, as code addresses;
+    none unless it is one (a futex wait, interrupted by the stop)."""
+    if stopped.call not in (cpu.futex, cpu.restart_syscall) or not stopped.interrupted:
         return []
-    if (registers["rsi"] & _FUTEX_COMMAND) not in _FUTEX_WAITS:
+    if (stopped.arguments[1] & _FUTEX_COMMAND) not in _FUTEX_WAITS:
         return []
-    return _words_from(registers["rsp"], read, stack_end)
+    return [cpu.code_address(word) for word in _words_from(stopped.sp, read, stack_end)]
 
 
 def _words_from(stack_pointer: int, read: Callable[[int, int], bytes], stack_end: int
@@ -124,17 +129,17 @@ def _words_from(stack_pointer: int, read: Callable[[int, int], bytes], stack_end
     return [int.from_bytes(stack[at:at + 8], "little") for at in range(0, len(stack) - 7, 8)]
 
 
-def in_lock_wait(registers: dict[str, int], read: Callable[[int, int], bytes],
+def in_lock_wait(cpu: CallSites, stopped: Stopped, read: Callable[[int, int], bytes],
                  stack_end: int, lock_function: LockWait) -> bool:
-    """The thread, stopped with ``registers``, waits on a futex for
+    """The thread, stopped as ``stopped`` says, waits on a futex for
     PyThread_acquire_lock_timed, which lies at [start, end) of ``lock_function``, or
-    (a ParkingLotWait) in the parking lot for a caller that retries.
+    (a ParkingLotWait, x86-64 only) in the parking lot for a caller that retries.
     ``read(address, size)`` reads the job's memory; the stack ends at ``stack_end``."""
-    words = _stack_words(registers, read, stack_end)
+    words = _stack_words(cpu, stopped, read, stack_end)
     if isinstance(lock_function, ParkingLotWait):
         return _parked(words, read, lock_function)
     start, end = lock_function
-    return any(start < word < end and _after_a_call(read, word) for word in words)
+    return any(start < word < end and cpu.after_a_call(read, word) for word in words)
 
 
 def _parked(words: list[int], read: Callable[[int, int], bytes], wait: ParkingLotWait
@@ -149,7 +154,7 @@ def _parked(words: list[int], read: Callable[[int, int], bytes], wait: ParkingLo
     # The caller's return address is right above _PySemaphore_Wait's frame: the words
     # between may hold stale return addresses of earlier calls, so none is searched for.
     above = 1 + frame // 8
-    return any(semaphore < word < semaphore_end and _after_a_call(read, word)
+    return any(semaphore < word < semaphore_end and after_a_call(read, word)
                and index + above < len(words)
                and _calls(read, words[index + above], semaphore)
                and (park < words[index + above] < park_end

@@ -1,5 +1,8 @@
-"""The agent's own injector on x86-64: it borrows one thread of the job that waits in
-the kernel, has it call a function, and the thread puts itself back.
+"""The agent's own injector on x86-64 and arm64: it borrows one thread of the job that
+waits in the kernel, has it call a function, and the thread puts itself back. What
+differs between the two CPUs (registers, the waits, the frame) is each one's place
+(``cpu``: ``x86_64``, ``arm64``); what follows is said for x86-64, and ``arm64`` says
+how its frame holds the FP/SIMD and SVE registers instead.
 
 The agent is the tracer, and stops one thread only, one that waits in the kernel in a
 system call that leaves the signal mask alone (``threads``), or, where none does, the
@@ -46,21 +49,18 @@ import errno
 import functools
 import mmap
 import os
+import platform
 import random
 import signal
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from dlprof_agent.collectors.target import Target
-from dlprof_agent.errors import InjectionFailed, InjectionNotNow
+from dlprof_agent.errors import InjectionFailed, InjectionNotNow, StateNotKept
 from dlprof_agent.reach.call_plan import CallAddresses
-from dlprof_agent.reach.frame import (
-    REGISTERS,
-    StateNotKept,
-    frame_state_bytes,
-    signal_frame,
-    signed,
-)
+from dlprof_agent.reach.cpu import Cpu
+from dlprof_agent.reach.cpus import this_cpu
 from dlprof_agent.reach.lock_wait import LockWait, in_lock_wait
 from dlprof_agent.reach.mapped_files import free_address, read_memory
 from dlprof_agent.reach.pending import (
@@ -72,13 +72,12 @@ from dlprof_agent.reach.pending import (
 )
 from dlprof_agent.reach.procfs import Mapping, memory_map, open_memory
 from dlprof_agent.reach.refusal import refused
-from dlprof_agent.reach.register_state import Detour, cpu_layout, put_back, unsafe
+from dlprof_agent.reach.register_state import unsafe
 from dlprof_agent.reach.safe_point import BusyStops, in_signal_handler
 from dlprof_agent.reach.shutdown import LifeWords, exiting, shutting_down
 from dlprof_agent.reach.threads import (
     POLL_SECONDS,
     blocked_signals,
-    borrowable,
     exited_during_injection,
     no_safe_point,
     waiting_threads,
@@ -97,11 +96,6 @@ from dlprof_agent.reach.tracer import (
 _MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: never replaces a mapping of the job
 # A call the kernel resumes through restart_syscall (a relative sleep, a futex or poll
 # with a timeout) is never borrowed: rt_sigreturn turns that resumption into EINTR.
-_ERESTART_RESTARTBLOCK = -516
-_SYSCALL_ARGUMENTS = ("rdi", "rsi", "rdx", "r10", "r8", "r9")
-_CALL_ARGUMENTS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
-_RED_ZONE = 128
-_FRAME_GAP = 2048  # below the red zone: where the borrowed thread's detour frame goes
 _STACK_NEEDED = 64 << 10  # free stack the called function may use below the frame
 _CHAIN_SECONDS = 5.0  # for a borrowed thread to be scheduled and finish its detour
 # How long the pending call waits for the main thread itself: CPython runs pending calls
@@ -129,9 +123,17 @@ def _maps(target: Target) -> list[Mapping]:
     return memory_map(target.pid, procfs=target.procfs)
 
 
-def _detour(ptrace: Tracer, target: Target, tid: int, call: tuple[int, tuple[int, ...], int],
-            maps: list[Mapping], *, lock_function: LockWait | None = None,
-            busy: BusyStops | None = None,
+class Detour(NamedTuple):
+    """A borrowed thread on its way: where its rt_sigreturn finds the frame, and the
+    state that frame holds, to check once the thread is back."""
+
+    sigreturn_sp: int
+    state: object
+
+
+def _detour(ptrace: Tracer, target: Target, tid: int,
+            call: tuple[int, tuple[int, ...], int], maps: list[Mapping], *, cpu: Cpu,
+            lock_function: LockWait | None = None, busy: BusyStops | None = None,
             hold_others: Callable[[], bool] | None = None) -> Detour | None:
     """With ``tid`` stopped by us: point it at ``function(*args)``, returning into
     rt_sigreturn with a frame that restores it. Leaves it untouched and returns None
@@ -145,50 +147,40 @@ def _detour(ptrace: Tracer, target: Target, tid: int, call: tuple[int, tuple[int
     (``safe_point``), once ``hold_others`` (where given) has stopped the job's other
     threads and said yes."""
     function, args, gadget = call
-    regs = ptrace.registers(tid)
-    r = dict(zip(REGISTERS, regs, strict=True))
-    orig = signed(r["orig_rax"])
-    arguments = [r[name] for name in _SYSCALL_ARGUMENTS]
-    stack = next(((start, end) for start, end, *_ in maps if start <= r["rsp"] < end), None)
+
+    def read(address: int, size: int) -> bytes:
+        return read_memory(target, address, size)
+
+    stopped = cpu.stopped(cpu.registers(ptrace, tid), read)
+    stack = next(((start, end) for start, end, *_ in maps if start <= stopped.sp < end), None)
     interrupt = (tid == target.pid and lock_function is not None and stack is not None
-                 and in_lock_wait(r, lambda address, size: read_memory(target, address, size),
-                                  stack[1], lock_function))
-    if orig < 0:
-        if busy is None or stack is None or not busy.accepts(r["rip"], maps) or (
-                in_signal_handler(lambda address, size: read_memory(target, address, size),
-                                  r["rsp"], stack[1], gadget)) or (
+                 and in_lock_wait(cpu, stopped, read, stack[1], lock_function))
+    if stopped.call < 0:
+        if busy is None or stack is None or not busy.accepts(stopped.pc, maps) or (
+                in_signal_handler(read, stopped.sp, stack[1], gadget, cpu.code_address)) or (
                 hold_others is not None and not hold_others()):
             return None
-    elif not interrupt and (not borrowable(orig, arguments)
-                            or signed(r["rax"]) == _ERESTART_RESTARTBLOCK):
-        return None
-    layout = cpu_layout(target)
-    blocked = blocked_signals(target, tid)
-    xstate = ptrace.xstate(tid)
-    gap = max(_FRAME_GAP, 8 + 304 + 64 + frame_state_bytes(xstate) + 64)
-    at = ((r["rsp"] - _RED_ZONE - gap) & ~15) - 8  # a call's entry: rsp % 16 == 8
-    if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
+    elif not interrupt and (not cpu.borrowable(stopped.call, stopped.arguments)
+                            or stopped.restart_block):
         return None
     try:
-        frame = signal_frame(at, regs, ptrace.fxsave(tid), blocked, gadget,
-                             interrupt=interrupt, xstate=xstate, layout=layout)
+        state = cpu.thread_state(ptrace, target, tid)
+        blocked = blocked_signals(target, tid)
+        at = cpu.frame_at(stopped.sp, state)
+        if blocked is None or stack is None or at - _STACK_NEEDED < stack[0]:
+            return None
+        frame = cpu.frame(at, stopped, state, blocked, gadget, interrupt=interrupt)
     except StateNotKept as error:
         raise unsafe(target, f"thread {tid}: {error}") from None
-    if at + len(frame) > r["rsp"] - _RED_ZONE:
+    if at + len(frame) > cpu.frame_limit(stopped.sp):
         return None
     _write_memory(target, at, frame)
-    # The direction flag cleared, as a call requires and the kernel does for a handler:
-    # a busy thread may be stopped inside a backward string copy.
-    new = dict(r, rsp=at, rip=function, rax=0, orig_rax=(1 << 64) - 1,
-               eflags=r["eflags"] & ~0x400)
-    for register, value in zip(_CALL_ARGUMENTS, args, strict=False):
-        new[register] = value % (1 << 64)
-    ptrace.set_registers(tid, [new[name] for name in REGISTERS])
-    return Detour(at + 8, xstate, layout)  # rt_sigreturn runs with the gadget popped
+    cpu.set_registers(ptrace, tid, cpu.call_registers(stopped, at, function, args, gadget))
+    return Detour(cpu.sigreturn_sp(at), state)
 
 
 def _borrow_a_thread(ptrace: Tracer, target: Target, function: int, args: tuple[int, ...],
-                     gadget: int, *, lock_function: LockWait | None = None,
+                     gadget: int, *, cpu: Cpu, lock_function: LockWait | None = None,
                      busy: BusyStops | None = None, main_only: bool = False,
                      life: LifeWords | None = None) -> bool:
     """Have one waiting thread of the target call ``function(*args)`` and go back to its wait.
@@ -199,7 +191,7 @@ def _borrow_a_thread(ptrace: Tracer, target: Target, function: int, args: tuple[
     Raises InjectionNotNow where ``life`` says the interpreter is shutting down."""
     pid = target.pid
     maps = _maps(target)
-    waiting = waiting_threads(target)
+    waiting = waiting_threads(target, cpu)
     if main_only:
         candidates = [pid] if pid in waiting or busy is not None else []
         busy = None if pid in waiting else busy
@@ -231,17 +223,19 @@ def _borrow_a_thread(ptrace: Tracer, target: Target, function: int, args: tuple[
                 raise exiting(target)
             hold = None if mutex is None else functools.partial(
                 _hold_with_the_mutex_free, ptrace, target, held, mutex)
-            detour = _detour(ptrace, target, tid, (function, args, gadget), maps,
+            detour = _detour(ptrace, target, tid, (function, args, gadget), maps, cpu=cpu,
                              lock_function=lock_function, busy=busy, hold_others=hold)
             if detour is not None:
                 # Its call is set: whatever happens now, it is done, and its frame
                 # restores it. While the agent lives, it follows the thread to its
                 # frame's rt_sigreturn and checks what came back.
                 with contextlib.suppress(OSError, ChildProcessError):
-                    signal_to_pass, returned = until_it_returns(ptrace, tid,
-                                                                detour.sigreturn_rsp)
+                    signal_to_pass, returned = until_it_returns(
+                        ptrace, tid, functools.partial(cpu.in_sigreturn,
+                                                       sigreturn_sp=detour.sigreturn_sp),
+                        functools.partial(cpu.registers, ptrace))
                     if returned:
-                        put_back(ptrace, target, tid, detour)
+                        cpu.put_back(ptrace, target, tid, detour.state)
                 return True
         except OSError:
             continue
@@ -271,17 +265,21 @@ def inject_with_ptrace(target: Target, code: str, calls: CallAddresses, wait_sec
     payload = pending_payload(code)
     size = -(-len(payload) // mmap.PAGESIZE) * mmap.PAGESIZE
     ptrace = Tracer()
+    cpu = this_cpu()
+    if cpu is None:
+        raise InjectionFailed(f"the agent's injector has no place for {platform.machine()}",
+                              "start the job with `dlprof-agent run -- python ...`", pid=pid)
     deadline = time.monotonic() + wait_seconds
 
     def borrow_once(function: int, args: tuple[int, ...], *, pending: bool,
                     main_until: float) -> bool:
         if pending:  # the main thread, for a while: from another the call may wait long
-            return _borrow_a_thread(ptrace, target, function, args, calls.sigreturn,
+            return _borrow_a_thread(ptrace, target, function, args, calls.sigreturn, cpu=cpu,
                                     lock_function=calls.lock_wait, busy=calls.busy_stops,
                                     main_only=time.monotonic() < main_until, life=calls.life)
         # mmap: a main thread in a lock wait is left in it for the pending call, unless
         # it is the only thread there is to borrow
-        return any(_borrow_a_thread(ptrace, target, function, args, calls.sigreturn,
+        return any(_borrow_a_thread(ptrace, target, function, args, calls.sigreturn, cpu=cpu,
                                     lock_function=lock_function, busy=calls.busy_stops,
                                     life=calls.life)
                    for lock_function in (None, calls.lock_wait))

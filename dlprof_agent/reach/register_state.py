@@ -6,7 +6,6 @@ puts any difference back with PTRACE_SETREGSET."""
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionUnsafe
@@ -15,15 +14,6 @@ from dlprof_agent.reach.tracer import Tracer
 from dlprof_agent.reach.xsave_layout import LayoutUnknown, XsaveLayout, host_layout
 
 log = logging.getLogger("dlprof_agent")
-
-
-class Detour(NamedTuple):
-    """A borrowed thread on its way: where its rt_sigreturn finds the frame, and the
-    state that frame holds, to check once the thread is back."""
-
-    sigreturn_rsp: int
-    xstate: bytes | None
-    layout: XsaveLayout
 
 
 def cpu_layout(target: Target) -> XsaveLayout:
@@ -41,16 +31,18 @@ def unsafe(target: Target, why: str) -> InjectionUnsafe:
         "`dlprof-agent run -- python ...` for its probe", pid=target.pid)
 
 
-def put_back(ptrace: Tracer, target: Target, tid: int, detour: Detour) -> None:
+def put_back(ptrace: Tracer, target: Target, tid: int, xstate: bytes | None,
+             layout: XsaveLayout) -> None:
     """With ``tid`` stopped at the end of its detour's rt_sigreturn: any register
-    state the kernel did not restore from the frame goes back through ptrace."""
-    if detour.xstate is None:
+    state the kernel did not restore from the frame (``xstate``) goes back through
+    ptrace."""
+    if xstate is None:
         return
     restored = ptrace.xstate(tid)
-    if restored is None or len(restored) != len(detour.xstate):
+    if restored is None or len(restored) != len(xstate):
         return
-    lost = state_differences(detour.xstate, restored, detour.layout)
+    lost = state_differences(xstate, restored, layout)
     if lost:
-        ptrace.set_xstate(tid, detour.xstate)
+        ptrace.set_xstate(tid, xstate)
         log.warning("pid %d: thread %d came back from its detour without its %s "
                     "state; put back through ptrace", target.pid, tid, component_names(lost))

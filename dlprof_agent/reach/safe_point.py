@@ -68,12 +68,13 @@ def safe_pc(pc: int, maps: list[Mapping], unsafe_files: frozenset[str],
     return not os.path.basename(path).startswith(_UNSAFE_PREFIXES)
 
 
-def in_signal_handler(read: Callable[[int, int], bytes], rsp: int, stack_end: int,
-                      restorer: int) -> bool:
-    """A word on the stack above ``rsp`` is the address of libc's signal restorer:
-    the thread is inside a signal handler (or the stack cannot be read: taken as
-    such)."""
-    top = rsp & ~7
+def in_signal_handler(read: Callable[[int, int], bytes], sp: int, stack_end: int,
+                      restorer: int, code_address: Callable[[int], int] = int) -> bool:
+    """A word on the stack above ``sp`` is the address of the signal restorer (libc's,
+    or the vDSO's on arm64): the thread is inside a signal handler (or the stack
+    cannot be read: taken as such). ``code_address`` takes a stored return address's
+    authentication code off (arm64's PAC)."""
+    top = sp & ~7
     size = min(HANDLER_SCAN_BYTES, stack_end - top)
     if size <= 0:
         return True
@@ -81,8 +82,8 @@ def in_signal_handler(read: Callable[[int, int], bytes], rsp: int, stack_end: in
         stack = read(top, size)
     except OSError:
         return True
-    needle = restorer.to_bytes(8, "little")
-    return any(stack[at:at + 8] == needle for at in range(0, len(stack) - 7, 8))
+    return any(code_address(int.from_bytes(stack[at:at + 8], "little")) == restorer
+               for at in range(0, len(stack) - 7, 8))
 
 
 class BusyStops(NamedTuple):

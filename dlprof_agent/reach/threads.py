@@ -6,14 +6,19 @@ went away under them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import InjectionNotNow, TargetGone, TargetNotFound
-from dlprof_agent.reach.lock_wait import RESTART_SYSCALL
 from dlprof_agent.reach.procfs import list_tasks, read_task_syscall, status_of, thread_state
 from dlprof_agent.reach.refusal import refused
 
+if TYPE_CHECKING:
+    from dlprof_agent.reach.cpu import Cpu
+
 POLL_SECONDS = 0.005  # between looks at the threads' states
-# System calls a waiting thread may be borrowed from: none of them changes the signal mask
+# System calls a waiting thread may be borrowed from, by x86-64's numbers (arm64's
+# rules are in ``arm64``): none of them changes the signal mask
 # for its duration (ppoll, pselect, epoll_pwait and sigsuspend do), and the kernel restarts
 # or fails each of them the same way after our detour as after any ptrace stop.
 BORROWABLE = frozenset({0, 7, 23, 35, 43, 45, 47, 61, 202, 230, 232, 247, 288})
@@ -57,10 +62,11 @@ def blocked_signals(target: Target, tid: int) -> int | None:
     return None if status is None else status.sig_blk
 
 
-def waiting_threads(target: Target) -> list[int]:
-    """Threads of the target waiting in a system call we may borrow them from, main first;
-    and those in restart_syscall (a timed wait resumed after a stop), which only a
-    CPython lock wait of the main thread is borrowed from (``lock_wait``)."""
+def waiting_threads(target: Target, cpu: Cpu) -> list[int]:
+    """Threads of the target waiting in a system call we may borrow them from (by the
+    numbers and rules of ``cpu``), main first; and those in restart_syscall (a timed
+    wait resumed after a stop), which only a CPython lock wait of the main thread is
+    borrowed from (``lock_wait``)."""
     found = []
     for tid, fields in thread_syscalls(target):
         try:
@@ -69,7 +75,7 @@ def waiting_threads(target: Target) -> list[int]:
             continue  # "running", or -1: not in a system call
         # Interruptible sleep only: a thread in uninterruptible sleep (D, disk or NFS I/O)
         # would keep the agent waiting for its stop.
-        if (borrowable(number, arguments) or number == RESTART_SYSCALL) and thread_state(
+        if (cpu.borrowable(number, arguments) or number == cpu.restart_syscall) and thread_state(
                 target.pid, tid, procfs=target.procfs) == "S":
             found.append(tid)
     return found

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
@@ -23,7 +24,6 @@ PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
 PTRACE_EVENT_STOP = 128
 PTRACE_SYSCALL, PTRACE_SETOPTIONS, PTRACE_O_TRACESYSGOOD = 24, 0x4200, 1
 WALL = 0x40000000
-RT_SIGRETURN = 15
 # How long a borrowed thread is followed to its rt_sigreturn, and other threads stay
 # stopped while a busy 3.13 main thread queues its call
 HOLD_SECONDS = 0.5
@@ -57,22 +57,29 @@ class Tracer:
         regs = (self._ctypes.c_ulonglong * len(REGISTERS))(*values)
         self(PTRACE_SETREGS, tid, self._ctypes.addressof(regs))  # all of them, at once
 
-    def xstate(self, tid: int) -> bytes | None:
-        """The thread's XSAVE image (PTRACE_GETREGSET), or None where the kernel has
-        none to give."""
-        area = (self._ctypes.c_ubyte * MAX_XSTATE_BYTES)()
-        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), MAX_XSTATE_BYTES)
+    def regset(self, tid: int, note: int, size: int) -> bytes | None:
+        """Register set ``note`` of the thread (PTRACE_GETREGSET, at most ``size``
+        bytes, as many as the kernel gives), or None where it has none to give."""
+        area = (self._ctypes.c_ubyte * size)()
+        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), size)
         try:
-            self(PTRACE_GETREGSET, tid, self._ctypes.addressof(vector), NT_X86_XSTATE)
+            self(PTRACE_GETREGSET, tid, self._ctypes.addressof(vector), note)
         except OSError:
             return None
         return bytes(area)[:vector[1] or 0]
 
+    def set_regset(self, tid: int, note: int, data: bytes) -> None:
+        area = (self._ctypes.c_ubyte * len(data)).from_buffer_copy(data)
+        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), len(data))
+        self(PTRACE_SETREGSET, tid, self._ctypes.addressof(vector), note)
+
+    def xstate(self, tid: int) -> bytes | None:
+        """The thread's XSAVE image, or None where the kernel has none to give."""
+        return self.regset(tid, NT_X86_XSTATE, MAX_XSTATE_BYTES)
+
     def set_xstate(self, tid: int, image: bytes) -> None:
         """Put back an image ``xstate`` gave (the kernel takes only its whole size)."""
-        area = (self._ctypes.c_ubyte * len(image)).from_buffer_copy(image)
-        vector = (self._ctypes.c_void_p * 2)(self._ctypes.addressof(area), len(image))
-        self(PTRACE_SETREGSET, tid, self._ctypes.addressof(vector), NT_X86_XSTATE)
+        self.set_regset(tid, NT_X86_XSTATE, image)
 
     def fxsave(self, tid: int) -> bytes:
         area = (self._ctypes.c_ubyte * 512)()
@@ -112,12 +119,14 @@ def hold_other_threads(ptrace: Tracer, target: Target, held: dict[int, int]) -> 
         return False
 
 
-def until_it_returns(ptrace: Tracer, tid: int, sigreturn_rsp: int) -> tuple[int, bool]:
+def until_it_returns(ptrace: Tracer, tid: int, in_its_sigreturn: Callable[[list[int]], bool],
+                     registers: Callable[[int], list[int]]) -> tuple[int, bool]:
     """Let the borrowed thread run its call up to the end of its rt_sigreturn (the
-    detour's end: the one made with ``sigreturn_rsp``, not a signal handler's), for at
-    most HOLD_SECONDS; it is left stopped there, or at a system call or a signal. The
-    signal to pass on when it is let go, if any, and whether it stopped at the end of
-    that rt_sigreturn, with the state of the frame restored."""
+    detour's end, which ``in_its_sigreturn`` tells by the thread's registers at a
+    system-call stop: not a signal handler's), for at most HOLD_SECONDS; it is left
+    stopped there, or at a system call or a signal. The signal to pass on when it is
+    let go, if any, and whether it stopped at the end of that rt_sigreturn, with the
+    state of the frame restored."""
     ptrace(PTRACE_SETOPTIONS, tid, PTRACE_O_TRACESYSGOOD)
     deadline = time.monotonic() + HOLD_SECONDS
     deliver = 0
@@ -146,8 +155,7 @@ def until_it_returns(ptrace: Tracer, tid: int, sigreturn_rsp: int) -> tuple[int,
             continue
         if in_sigreturn:
             return 0, True
-        regs = dict(zip(REGISTERS, ptrace.registers(tid), strict=True))
-        in_sigreturn = regs["orig_rax"] == RT_SIGRETURN and regs["rsp"] == sigreturn_rsp
+        in_sigreturn = in_its_sigreturn(registers(tid))
         if time.monotonic() >= deadline:
             return 0, False
 
