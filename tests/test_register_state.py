@@ -219,11 +219,13 @@ def lost_registers(values: bytes, found: bytes) -> list[str]:
     return lost
 
 
-def start_job(directory: Path, mode: str, values: bytes) -> subprocess.Popen[str]:
-    (directory / "hold.bin").write_bytes(HOLD)
+def start_job(directory: Path, mode: str, values: bytes, *, code: bytes = HOLD,
+              script: str = JOB) -> subprocess.Popen[str]:
+    """``script`` (JOB, or another CPU's) holding ``values`` with ``code`` (its HOLD)."""
+    (directory / "hold.bin").write_bytes(code)
     (directory / "values").write_bytes(values)
     (directory / "flag").write_bytes(bytes(4096))
-    job = subprocess.Popen([sys.executable, "-c", JOB, mode], stdin=subprocess.PIPE,
+    job = subprocess.Popen([sys.executable, "-c", script, mode], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            cwd=directory)
     assert job.stdout is not None
@@ -236,7 +238,7 @@ def start_job(directory: Path, mode: str, values: bytes) -> subprocess.Popen[str
 
 def finish(job: subprocess.Popen[str], stdin: str = "") -> str:
     """What the job printed last (HOLD's return), once it has exited."""
-    out, err = job.communicate(stdin, timeout=60)
+    out, err = job.communicate(stdin, timeout=120)
     assert job.returncode == 0, f"the job failed ({job.returncode}): {err}"
     return out.strip()
 

@@ -24,7 +24,8 @@ import pytest
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
 from tests.helpers import wait_until
-from tests.test_register_state import put_back_by_the_agent, write_marker
+from tests.test_register_state import finish, put_back_by_the_agent, write_marker
+from tests.test_register_state import start_job as start_holding_job
 
 PR_SVE_GET_VL, PR_SVE_VL_LEN_MASK = 51, 0xFFFF
 
@@ -226,24 +227,7 @@ def lost_registers(values: bytes, found: bytes, vl: int | None) -> list[str]:
 
 
 def start_job(directory: Path, mode: str, values: bytes) -> subprocess.Popen[str]:
-    (directory / "hold.bin").write_bytes(HOLD)
-    (directory / "values").write_bytes(values)
-    (directory / "flag").write_bytes(bytes(4096))
-    job = subprocess.Popen([sys.executable, "-c", JOB, mode], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           cwd=directory)
-    assert job.stdout is not None
-    line = job.stdout.readline()
-    if line != "ready\n":
-        job.kill()
-        pytest.fail(f"the job did not start: {line!r} {job.communicate(timeout=10)[1]}")
-    return job
-
-
-def finish(job: subprocess.Popen[str], stdin: str = "") -> str:
-    out, err = job.communicate(stdin, timeout=120)
-    assert job.returncode == 0, f"the job failed ({job.returncode}): {err}"
-    return out.strip()
+    return start_holding_job(directory, mode, values, code=HOLD, script=JOB)
 
 
 def check(values: bytes, found: Path, vl: int | None,
