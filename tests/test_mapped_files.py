@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.mapped_files import (
+    free_address,
     function_address,
     job_view,
     libc_path,
@@ -65,3 +66,22 @@ def test_a_function_is_found_where_its_bytes_are_the_files() -> None:
     assert address == ctypes.cast(ctypes.CDLL(None).mmap, ctypes.c_void_p).value
     # No file to read: no address.
     assert function_address(target, maps, libc, ["/nonexistent" + libc], "mmap") is None
+
+
+def test_a_free_range_is_found_where_the_cpu_puts_user_mappings() -> None:
+    """x86-64's mappings sit below 2**47, with [vsyscall] far above; arm64's (48-bit
+    addresses) near 2**48: on both the page goes in the widest gap between them."""
+    page = 4096
+    x86_64 = [(0x555555554000, 0x555555556000, "r-xp", 0, "/usr/bin/python3"),
+              (0x7F0000000000, 0x7F0000100000, "r-xp", 0, "/usr/lib/libc.so.6"),
+              (0x7FFFF0000000, 0x7FFFF0021000, "rw-p", 0, "[stack]"),
+              (0xFFFFFFFFFF600000, 0xFFFFFFFFFF601000, "--xp", 0, "[vsyscall]")]
+    arm64 = [(0xAAAAAAAA0000, 0xAAAAAAAB0000, "r-xp", 0, "/usr/bin/python3.11"),
+             (0xFFFF80000000, 0xFFFF80100000, "r-xp", 0, "/usr/lib/aarch64-linux-gnu/libc.so.6"),
+             (0xFFFFF7FF0000, 0xFFFFF8000000, "r-xp", 0, "[vdso]"),
+             (0xFFFFFFFDF000, 0xFFFFFFFFF000, "rw-p", 0, "[stack]")]
+    for maps in (x86_64, arm64):
+        at = free_address(maps, page)
+        assert at is not None and at % page == 0
+        # in the widest gap, clear of every mapping
+        assert maps[0][1] < at < maps[1][0]

@@ -30,7 +30,9 @@ from dlprof_agent.reach.procfs import (
 )
 
 _DELETED = " (deleted)"
-_USER_SPACE_END = 1 << 47  # x86-64 with 4-level page tables, as mmap hands out by default
+# Above every user address (x86-64: 2**47, or 2**56 with 5-level page tables; arm64: up
+# to 2**52) and below x86-64's [vsyscall] page
+_USER_SPACE_END = 1 << 56
 _CHECKED_BYTES = 16  # of a function's code, compared between its file and the job
 
 
