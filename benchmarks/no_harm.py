@@ -9,7 +9,7 @@ from the untouched run's. Writes the section "## No harm" of docs/reach.md.
     python -m benchmarks.no_harm [--out docs/reach.md] [--attaches 4] [--kills 20] [KIND ...]
 
 Each injector path that applies is run: the one attach picks (the agent's own
-ptrace injector on x86-64 before 3.14), and gdb, forced as it is off x86-64 (an
+ptrace injector on x86-64 and arm64 before 3.14), and gdb, forced as it is on other CPUs (an
 injecting agent whose plan_calls finds nothing; `attach --no-inject` then connects).
 Each job is this module run with --job, in a process of its own. A run of a few
 kinds updates their rows of the table and keeps the others.
@@ -455,7 +455,7 @@ from dlprof_agent.collectors.target import Target
 from dlprof_agent.probe.bootstrap import injection_code
 from dlprof_agent.reach import inject
 if sys.argv[2] == "gdb":
-    inject.plan_calls = lambda pid, runtime: None  # as off x86-64: gdb makes the calls
+    inject.plan_calls = lambda pid, runtime: None  # as on other CPUs: gdb makes the calls
 code = injection_code()
 print("injecting", flush=True)
 queued = inject.inject(Target.of(int(sys.argv[1])), code)
@@ -822,12 +822,12 @@ def section(rows: list[Row], attaches: int, kills: int, seconds: float,
         "after the other in each, the first run's first injection uncut. A run is "
         "identical when its weights and exit code are the untouched run's; a kill counts "
         "as identical when its run is and it left no thread stopped or traced. The gdb "
-        "rows force the injector used off x86-64: an agent whose `plan_calls` finds "
-        "nothing injects, then `attach --no-inject` connects. gdb's calls return to a "
-        "breakpoint of its own, in the job for the milliseconds of each call: a kill of "
-        "gdb inside that window kills the job (reach/gdb.py), and a kill of agent and "
-        "gdb together (a cgroup's) can leave a thread stopped; the ptrace injector "
-        "has neither window.",
+        "rows force the injector used on CPUs without a place of its own: an agent "
+        "whose `plan_calls` finds nothing injects, then `attach --no-inject` connects. "
+        "gdb's calls return to a breakpoint of its own, in the job for the milliseconds "
+        "of each call: a kill of gdb inside that window kills the job (reach/gdb.py), "
+        "and a kill of agent and gdb together (a cgroup's) can leave a thread stopped; "
+        "the ptrace injector has neither window.",
         "",
         heading, "",
         *described,

@@ -1,9 +1,9 @@
 """Queues the bootstrap with gdb, where the agent's own ptrace injector does not
-run (not x86-64, or an address it could not check). gdb stops the job, calls ``mmap``
-then ``Py_AddPendingCall`` on a thread that waits in the kernel, and detaches. Its own
-return breakpoint stays in the job for the milliseconds of each call: a kill of gdb
-inside one of those two windows still kills the job (the ptrace injector has no such
-window).
+run (a CPU with no place of its own, ``cpu``, or an address it could not check). gdb
+stops the job, calls ``mmap`` then ``Py_AddPendingCall`` on a thread that waits in the
+kernel, and detaches. Its own return breakpoint stays in the job for the milliseconds
+of each call: a kill of gdb inside one of those two windows still kills the job (the
+ptrace injector has no such window).
 
 The thread gdb borrows was stopped inside a system call, which the kernel restarts when
 gdb lets it go, from the registers gdb puts back after each call: on x86-64 rax holds
