@@ -141,7 +141,8 @@ HOLD = bytes.fromhex(
 # Runs HOLD from a file mapped as a library's code is (r-x, file-backed: a busy thread
 # stopped there is at a safe PC) on the values in ./values, leaves the registers it got
 # back in ./found, and prints what HOLD returned. argv[1]: read (wait in a read of
-# stdin), spin (spin on the shared page ./flag) or tiles (read, with AMX tiles too).
+# stdin), spin (spin on the shared page ./flag) or tiles (read, with AMX tiles too);
+# arm64's HOLD (test_register_state_arm64.py) takes sve (spin, with SVE registers).
 JOB = """
 import ctypes, mmap, os, sys
 mode = sys.argv[1]
@@ -166,11 +167,12 @@ hold = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_c
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long)(
     mapped("hold.bin", mmap.PROT_READ | mmap.PROT_EXEC, mmap.MAP_PRIVATE))
 flag = (mapped("flag", mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
-        if mode == "spin" else None)
+        if mode in ("spin", "sve") else None)
 values = open("values", "rb").read()
 found = ctypes.create_string_buffer(len(values))
 print("ready", flush=True)
-returned = hold(0, ctypes.create_string_buffer(1), values, found, flag, mode == "tiles")
+returned = hold(0, ctypes.create_string_buffer(1), values, found, flag,
+                mode in ("tiles", "sve"))
 open("found", "wb").write(found.raw)
 print(returned, flush=True)
 """

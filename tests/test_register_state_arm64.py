@@ -156,41 +156,6 @@ HOLD = bytes.fromhex(
     "304508ad324d09ad34550aad365d0bad38650cad3a6d0dad3c750ead3e7d0fadee3f436dec37426dea2f416d"
     "e827c46cc0035fd6")
 
-# Runs HOLD from a file mapped as a library's code is (r-x, file-backed: a busy thread
-# stopped there is at a safe PC) on the values in ./values, leaves the registers it got
-# back in ./found, and prints what HOLD returned. argv[1]: read (wait in a read of
-# stdin, V registers), spin (spin on the shared page ./flag, V registers) or sve (spin,
-# SVE registers).
-JOB = """
-import ctypes, mmap, os, sys
-mode = sys.argv[1]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long)
-
-def mapped(name, prot, flags):
-    fd = os.open(name, os.O_RDWR)
-    address = libc.mmap(None, os.fstat(fd).st_size, prot, flags, fd, 0)
-    os.close(fd)
-    if address in (None, 2**64 - 1):
-        sys.exit(f"mmap of {name}: errno {ctypes.get_errno()}")
-    return address
-
-hold = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p,
-                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long)(
-    mapped("hold.bin", mmap.PROT_READ | mmap.PROT_EXEC, mmap.MAP_PRIVATE))
-flag = (mapped("flag", mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED)
-        if mode != "read" else None)
-values = open("values", "rb").read()
-found = ctypes.create_string_buffer(len(values))
-print("ready", flush=True)
-returned = hold(0, ctypes.create_string_buffer(1), values, found, flag, mode == "sve")
-open("found", "wb").write(found.raw)
-print(returned, flush=True)
-"""
-
-
 def held_values(vl: int | None) -> bytes:
     """What the job holds: bytes of a fixed seed in V0-V31; with ``vl``, in Z0-Z31 and
     P0-P15 too, and an FFR whose first half is set (FFR must be monotonic: set
@@ -227,7 +192,9 @@ def lost_registers(values: bytes, found: bytes, vl: int | None) -> list[str]:
 
 
 def start_job(directory: Path, mode: str, values: bytes) -> subprocess.Popen[str]:
-    return start_holding_job(directory, mode, values, code=HOLD, script=JOB)
+    """test_register_state.py's job (read, spin, or sve: spin with SVE registers)
+    running this HOLD."""
+    return start_holding_job(directory, mode, values, code=HOLD)
 
 
 def check(values: bytes, found: Path, vl: int | None,
