@@ -539,8 +539,7 @@ def default_injector(pid: int) -> str:
         return "none: not Python"
     if runtime.version is not None and runtime.version >= (3, 14):
         return "PEP 768"
-    if platform.machine() != "x86_64":
-        return "gdb"
+    # plan_calls finds nothing on a CPU the injector has no place for (cpus.py)
     return "ptrace" if plan_calls(target, runtime) is not None else "gdb (no ptrace plan)"
 
 
