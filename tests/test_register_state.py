@@ -269,19 +269,45 @@ def write_marker(marker: Path) -> str:
     return f"open({str(marker)!r}, 'w').write('ran')"
 
 
+def borrowed_in_a_read(job: subprocess.Popen[str], marker: Path,
+                       caplog: pytest.LogCaptureFixture, *, read_call: str = "0",
+                       seconds: float = 10) -> str:
+    """Inject into ``job`` once its only thread waits in its read (system call
+    ``read_call``), then give the read its byte: what HOLD returned."""
+    try:
+        wait_until(lambda: Path(f"/proc/{job.pid}/syscall").read_text().split()[0] == read_call,
+                   seconds, what="the job's read, its registers loaded")
+        with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
+            inject(Target.of(job.pid), write_marker(marker))  # its only thread, in that read
+        return finish(job, "x")
+    finally:
+        stop(job)
+
+
+def borrowed_while_spinning(job: subprocess.Popen[str], flag: Path, marker: Path,
+                            caplog: pytest.LogCaptureFixture, *, seconds: float = 10) -> str:
+    """Inject into ``job`` while its only thread spins in HOLD, then set the flag that
+    ends the spin: what HOLD returned."""
+    try:
+        wait_until(lambda: flag.read_bytes()[1] == 1, seconds,
+                   what="the job's spin, its registers loaded")
+        assert os.listdir(f"/proc/{job.pid}/task") == [str(job.pid)], \
+            "a second thread could be borrowed instead of the busy one"
+        with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
+            inject(Target.of(job.pid), write_marker(marker))
+        with flag.open("r+b") as shared:
+            shared.write(b"\1")
+        return finish(job)
+    finally:
+        stop(job)
+
+
 def check_registers_across_a_read(tmp_path: Path, caplog: pytest.LogCaptureFixture, *,
                                   tiles: bool) -> None:
     values = held_values(tiles=tiles)
     marker = tmp_path / "ran"
     job = start_job(tmp_path, "tiles" if tiles else "read", values)
-    try:
-        wait_until(lambda: Path(f"/proc/{job.pid}/syscall").read_text().split()[0] == "0",
-                   10, what="the job's read, its registers loaded")
-        with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
-            inject(Target.of(job.pid), write_marker(marker))  # its only thread, in that read
-        returned = finish(job, "x")
-    finally:
-        stop(job)
+    returned = borrowed_in_a_read(job, marker, caplog)
     assert returned == "1", "the read did not return its one byte"
     assert marker.exists(), "the injected code did not run"
     check_nothing_lost(values, tmp_path / "found", caplog.records)
@@ -306,18 +332,7 @@ def test_a_busy_main_thread_borrowed_at_a_safe_pc_keeps_its_avx512_registers(
     marker = tmp_path / "ran"
     flag = tmp_path / "flag"
     job = start_job(tmp_path, "spin", values)
-    try:
-        wait_until(lambda: flag.read_bytes()[1] == 1, 10,
-                   what="the job's spin, its registers loaded")
-        assert os.listdir(f"/proc/{job.pid}/task") == [str(job.pid)], \
-            "a second thread could be borrowed instead of the busy one"
-        with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
-            inject(Target.of(job.pid), write_marker(marker))
-        with flag.open("r+b") as shared:
-            shared.write(b"\1")
-        returned = finish(job)
-    finally:
-        stop(job)
+    returned = borrowed_while_spinning(job, flag, marker, caplog)
     assert returned == "1", "the spin gave up before the flag was set"
     assert marker.exists(), "the injected code did not run"
     check_nothing_lost(values, tmp_path / "found", caplog.records)

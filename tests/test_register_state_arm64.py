@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
 import random
 import shutil
@@ -21,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from dlprof_agent.collectors.target import Target
-from dlprof_agent.reach.inject import inject
-from tests.helpers import wait_until
-from tests.test_register_state import finish, put_back_by_the_agent, write_marker
+from tests.test_register_state import (
+    borrowed_in_a_read,
+    borrowed_while_spinning,
+    put_back_by_the_agent,
+)
 from tests.test_register_state import start_job as start_holding_job
 
 PR_SVE_GET_VL, PR_SVE_VL_LEN_MASK = 51, 0xFFFF
@@ -211,15 +211,7 @@ def test_a_thread_borrowed_in_a_read_keeps_its_fp_simd_registers(
     values = held_values(None)
     marker = tmp_path / "ran"
     job = start_job(tmp_path, "read", values)
-    try:
-        wait_until(lambda: Path(f"/proc/{job.pid}/syscall").read_text().split()[0] == "63",
-                   30, what="the job's read, its registers loaded")
-        with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
-            inject(Target.of(job.pid), write_marker(marker))  # its only thread, in that read
-        returned = finish(job, "x")
-    finally:
-        if job.poll() is None:
-            job.kill()
+    returned = borrowed_in_a_read(job, marker, caplog, read_call="63", seconds=30)
     assert returned == "1", "the read did not return its one byte"
     assert marker.exists(), "the injected code did not run"
     check(values, tmp_path / "found", None, caplog.records)
@@ -237,19 +229,7 @@ def test_a_busy_main_thread_borrowed_at_a_safe_pc_keeps_its_registers(
     marker = tmp_path / "ran"
     flag = tmp_path / "flag"
     job = start_job(tmp_path, mode, values)
-    try:
-        wait_until(lambda: flag.read_bytes()[1] == 1, 30,
-                   what="the job's spin, its registers loaded")
-        assert os.listdir(f"/proc/{job.pid}/task") == [str(job.pid)], \
-            "a second thread could be borrowed instead of the busy one"
-        with caplog.at_level(logging.WARNING, logger="dlprof_agent"):
-            inject(Target.of(job.pid), write_marker(marker))
-        with flag.open("r+b") as shared:
-            shared.write(b"\1")
-        returned = finish(job)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    returned = borrowed_while_spinning(job, flag, marker, caplog, seconds=30)
     assert returned == "1", "the spin gave up before the flag was set"
     assert marker.exists(), "the injected code did not run"
     check(values, tmp_path / "found", vl, caplog.records)
