@@ -322,6 +322,9 @@ def inject_with_gdb(target: Target, code: str, wait_seconds: float,
             f"cannot inject into process {pid}: gdb is not installed",
             "install it (e.g. apt install gdb) to inject into a running Python before 3.14, "
             "or start the job with `dlprof-agent run -- python ...`", pid=pid)
+    if not target.is_running():
+        # Gone since it was found (no mappings left to plan from): not gdb's refusal.
+        raise exited_during_injection(target)
     _refuse_unsafe_gdb(target, gdb)
     queued = pending_bootstrap(target)
     if queued is not None:
