@@ -5,13 +5,21 @@ only makes it slower, never wrong."""
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
 
+from dlprof_agent.reach.cpus import this_cpu
+
 T = TypeVar("T")
+
+# The agent's own ptrace injector runs where its CPU has a place (reach/cpus.py), for
+# jobs before Python 3.14
+OWN_INJECTOR = this_cpu() is not None and not hasattr(sys, "remote_exec")
+NO_OWN_INJECTOR = "the agent's own ptrace injector: x86-64 and arm64, before Python 3.14"
 # A client's wait for the agent's answer: on a machine whose cores are busy (a
 # parallel run on two cores) an answer may wait seconds for a CPU.
 SCRAPE_TIMEOUT_SECONDS = 60.0

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dlprof_agent.reach.shutdown import LifeWords, life_words, shutting_down
-from tests.helpers import wait_until
+from tests.helpers import NO_OWN_INJECTOR, OWN_INJECTOR, wait_until
 from tests.test_syscall_restart import BEFORE_REMOTE_EXEC, SYSCALLS
 
 MACHINE = platform.machine()
@@ -95,8 +95,7 @@ def _check_exit_is_untouched(job: subprocess.Popen[bytes], injector: str) -> Non
     assert "shutting its Python interpreter down" in said["message"]
 
 
-@pytest.mark.skipif(MACHINE != "x86_64" or not BEFORE_REMOTE_EXEC,
-                    reason="the agent's own ptrace injector: x86-64, before Python 3.14")
+@pytest.mark.skipif(not OWN_INJECTOR, reason=NO_OWN_INJECTOR)
 def test_the_ptrace_injector_leaves_an_exiting_job_to_exit_0(
         exiting_job: subprocess.Popen[bytes]) -> None:
     _check_exit_is_untouched(exiting_job, "ptrace")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ from dlprof_agent.probe_link import progress
 from dlprof_agent.probe_link import start as probe_start
 from dlprof_agent.probe_link.connect import ProbeOptions
 from tests.conftest import agent_env, http_get
-from tests.helpers import wait_until
+from tests.helpers import OWN_INJECTOR, wait_until
 
 
 class StandInSource:
@@ -131,8 +130,7 @@ def test_a_start_that_meets_another_agent_hands_its_error_over_once(
     assert start.failure() is None, "a job that ends is no error"
 
 
-INJECTS = not hasattr(sys, "remote_exec") and (platform.machine() == "x86_64"
-                                               or shutil.which("gdb") is not None)
+INJECTS = OWN_INJECTOR or (not hasattr(sys, "remote_exec") and shutil.which("gdb") is not None)
 
 # Jobs whose probe's start takes seconds, each for another reason: no thread of it
 # ever waits in the kernel (the injector waits for one); its main thread holds the

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import platform
 import random
 import shutil
 import subprocess
@@ -22,13 +21,12 @@ import pytest
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
-from tests.helpers import wait_until
+from tests.helpers import NO_OWN_INJECTOR, OWN_INJECTOR, wait_until
 from tests.test_pure_python_loop import injecting_agent, left_stopped_or_traced
 
 pytestmark = [
     pytest.mark.slow,  # starts PyTorch jobs
-    pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
-                       reason="the agent's own ptrace injector: x86-64, before Python 3.14"),
+    pytest.mark.skipif(not OWN_INJECTOR, reason=NO_OWN_INJECTOR),
     pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
     pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset"),
 ]

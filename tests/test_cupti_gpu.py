@@ -40,6 +40,7 @@ import pytest
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.grafana import build as dashboards
 from dlprof_agent.reach.call_plan import plan_calls
+from dlprof_agent.reach.cpus import this_cpu
 from dlprof_agent.reach.runtime import find_python_runtime
 from tests import test_dashboards as dashboards_test
 from tests.conftest import REPO, Prometheus, agent_env, free_port, wait_for
@@ -161,8 +162,8 @@ def missing_injector() -> str | None:
             return None
         return (f"Python {version}'s remote debugging is off (PYTHON_DISABLE_REMOTE_DEBUG, "
                 "-X disable_remote_debug, or built without it): sys.remote_exec cannot inject")
-    if platform.machine() != "x86_64":
-        ptrace = f"the agent's ptrace injector is for x86-64, not {platform.machine()}"
+    if this_cpu() is None:
+        ptrace = f"the agent's ptrace injector is for x86-64 and arm64, not {platform.machine()}"
     else:
         runtime = find_python_runtime(Target.of(os.getpid()))
         if runtime is not None and plan_calls(Target.of(os.getpid()), runtime) is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import random
 import secrets
 import shutil
@@ -28,11 +27,11 @@ from dlprof_agent.reach import bootstrap_files, pending
 from dlprof_agent.reach import inject as inject_module
 from dlprof_agent.reach.inject import inject
 from tests.conftest import agent_env, force_gdb, gdb_refusal
-from tests.helpers import wait_until, without_eval_loop_stops
+from tests.helpers import NO_OWN_INJECTOR, OWN_INJECTOR, wait_until, without_eval_loop_stops
 
 pytestmark = pytest.mark.skipif(
-    hasattr(sys, "remote_exec") or (platform.machine() != "x86_64" and not shutil.which("gdb")),
-    reason="before Python 3.14 the agent injects itself on x86-64, elsewhere with gdb")
+    hasattr(sys, "remote_exec") or not (OWN_INJECTOR or shutil.which("gdb")),
+    reason="before Python 3.14 the agent injects itself on x86-64 and arm64, elsewhere with gdb")
 
 # A stand-in for a training loop: each step computes in Python for sys.argv[2] seconds,
 # holding the GIL (as data preparation or a checkpoint does), then waits in the kernel
@@ -249,8 +248,8 @@ def test_a_job_that_exits_during_the_injection_is_reported_as_exited(
     path runs wherever gdb does, AMX included."""
     if injector == "gdb":
         force_gdb(monkeypatch)
-    elif platform.machine() != "x86_64":
-        pytest.skip("the agent's own ptrace injector is x86-64's")
+    elif not OWN_INJECTOR:
+        pytest.skip(NO_OWN_INJECTOR)
     job = start([sys.executable, "-c", TRAINING, str(tmp_path / "steps")], processes)
     def exit_before_the_injector(target: Target) -> list[str]:
         assert target.pid == job.pid and target.is_running()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from dlprof_agent.reach import lock_wait
+from dlprof_agent.reach import arm64, lock_wait
+from dlprof_agent.reach.arm64 import Arm64
 from dlprof_agent.reach.frame import REGISTERS, signal_frame
 from dlprof_agent.reach.lock_wait import (
     STACK_SCAN_BYTES,
@@ -16,6 +17,8 @@ from dlprof_agent.reach.lock_wait import (
     frame_bytes,
     waits_in_parking_lot,
 )
+from dlprof_agent.reach.pending_mutex import PENDING_MAINTHREAD_OFFSET_3_13, pending_mutex_address
+from dlprof_agent.reach.stopped import Stopped
 from dlprof_agent.reach.x86_64 import X86_64
 from dlprof_agent.reach.xsave_layout import X87_SSE, XsaveLayout
 
@@ -245,9 +248,132 @@ def test_a_thread_seen_through_its_syscall_file_waits_in_the_parking_lot() -> No
              rsp + 384: SID_IN_LOCK}
     line = ["202", "0x1", hex(FUTEX_WAIT_BITSET_PRIVATE), "0x0", "0x0", "0x0",
             "0xffffffff", hex(rsp), "0x7f0000000000"]
-    assert waits_in_parking_lot(line, sid(stack), STACK_TOP, SID_PARKING_LOT)
+    assert waits_in_parking_lot(X86_64(), line, sid(stack), STACK_TOP, SID_PARKING_LOT)
     sleep = ["230", *line[1:]]
-    assert not waits_in_parking_lot(sleep, sid(stack), STACK_TOP, SID_PARKING_LOT)
+    assert not waits_in_parking_lot(X86_64(), sleep, sid(stack), STACK_TOP, SID_PARKING_LOT)
     wake = [line[0], line[1], "0x81", *line[3:]]
-    assert not waits_in_parking_lot(wake, sid(stack), STACK_TOP, SID_PARKING_LOT)
-    assert not waits_in_parking_lot(["running"], sid(stack), STACK_TOP, SID_PARKING_LOT)
+    assert not waits_in_parking_lot(X86_64(), wake, sid(stack), STACK_TOP, SID_PARKING_LOT)
+    assert not waits_in_parking_lot(X86_64(), ["running"], sid(stack), STACK_TOP, SID_PARKING_LOT)
+
+
+# arm64: Debian trixie's python3.13 (3.13.5-2+deb13u5), its addresses and instructions.
+# A frame record is (x29, x30), x29 pointing at the caller's record; x30 is signed with
+# pointer authentication, its code above the address bits.
+A64_SEMAPHORE_WAIT = (0x5F16B0, 0x5F17AC)
+A64_PARK = (0x5F1024, 0x5F128C)
+A64_PARKING_LOT = ParkingLotWait(A64_SEMAPHORE_WAIT, A64_PARK)
+A64_CODE = {0x5F1704: 0x97F8B843,  # bl sem_wait@plt, in _PySemaphore_Wait
+            0x5F111C: 0x94000165,  # bl _PySemaphore_Wait, in Park
+            0x5F1274: 0x9400010F,  # and its second call, with no timeout
+            0x733F8C: 0x97FAF5C9}  # bl _PySemaphore_Wait, in the raw mutex's slow lock
+A64_IN_SEMAPHORE_WAIT, A64_IN_PARK, A64_IN_RAW_MUTEX = 0x5F1708, 0x5F1120, 0x733F90
+A64_PAC_MASK = 0x007F_0000_0000_0000
+A64_FUTEX = 98
+
+
+def a64(*instructions: int) -> bytes:
+    return b"".join(word.to_bytes(4, "little") for word in instructions)
+
+
+def signed_by_pac(address: int) -> int:
+    return address | 0x0035_0000_0000_0000
+
+
+def a64_stack(sp: int, records: list[tuple[int, int, int]]) -> Callable[[int, int], bytes]:
+    """Memory holding frame records (where, x29, x30) above ``sp`` and A64_CODE."""
+    words = {sp + 8: 0x0000FFFF12345678}  # a word of libc's frames
+    for at, frame_pointer, link in records:
+        words[at], words[at + 8] = frame_pointer, link
+    return reader(memory(words, {at: a64(word) for at, word in A64_CODE.items()}))
+
+
+def a64_in_lock_wait(read: Callable[[int, int], bytes], sp: int, *, call: int = A64_FUTEX,
+                     command: int = FUTEX_WAIT_BITSET_PRIVATE,
+                     wait: ParkingLotWait = A64_PARKING_LOT) -> bool:
+    stopped = Stopped([0] * 34, 0x0000FFFF00001000, sp, call, (0x1, command, 0, 0, 0, 0),
+                      interrupted=True)
+    return lock_wait.in_lock_wait(Arm64(A64_PAC_MASK), stopped, read, STACK_TOP, wait)
+
+
+def test_on_arm64_parks_own_wait_is_found_through_the_frame_records() -> None:
+    sp = STACK_TOP - 4096
+    # libc's record returns into _PySemaphore_Wait; its x29 points at _PySemaphore_Wait's
+    # record, which returns into Park right after Park's bl of it
+    for in_park in (A64_IN_PARK, 0x5F1278):
+        stack = a64_stack(sp, [(sp + 96, sp + 192, signed_by_pac(A64_IN_SEMAPHORE_WAIT)),
+                               (sp + 192, sp + 320, signed_by_pac(in_park))])
+        assert a64_in_lock_wait(stack, sp)
+    # Resumed as restart_syscall after an earlier stop
+    assert a64_in_lock_wait(stack, sp, call=128)
+
+
+def test_on_arm64_other_waits_on_the_semaphore_are_not() -> None:
+    sp = STACK_TOP - 4096
+    in_semaphore_wait = signed_by_pac(A64_IN_SEMAPHORE_WAIT)
+    # The raw mutex's wait: its caller ignores EINTR
+    raw = a64_stack(sp, [(sp + 96, sp + 192, in_semaphore_wait),
+                         (sp + 192, sp + 320, signed_by_pac(A64_IN_RAW_MUTEX))])
+    assert not a64_in_lock_wait(raw, sp)
+    # A stale return into Park on the stack, but the chain leads to the raw mutex's
+    stale = a64_stack(sp, [(sp + 96, sp + 192, in_semaphore_wait),
+                           (sp + 144, sp + 400, signed_by_pac(A64_IN_PARK)),
+                           (sp + 192, sp + 320, signed_by_pac(A64_IN_RAW_MUTEX))])
+    assert not a64_in_lock_wait(stale, sp)
+    # x29 pointing below its own record, or off the 16-byte grid: no chain
+    for frame_pointer in (sp + 32, sp + 200):
+        broken = a64_stack(sp, [(sp + 96, frame_pointer, in_semaphore_wait),
+                                (sp + 192, sp + 320, signed_by_pac(A64_IN_PARK))])
+        assert not a64_in_lock_wait(broken, sp)
+    # A return address into Park after a call of another function
+    other = a64_stack(sp, [(sp + 96, sp + 192, in_semaphore_wait),
+                           (sp + 192, sp + 320, signed_by_pac(A64_PARK[0] + 0x40))])
+    assert not a64_in_lock_wait(other, sp)
+    good = a64_stack(sp, [(sp + 96, sp + 192, in_semaphore_wait),
+                          (sp + 192, sp + 320, signed_by_pac(A64_IN_PARK))])
+    assert not a64_in_lock_wait(good, sp, call=101)  # nanosleep
+    assert not a64_in_lock_wait(good, sp, command=0x81)  # a wake
+    # Without the PAC mask the signed addresses are no code addresses at all
+    stopped = Stopped([0] * 34, 0, sp, A64_FUTEX, (0x1, FUTEX_WAIT_BITSET_PRIVATE, 0, 0, 0, 0),
+                      interrupted=True)
+    assert not lock_wait.in_lock_wait(Arm64(), stopped, good, STACK_TOP, A64_PARKING_LOT)
+
+
+def test_on_arm64_a_thread_seen_through_its_syscall_file_waits_in_the_parking_lot() -> None:
+    sp = STACK_TOP - 4096
+    stack = a64_stack(sp, [(sp + 96, sp + 192, signed_by_pac(A64_IN_SEMAPHORE_WAIT)),
+                           (sp + 192, sp + 320, signed_by_pac(A64_IN_PARK))])
+    line = [str(A64_FUTEX), "0x1", hex(FUTEX_WAIT_BITSET_PRIVATE), "0x0", "0x0", "0x0",
+            "0xffffffff", hex(sp), "0xffff00001000"]
+    cpu = Arm64(A64_PAC_MASK)
+    assert waits_in_parking_lot(cpu, line, stack, STACK_TOP, A64_PARKING_LOT)
+    assert not waits_in_parking_lot(cpu, ["202", *line[1:]], stack, STACK_TOP, A64_PARKING_LOT)
+
+
+def test_on_arm64_the_pending_call_mutex_is_found_by_adrp_and_add() -> None:
+    # _PyEval_AddPendingCall+0x108: adrp x1 and ldr x1 (a GOT slot), add x1, #0x18, bl,
+    # b; then the main thread's queue: adrp x19, add x19, #0xe8
+    code = a64(0xD0002061, 0xD2800080, 0xF9449821, 0x91006021, 0x94046C72, 0x17FFFFF1,
+               0xF0002073, 0x9103A273)
+    at, runtime_state = 0x619468, 0xA27698  # _PyRuntime
+    queue = runtime_state + PENDING_MAINTHREAD_OFFSET_3_13
+    assert arm64.names_address(code, at, queue)
+    assert pending_mutex_address(runtime_state, code, at, arm64.names_address) == queue + 8
+    # Not an address the code does not make: one byte off, or loaded through the GOT
+    assert not arm64.names_address(code, at, queue + 1)
+    assert not arm64.names_address(code, at, 0xA27000 + 2352)
+    # The add may write another register; it must read the adrp's
+    other = code[:-4] + a64(0x9103A262)  # add x2, x19, #0xe8: the adrp's register read
+    assert arm64.names_address(other, at, queue)
+    unrelated = code[:-4] + a64(0x9103A022)  # add x2, x1, #0xe8
+    assert not arm64.names_address(unrelated, at, queue)
+    # x86-64's reading finds nothing in arm64 code
+    assert pending_mutex_address(runtime_state, code, at) is None
+
+
+def test_arm64_bl_targets_are_decoded_both_ways() -> None:
+    read = reader(memory({}, {at: a64(word) for at, word in A64_CODE.items()}))
+    assert arm64.calls(read, A64_IN_PARK, A64_SEMAPHORE_WAIT[0])  # forward
+    assert arm64.calls(read, A64_IN_RAW_MUTEX, A64_SEMAPHORE_WAIT[0])  # backward
+    assert arm64.calls(read, A64_IN_SEMAPHORE_WAIT, 0x41F810)  # to the PLT
+    assert not arm64.calls(read, A64_IN_PARK, A64_SEMAPHORE_WAIT[0] + 4)
+    assert not arm64.calls(read, A64_IN_PARK + 4, A64_SEMAPHORE_WAIT[0])  # no bl there

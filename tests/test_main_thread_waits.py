@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -22,12 +21,11 @@ import pytest
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
 from tests.conftest import agent_env
-from tests.helpers import wait_until
+from tests.helpers import NO_OWN_INJECTOR, OWN_INJECTOR, wait_until
 
 pytestmark = [
     pytest.mark.slow,  # real jobs that wait for seconds
-    pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
-                       reason="the agent's own ptrace injector: x86-64, before Python 3.14"),
+    pytest.mark.skipif(not OWN_INJECTOR, reason=NO_OWN_INJECTOR),
 ]
 
 # The main thread waits sys.argv[2] seconds in one way, then prints how long it

@@ -7,19 +7,17 @@ untouched run. And its section of docs/reach.md is replaced in place, and kept w
 from __future__ import annotations
 
 import importlib.util
-import platform
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import no_harm, reach
+from tests.helpers import NO_OWN_INJECTOR, OWN_INJECTOR
 
 
 @pytest.mark.slow  # real jobs, attached to and killed into, for a minute each
-@pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
-                    reason="the agent's own ptrace injector: x86-64, before Python 3.14")
+@pytest.mark.skipif(not OWN_INJECTOR, reason=NO_OWN_INJECTOR)
 @pytest.mark.parametrize(("kind", "injector"), [
     ("python", "default"),  # a busy main thread, met in the eval loop's own code
     ("pinned", "default"),  # a busy main thread, met in libtorch

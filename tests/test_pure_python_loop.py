@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import random
 import shutil
 import subprocess
@@ -21,12 +20,11 @@ import pytest
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach.inject import inject
 from tests.conftest import agent_env
-from tests.helpers import wait_until
+from tests.helpers import NO_OWN_INJECTOR, OWN_INJECTOR, wait_until
 
 pytestmark = [
     pytest.mark.slow,  # real jobs, computing for seconds each
-    pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
-                       reason="the agent's own ptrace injector: x86-64, before Python 3.14"),
+    pytest.mark.skipif(not OWN_INJECTOR, reason=NO_OWN_INJECTOR),
     pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset"),
 ]
 

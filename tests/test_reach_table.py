@@ -4,18 +4,16 @@ within the wait; one in a sleep comes up once the sleep returns."""
 
 from __future__ import annotations
 
-import platform
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import reach
+from tests.helpers import NO_OWN_INJECTOR, OWN_INJECTOR
 
 pytestmark = [
     pytest.mark.slow,  # real jobs, probes injected into them
-    pytest.mark.skipif(hasattr(sys, "remote_exec") or platform.machine() != "x86_64",
-                       reason="the agent's own ptrace injector: x86-64, before Python 3.14"),
+    pytest.mark.skipif(not OWN_INJECTOR, reason=NO_OWN_INJECTOR),
 ]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import platform
 import random
 import shutil
 import signal
@@ -58,10 +57,21 @@ ROOTS = Path(os.environ.get("DLPROF_PYTHON_ROOTS", REPO / "build" / "roots"))
 TRIXIE_ROOT = ROOTS / "trixie"
 
 
+def _elf_machine(path: Path) -> int | None:
+    """The CPU an ELF file is built for (e_machine); None where it cannot be read."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(20)
+    except OSError:
+        return None
+    return int.from_bytes(header[18:20], "little") if header[:4] == b"\x7fELF" else None
+
+
 def root_problem(suite: str, python: tuple[int, int]) -> str | None:
     """Why jobs cannot run on Debian ``suite``'s Python ``python`` here; None if they can."""
-    if platform.machine() != "x86_64":
-        return "the roots are built for x86-64"
+    if _elf_machine(ROOTS / suite / "usr" / "bin" / "python3") not in (
+            None, _elf_machine(Path(sys.executable))):
+        return f"the {suite} root at {ROOTS / suite} is built for another CPU than this one"
     if os.geteuid() != 0:
         return "running a job in a Debian root needs chroot, as root"
     if sys.version_info[:2] == python:

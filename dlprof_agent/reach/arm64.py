@@ -93,6 +93,7 @@ _STATE_NAMES = {NT_PRFPREG: "FP/SIMD", NT_ARM_SVE: "SVE", NT_ARM_TLS: "TLS", NT_
 _MAX_SVE_BYTES = 16 + 546 * 16 + 32  # vector length 256 bytes, fpsr and fpcr after
 _GCS_ENABLED = 1  # PR_SHADOW_STACK_ENABLE in features_enabled
 _TAG_BITS = 0xFF << 56  # the top byte, ignored in user addresses
+_ADRP_ADD_REACH = 8  # instructions: gcc schedules others between the two
 _FRAME_GAP = 256  # between the stopped thread's stack pointer and the frame
 # NT_ARM_SVE (struct user_sve_header): its flags' low bit says the payload holds SVE
 # registers rather than FP/SIMD ones; the registers sit after the 16-byte header in
@@ -166,6 +167,56 @@ def after_a_call(read: Callable[[int, int], bytes], address: int) -> bool:
     word = int.from_bytes(before, "little")
     return (word & 0xFC000000 == 0x94000000 or word & 0xFFFFFC1F == 0xD63F0000
             or word & 0xFEFFF800 == 0xD63F0800)
+
+
+def calls(read: Callable[[int, int], bytes], address: int, function: int) -> bool:
+    """``address`` follows a ``bl`` of ``function``."""
+    try:
+        before = read(address - 4, 4)
+    except OSError:
+        return False
+    if len(before) != 4:
+        return False
+    word = int.from_bytes(before, "little")
+    if word & 0xFC000000 != 0x94000000:
+        return False
+    offset = word & 0x3FFFFFF
+    offset -= (offset & 1 << 25) << 1  # signed, in instructions
+    return address - 4 + 4 * offset == function
+
+
+def caller_index(words: list[int], top: int, index: int) -> int | None:
+    """``words[index]`` (at ``top + 8 * index``) is the x30 of a frame record, stored
+    by the callee of the function it returns into: the x29 right below it points to
+    that function's own record (AAPCS64's frame chain), whose x30 is returned."""
+    if index == 0 or (top + 8 * (index - 1)) % 16:
+        return None
+    record = words[index - 1] - top
+    if record % 16 or record < 8 * (index + 1):
+        return None
+    caller = record // 8 + 1
+    return caller if caller < len(words) else None
+
+
+def names_address(code: bytes, code_address: int, target: int) -> bool:
+    """``code``, loaded at ``code_address``, puts ``target`` in a register: ``adrp`` of
+    its 4 KiB page, then, a few instructions later at most, ``add`` (immediate) of the
+    rest to that register, as gcc writes a position-independent address."""
+    words = struct.unpack_from(f"<{len(code) // 4}I", code)
+    for at, word in enumerate(words):
+        if word & 0x9F000000 != 0x90000000:  # adrp
+            continue
+        register = word & 31
+        pages = (word >> 5 & 0x7FFFF) << 2 | word >> 29 & 3
+        pages -= (pages & 1 << 20) << 1
+        page = ((code_address + 4 * at) & ~0xFFF) + (pages << 12)
+        for later in words[at + 1:at + 1 + _ADRP_ADD_REACH]:
+            # add xd, xn, #imm12{, lsl #12}, xn the adrp's register
+            if later & 0xFF800000 == 0x91000000 and later >> 5 & 31 == register:
+                shift = 12 if later & 1 << 22 else 0
+                if page + ((later >> 10 & 0xFFF) << shift) == target:
+                    return True
+    return False
 
 
 class FpState(NamedTuple):
@@ -260,8 +311,9 @@ class Arm64:
     restart_syscall = RESTART_SYSCALL
     sigreturn_code: tuple[bytes, ...] = (SIGRETURN_CODE,)
 
-    def __init__(self) -> None:
-        self._pac_mask = 0  # NT_ARM_PAC_MASK's insn_mask, once read; 0 without PAC
+    def __init__(self, pac_mask: int = 0) -> None:
+        # NT_ARM_PAC_MASK's insn_mask, read with the first registers; 0 without PAC
+        self._pac_mask = pac_mask
 
     def borrowable(self, number: int, arguments: tuple[int, ...] | list[int]) -> bool:
         return borrowable(number, arguments)
@@ -290,6 +342,16 @@ class Arm64:
 
     def code_address(self, word: int) -> int:
         return word & ~(self._pac_mask | _TAG_BITS)
+
+    def calls(self, read: Read, address: int, function: int) -> bool:
+        return calls(read, address, function)
+
+    def caller_index(self, words: list[int], top: int, index: int, read: Read, callee: int
+                     ) -> int | None:
+        return caller_index(words, top, index)
+
+    def names_address(self, code: bytes, code_address: int, target: int) -> bool:
+        return names_address(code, code_address, target)
 
     def thread_state(self, ptrace: Tracer, target: Target, tid: int) -> FpState:
         gcs = ptrace.regset(tid, NT_ARM_GCS, 24)

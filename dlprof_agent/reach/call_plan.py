@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.errors import TargetGone
+from dlprof_agent.reach.cpu import Cpu
 from dlprof_agent.reach.cpus import this_cpu
 from dlprof_agent.reach.elf import scan_elf_file
 from dlprof_agent.reach.lock_wait import LockWait, ParkingLotWait, call_targets
@@ -76,19 +77,16 @@ def plan_calls(target: Target, runtime: PythonRuntime) -> CallAddresses | None:
     gadget = _find_sigreturn(target, maps, libc, cpu.sigreturn_code)
     if add is None or run is None or allocate is None or gadget is None:
         return None
-    # Up to 3.12; 3.13 only where its pending-call mutex is found (``pending_mutex``,
-    # which reads x86-64 code)
-    mutex = (_pending_mutex(target, maps, runtime.library, python_files)
-             if runtime.version == (3, 13) and cpu.name == "x86-64" else None)
+    # Up to 3.12; 3.13 only where its pending-call mutex is found (``pending_mutex``)
+    mutex = (_pending_mutex(target, maps, runtime.library, python_files, cpu)
+             if runtime.version == (3, 13) else None)
     busy = (BusyStops(frozenset({runtime.library, exe}),
                       _function_extent(target, maps, runtime.library, python_files,
                                        "_PyEval_EvalFrameDefault"), mutex)
             if runtime.version is not None and (runtime.version < (3, 13) or mutex is not None)
             else None)
-    # 3.13's parking lot is recognised by x86-64 prologues and calls (``lock_wait``)
     lock_wait: LockWait | None = (
-        (_parking_lot_wait(target, maps, runtime.library, python_files)
-         if cpu.name == "x86-64" else None)
+        _parking_lot_wait(target, maps, runtime.library, python_files, cpu)
         if runtime.version in PARKING_LOT_VERSIONS else
         _function_extent(target, maps, runtime.library, python_files,
                          "PyThread_acquire_lock_timed")
@@ -109,7 +107,8 @@ def runtime_life(target: Target, maps: list[Mapping], runtime: PythonRuntime, fi
 PARKING_LOT_VERSIONS = ((3, 13), (3, 14))  # whose lock waits were read (``lock_wait``)
 
 
-def _pending_mutex(target: Target, maps: list[Mapping], path: str, files: list[str]) -> int | None:
+def _pending_mutex(target: Target, maps: list[Mapping], path: str, files: list[str], cpu: Cpu
+                   ) -> int | None:
     """3.13's main-thread pending-call mutex in the target (``pending_mutex``), or None."""
     runtime_state = data_address(target, maps, path, files, "_PyRuntime")
     adder = _function_extent(target, maps, path, files, "_PyEval_AddPendingCall")
@@ -119,16 +118,20 @@ def _pending_mutex(target: Target, maps: list[Mapping], path: str, files: list[s
         code = read_memory(target, adder[0], adder[1] - adder[0])
     except OSError:
         return None
-    return pending_mutex_address(runtime_state, code, adder[0])
+    return pending_mutex_address(runtime_state, code, adder[0], cpu.names_address)
 
 
-def _parking_lot_wait(target: Target, maps: list[Mapping], path: str, files: list[str]
-                      ) -> ParkingLotWait | None:
+def _parking_lot_wait(target: Target, maps: list[Mapping], path: str, files: list[str],
+                      cpu: Cpu) -> ParkingLotWait | None:
     semaphore_wait = _function_extent(target, maps, path, files, "_PySemaphore_Wait")
     park = _function_extent(target, maps, path, files, "_PyParkingLot_Park")
     event_wait = _function_extent(target, maps, path, files, "PyEvent_WaitTimed")
     if semaphore_wait is None or park is None:
         return None
+    if cpu.name != "x86-64":
+        # Park's copy without a symbol was read in x86-64's Debian 3.14 only (its
+        # ``call rel32``s); elsewhere Park itself
+        return ParkingLotWait(semaphore_wait, park)
     # The copy of Park that PyEvent_WaitTimed calls (3.14), where it is not Park itself
     at, code = event_wait[0] if event_wait else 0, b""
     with contextlib.suppress(OSError):

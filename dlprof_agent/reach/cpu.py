@@ -35,6 +35,21 @@ class Cpu(Protocol):
         """A return address as stored on the stack, without any authentication code."""
         ...
 
+    def calls(self, read: Read, address: int, function: int) -> bool:
+        """``address`` follows a direct call of ``function``."""
+        ...
+
+    def caller_index(self, words: list[int], top: int, index: int, read: Read, callee: int
+                     ) -> int | None:
+        """Of the stack's ``words`` from ``top`` up, ``words[index]`` returning into the
+        function at ``callee``: the index of that function's own return address."""
+        ...
+
+    def names_address(self, code: bytes, code_address: int, target: int) -> bool:
+        """``code``, loaded at ``code_address``, puts the address ``target`` in a
+        register (``pending_mutex``)."""
+        ...
+
     def thread_state(self, ptrace: Tracer, target: Target, tid: int) -> object:
         """What the frame must hold beyond the general registers; raises
         InjectionUnsafe where it cannot hold it."""

@@ -59,6 +59,17 @@ class CallSites(Protocol):
 
     def code_address(self, word: int) -> int: ...
 
+    def calls(self, read: Read, address: int, function: int) -> bool:
+        """``address`` follows a direct call of ``function``."""
+        ...
+
+    def caller_index(self, words: list[int], top: int, index: int, read: Read, callee: int
+                     ) -> int | None:
+        """``words`` are the stack's from ``top`` up, as code addresses, and
+        ``words[index]`` a return address into the function at ``callee``: the index
+        of the return address of that function's own call, None where it is unknown."""
+        ...
+
 FUTEX = 202
 # A wait with a timeout that a ptrace stop interrupted goes on as restart_syscall, its
 # registers (the futex's arguments) as they were
@@ -95,7 +106,7 @@ class ParkingLotWait(NamedTuple):
 LockWait = tuple[int, int] | ParkingLotWait  # PyThread_acquire_lock_timed, or 3.13's
 
 
-def _calls(read: Callable[[int, int], bytes], address: int, function: int) -> bool:
+def calls(read: Callable[[int, int], bytes], address: int, function: int) -> bool:
     """``address`` follows a ``call rel32`` of ``function``."""
     try:
         before = read(address - 5, 5)
@@ -103,6 +114,20 @@ def _calls(read: Callable[[int, int], bytes], address: int, function: int) -> bo
         return False
     return (len(before) == 5 and before[0] == 0xE8
             and address + int.from_bytes(before[1:], "little", signed=True) == function)
+
+
+def caller_index(words: list[int], index: int, read: Callable[[int, int], bytes],
+                 callee: int) -> int | None:
+    """x86-64: the return address of ``callee``'s own call is the word right above its
+    frame, whose size its prologue says; None where the prologue is not read."""
+    try:
+        frame = frame_bytes(read(callee, _PROLOGUE_BYTES))
+    except OSError:
+        return None
+    if frame is None:
+        return None
+    above = index + 1 + frame // 8
+    return above if above < len(words) else None
 
 
 def _stack_words(cpu: CallSites, stopped: Stopped, read: Callable[[int, int], bytes],
@@ -133,59 +158,53 @@ def in_lock_wait(cpu: CallSites, stopped: Stopped, read: Callable[[int, int], by
                  stack_end: int, lock_function: LockWait) -> bool:
     """The thread, stopped as ``stopped`` says, waits on a futex for
     PyThread_acquire_lock_timed, which lies at [start, end) of ``lock_function``, or
-    (a ParkingLotWait, x86-64 only) in the parking lot for a caller that retries.
+    (a ParkingLotWait) in the parking lot for a caller that retries.
     ``read(address, size)`` reads the job's memory; the stack ends at ``stack_end``."""
     words = _stack_words(cpu, stopped, read, stack_end)
     if isinstance(lock_function, ParkingLotWait):
-        return _parked(words, read, lock_function)
+        return _parked(cpu, stopped.sp & ~7, words, read, lock_function)
     start, end = lock_function
     return any(start < word < end and cpu.after_a_call(read, word) for word in words)
 
 
-def _parked(words: list[int], read: Callable[[int, int], bytes], wait: ParkingLotWait
-            ) -> bool:
+def _parked(cpu: CallSites, top: int, words: list[int], read: Callable[[int, int], bytes],
+            wait: ParkingLotWait) -> bool:
     (semaphore, semaphore_end), (park, park_end) = wait.semaphore_wait, wait.park
-    try:
-        frame = frame_bytes(read(semaphore, _PROLOGUE_BYTES))
-    except OSError:
-        return False
-    if frame is None:
-        return False
-    # The caller's return address is right above _PySemaphore_Wait's frame: the words
-    # between may hold stale return addresses of earlier calls, so none is searched for.
-    above = 1 + frame // 8
-    return any(semaphore < word < semaphore_end and after_a_call(read, word)
-               and index + above < len(words)
-               and _calls(read, words[index + above], semaphore)
-               and (park < words[index + above] < park_end
-                    or _in_a_park_copy(words, index + above, read, wait.park_copies))
-               for index, word in enumerate(words))
-
-
-def _in_a_park_copy(words: list[int], at: int, read: Callable[[int, int], bytes],
-                    copies: tuple[tuple[int, int], ...]) -> bool:
-    """``words[at]`` is a return address in one of ``copies``: it lies where that
-    copy's code may, and the word right above the copy's frame follows a call of it."""
-    for copy, bound in copies:
-        if not copy < words[at] < bound:
+    for index, word in enumerate(words):
+        if not (semaphore < word < semaphore_end and cpu.after_a_call(read, word)):
             continue
-        try:
-            frame = frame_bytes(read(copy, _PROLOGUE_BYTES))
-        except OSError:
+        # Found from _PySemaphore_Wait's frame, not searched for: the words between may
+        # hold stale return addresses of earlier calls.
+        caller = cpu.caller_index(words, top, index, read, semaphore)
+        if caller is None or not cpu.calls(read, words[caller], semaphore):
             continue
-        caller = at + 1 + frame // 8 if frame is not None else len(words)
-        if caller < len(words) and _calls(read, words[caller], copy):
+        if park < words[caller] < park_end or _in_a_park_copy(
+                cpu, top, words, caller, read, copies=wait.park_copies):
             return True
     return False
 
 
-def waits_in_parking_lot(syscall: list[str], read: Callable[[int, int], bytes],
+def _in_a_park_copy(cpu: CallSites, top: int, words: list[int], at: int,
+                    read: Callable[[int, int], bytes], *,
+                    copies: tuple[tuple[int, int], ...]) -> bool:
+    """``words[at]`` is a return address in one of ``copies``: it lies where that
+    copy's code may, and the copy's own return address follows a call of it."""
+    for copy, bound in copies:
+        if not copy < words[at] < bound:
+            continue
+        caller = cpu.caller_index(words, top, at, read, copy)
+        if caller is not None and cpu.calls(read, words[caller], copy):
+            return True
+    return False
+
+
+def waits_in_parking_lot(cpu: CallSites, syscall: list[str], read: Callable[[int, int], bytes],
                          stack_end: int, wait: ParkingLotWait) -> bool:
     """A thread, as its /proc/<pid>/task/<tid>/syscall line (split) shows it without
     stopping it, waits on a futex in the parking lot for a caller that retries: the
     agent's guess before it decides how to reach the job; the injector checks again
     on the stopped thread."""
-    if len(syscall) < 9 or syscall[0] != str(FUTEX):
+    if len(syscall) < 9 or syscall[0] != str(cpu.futex):
         return False
     try:
         command, stack_pointer = int(syscall[2], 16), int(syscall[7], 16)
@@ -193,7 +212,8 @@ def waits_in_parking_lot(syscall: list[str], read: Callable[[int, int], bytes],
         return False
     if (command & _FUTEX_COMMAND) not in _FUTEX_WAITS:
         return False
-    return _parked(_words_from(stack_pointer, read, stack_end), read, wait)
+    words = [cpu.code_address(word) for word in _words_from(stack_pointer, read, stack_end)]
+    return _parked(cpu, stack_pointer & ~7, words, read, wait)
 
 
 def frame_bytes(code: bytes) -> int | None:

@@ -10,13 +10,15 @@ borrowed thread has queued its call and left (``ptrace``).
 
 The address is _PyRuntime plus the offset of that field in 3.13's ``_PyRuntimeState``
 (a struct of the interpreter's internals), and is used only where the code of
-``_PyEval_AddPendingCall`` in the job names it, as an absolute 32-bit address (a build
-that is not position-independent, as Debian's) or %rip-relative: a build laid out
-otherwise borrows no busy thread, as before."""
+``_PyEval_AddPendingCall`` in the job names it: on x86-64 as an absolute 32-bit address
+(a build that is not position-independent, as Debian's) or %rip-relative; on arm64 by
+``adrp`` and ``add`` (``arm64``), as Debian's arm64 build does (the field's offset is
+the same there). A build laid out otherwise borrows no busy thread, as before."""
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 # offsetof(_PyRuntimeState, ceval.pending_mainthread) in 3.13, default (GIL) build
 PENDING_MAINTHREAD_OFFSET_3_13 = 0xA50
@@ -42,10 +44,13 @@ def code_names_address(code: bytes, code_address: int, target: int) -> bool:
 
 
 def pending_mutex_address(runtime_state: int, add_pending_call_code: bytes,
-                          code_address: int) -> int | None:
+                          code_address: int,
+                          names: Callable[[bytes, int, int], bool] = code_names_address
+                          ) -> int | None:
     """The address of 3.13's main-thread pending-call mutex, given where _PyRuntime is and
-    the code of _PyEval_AddPendingCall; None unless that code names its queue."""
+    the code of _PyEval_AddPendingCall; None unless that code names its queue, as
+    ``names`` (its CPU's reading, ``cpu``) finds it."""
     queue = runtime_state + PENDING_MAINTHREAD_OFFSET_3_13
-    if not code_names_address(add_pending_call_code, code_address, queue):
+    if not names(add_pending_call_code, code_address, queue):
         return None
     return queue + MUTEX_OFFSET

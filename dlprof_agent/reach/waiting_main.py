@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from dlprof_agent.collectors.target import Target
+from dlprof_agent.reach.cpus import this_cpu
 from dlprof_agent.reach.lock_wait import ParkingLotWait, waits_in_parking_lot
 from dlprof_agent.reach.mapped_files import read_memory
 from dlprof_agent.reach.procfs import memory_map
@@ -18,6 +19,9 @@ from dlprof_agent.reach.threads import thread_syscalls
 def main_thread_parked(target: Target, wait: ParkingLotWait) -> bool:
     """The main thread of the target waits in the parking lot, described by ``wait``, for
     a caller that retries."""
+    cpu = this_cpu()
+    if cpu is None:
+        return False
     main = next((fields for tid, fields in thread_syscalls(target) if tid == target.pid),
                 None)
     if main is None or len(main) < 9:
@@ -27,5 +31,5 @@ def main_thread_parked(target: Target, wait: ParkingLotWait) -> bool:
         stack = next((end for start, end, *_ in memory_map(target.pid, procfs=target.procfs)
                       if start <= stack_pointer < end), None)
         return stack is not None and waits_in_parking_lot(
-            main, lambda address, size: read_memory(target, address, size), stack, wait)
+            cpu, main, lambda address, size: read_memory(target, address, size), stack, wait)
     return False

@@ -9,6 +9,7 @@ from typing import NamedTuple
 from dlprof_agent.collectors.target import Target
 from dlprof_agent.reach import lock_wait, threads
 from dlprof_agent.reach.frame import REGISTERS, frame_state_bytes, signal_frame, signed
+from dlprof_agent.reach.pending_mutex import code_names_address
 from dlprof_agent.reach.register_state import cpu_layout, put_back
 from dlprof_agent.reach.stopped import Read, Stopped
 from dlprof_agent.reach.tracer import Tracer
@@ -64,6 +65,16 @@ class X86_64:
 
     def code_address(self, word: int) -> int:
         return word
+
+    def calls(self, read: Read, address: int, function: int) -> bool:
+        return lock_wait.calls(read, address, function)
+
+    def caller_index(self, words: list[int], top: int, index: int, read: Read, callee: int
+                     ) -> int | None:
+        return lock_wait.caller_index(words, index, read, callee)
+
+    def names_address(self, code: bytes, code_address: int, target: int) -> bool:
+        return code_names_address(code, code_address, target)
 
     def thread_state(self, ptrace: Tracer, target: Target, tid: int) -> State:
         layout = cpu_layout(target)
