@@ -35,6 +35,11 @@ the word right above the copy's frame (its size read from its prologue) follows 
 call of that copy: the stack is laid out as that copy's call of
 ``_PySemaphore_Wait``, whatever called the copy.
 
+On arm64 the frame's size is not read: gcc keeps AAPCS64's frame records (x29, x30),
+so the record whose x30 returns into ``_PySemaphore_Wait`` holds in its x29 the
+address of that function's own record, whose x30 must follow Park's ``bl`` of it.
+Each CPU's place (``cpu``) says which word is the caller's.
+
 The wait is recognised by the system call (a futex wait, or the restart_syscall
 that goes on with one after an earlier stop) and by a return address
 into ``PyThread_acquire_lock_timed`` (3.9-3.12), or into ``_PySemaphore_Wait`` then
