@@ -155,30 +155,27 @@ def borrowable(number: int, arguments: tuple[int, ...] | list[int]) -> bool:
     return index is not None and index < len(arguments) and arguments[index] == 0
 
 
-def after_a_call(read: Callable[[int, int], bytes], address: int) -> bool:
-    """``address`` follows ``bl``, ``blr`` or an authenticating ``blra*``: a return
-    address."""
+def _instruction_before(read: Callable[[int, int], bytes], address: int) -> int | None:
     try:
         before = read(address - 4, 4)
     except OSError:
-        return False
-    if len(before) != 4:
-        return False
-    word = int.from_bytes(before, "little")
-    return (word & 0xFC000000 == 0x94000000 or word & 0xFFFFFC1F == 0xD63F0000
-            or word & 0xFEFFF800 == 0xD63F0800)
+        return None
+    return int.from_bytes(before, "little") if len(before) == 4 else None
+
+
+def after_a_call(read: Callable[[int, int], bytes], address: int) -> bool:
+    """``address`` follows ``bl``, ``blr`` or an authenticating ``blra*``: a return
+    address."""
+    word = _instruction_before(read, address)
+    return word is not None and (word & 0xFC000000 == 0x94000000
+                                 or word & 0xFFFFFC1F == 0xD63F0000
+                                 or word & 0xFEFFF800 == 0xD63F0800)
 
 
 def calls(read: Callable[[int, int], bytes], address: int, function: int) -> bool:
     """``address`` follows a ``bl`` of ``function``."""
-    try:
-        before = read(address - 4, 4)
-    except OSError:
-        return False
-    if len(before) != 4:
-        return False
-    word = int.from_bytes(before, "little")
-    if word & 0xFC000000 != 0x94000000:
+    word = _instruction_before(read, address)
+    if word is None or word & 0xFC000000 != 0x94000000:
         return False
     offset = word & 0x3FFFFFF
     offset -= (offset & 1 << 25) << 1  # signed, in instructions
