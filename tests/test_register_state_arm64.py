@@ -27,7 +27,7 @@ from tests.test_register_state import (
 )
 from tests.test_register_state import start_job as start_holding_job
 
-PR_SVE_GET_VL, PR_SVE_VL_LEN_MASK = 51, 0xFFFF
+PR_SVE_GET_VL, PR_SVE_VL_LEN_MASK, PR_SME_GET_VL = 51, 0xFFFF, 64
 
 
 def sve_vector_length() -> int | None:
@@ -39,10 +39,21 @@ def sve_vector_length() -> int | None:
     return None if got < 0 else got & PR_SVE_VL_LEN_MASK
 
 
+def sme_vector_length() -> int | None:
+    """This thread's SME streaming vector length in bytes (prctl PR_SME_GET_VL); None
+    without SME."""
+    if platform.machine() != "aarch64":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = libc.prctl(PR_SME_GET_VL, 0, 0, 0, 0)
+    return None if got < 0 else got & PR_SVE_VL_LEN_MASK
+
+
 needs_arm64_injector = pytest.mark.skipif(
     hasattr(sys, "remote_exec") or platform.machine() != "aarch64",
     reason="the agent's own ptrace injector on arm64, before Python 3.14")
 needs_sve = pytest.mark.skipif(sve_vector_length() is None, reason="this CPU has no SVE")
+needs_sme = pytest.mark.skipif(sme_vector_length() is None, reason="this CPU has no SME")
 
 V_AT, Z_AT = 0, 512
 
@@ -156,6 +167,48 @@ HOLD = bytes.fromhex(
     "304508ad324d09ad34550aad365d0bad38650cad3a6d0dad3c750ead3e7d0fadee3f436dec37426dea2f416d"
     "e827c46cc0035fd6")
 
+HOLD_ZA_ASSEMBLY = r"""
+    .arch armv9-a+sme
+// long hold(int fd, char *byte, const char *values, char *found): ZA from values (its
+// SVL rows of SVL bytes), then TPIDR2 from the 8 bytes after them; waits in
+// read(fd, byte, 1); stores ZA and TPIDR2 to found the same way; returns read's result
+    rdsvl x9, #1
+    smstart za
+    mov x10, x2
+    mov w12, #0
+1:  ldr za[w12, 0], [x10]
+    add x10, x10, x9
+    add w12, w12, #1
+    cmp x12, x9
+    b.ne 1b
+    ldr x11, [x10]
+    msr tpidr2_el0, x11
+    mov x11, x3                      // found
+    mov x8, #63                      // read(fd, byte, 1)
+    mov x2, #1
+    svc #0
+    mov x13, x0
+    mov x10, x11
+    mov w12, #0
+2:  str za[w12, 0], [x10]
+    add x10, x10, x9
+    add w12, w12, #1
+    cmp x12, x9
+    b.ne 2b
+    mrs x11, tpidr2_el0
+    str x11, [x10]
+    msr tpidr2_el0, xzr              // no lazy save pending for the caller's code
+    smstop za
+    mov x0, x13
+    ret
+"""
+# HOLD_ZA_ASSEMBLY as GNU as (binutils 2.40) assembles it
+HOLD_ZA = bytes.fromhex(
+    "2958bf047f4503d5ea0302aa0c008052400100e14a01098b8c0500119f0109eb81ffff544b0140f9abd01bd5"
+    "eb0303aae80780d2220080d2010000d4ed0300aaea030baa0c008052400120e14a01098b8c0500119f0109eb"
+    "81ffff54abd03bd54b0100f9bfd01bd57f4403d5e0030daac0035fd6")
+
+
 def held_values(vl: int | None) -> bytes:
     """What the job holds: bytes of a fixed seed in V0-V31; with ``vl``, in Z0-Z31 and
     P0-P15 too, and an FFR whose first half is set (FFR must be monotonic: set
@@ -235,19 +288,48 @@ def test_a_busy_main_thread_borrowed_at_a_safe_pc_keeps_its_registers(
     check(values, tmp_path / "found", vl, caplog.records)
 
 
-def test_the_machine_code_is_its_assembly(tmp_path: Path) -> None:
+@needs_arm64_injector
+@needs_sme
+def test_a_thread_borrowed_in_a_read_with_za_on_keeps_za_and_tpidr2(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SME: the thread has ZA on (``smstart za``), every row of it loaded, and TPIDR2
+    set, and waits in a read. The frame holds no ZA record: the called functions never
+    touch ZA or TPIDR2, so both must come back as they were by themselves, not put
+    back by the agent after the detour."""
+    svl = sme_vector_length()
+    assert svl is not None
+    seeded = random.Random(0x5AE)
+    values = seeded.randbytes(svl * svl) + seeded.randbytes(8)  # ZA, then TPIDR2
+    marker = tmp_path / "ran"
+    job = start_holding_job(tmp_path, "read", values, code=HOLD_ZA)
+    returned = borrowed_in_a_read(job, marker, caplog, read_call="63", seconds=30)
+    assert returned == "1", "the read did not return its one byte"
+    assert marker.exists(), "the injected code did not run"
+    found = (tmp_path / "found").read_bytes()
+    lost = [f"za row {row}" for row in range(svl)
+            if found[row * svl:(row + 1) * svl] != values[row * svl:(row + 1) * svl]]
+    lost += ["tpidr2"] if found[-8:] != values[-8:] else []
+    assert not lost, f"came back different: {' '.join(lost)}"
+    fixed = put_back_by_the_agent(caplog.records)
+    assert not fixed, f"the frame lost state that the agent put back: {fixed}"
+
+
+@pytest.mark.parametrize(("assembly", "code"), [(HOLD_ASSEMBLY, HOLD),
+                                                 (HOLD_ZA_ASSEMBLY, HOLD_ZA)],
+                         ids=["hold", "hold_za"])
+def test_the_machine_code_is_its_assembly(tmp_path: Path, assembly: str, code: bytes) -> None:
     prefix = "" if platform.machine() == "aarch64" else "aarch64-linux-gnu-"
     tools = [shutil.which(prefix + name) for name in ("as", "objcopy")]
     if None in tools:
         pytest.skip(f"needs GNU as and objcopy for arm64 ({prefix}as: binutils"
                     f"{'-aarch64-linux-gnu' if prefix else ''})")
     assembler, objcopy = (str(tool) for tool in tools)
-    (tmp_path / "hold.s").write_text(HOLD_ASSEMBLY)
+    (tmp_path / "hold.s").write_text(assembly)
     subprocess.run([assembler, "-o", "hold.o", "hold.s"], cwd=tmp_path, check=True)
     subprocess.run([objcopy, "-O", "binary", "-j", ".text", "hold.o", "hold.bin"],
                    cwd=tmp_path, check=True)
     assembled = (tmp_path / "hold.bin").read_bytes()
-    assert assembled == HOLD, f"HOLD is not HOLD_ASSEMBLY; the bytes: {assembled.hex()}"
+    assert assembled == code, f"the code is not its assembly; the bytes: {assembled.hex()}"
 
 
 def test_lost_registers_are_named_by_what_an_fpsimd_only_frame_loses() -> None:
