@@ -145,7 +145,18 @@ def _in_kernel(pid, lwp):
             state = file.read().split()
     except OSError:
         return False
-    return bool(state) and state[0] not in ("running", "-1")
+    if not state or state[0] == "running":
+        return False
+    if state[0] != "-1":
+        return True
+    # arm64 forgets the number of a wait that gdb's stop interrupted, its pc rewound to
+    # the svc to make the call again: a thread in the kernel all the same
+    try:
+        return (gdb.selected_frame().architecture().name() == "aarch64"
+                and int.from_bytes(bytes(gdb.selected_inferior().read_memory(
+                    int(state[-1], 16), 4)), "little") == 0xD4000001)  # svc #0
+    except (gdb.error, ValueError):
+        return False
 
 def _shutting_down(words):
     # As the agent's reach/shutdown.py reads them, with every thread stopped
