@@ -1,6 +1,7 @@
 """On arm64, a thread the ptrace injector borrows gets back every register it had:
 V0-V31 (FP/SIMD) when borrowed in a read(), and Z0-Z31, P0-P15 and FFR at the thread's
-SVE vector length when borrowed busy, stopped at a safe PC. As on x86-64
+SVE vector length when borrowed busy, stopped at a safe PC; with SME, ZA and TPIDR2
+when borrowed in a read with ZA on. As on x86-64
 (``test_register_state.py``), the job is machine code that loads known bytes into
 them all, waits, and stores them back for the test to compare, and the frame alone
 must restore them, not the agent's check after it. These run on an arm64 machine, or
