@@ -768,19 +768,31 @@ def instruction_sets(flags: set[str]) -> str:
     return f"AMX and {wide}" if "amx_tile" in flags else f"{wide}, no AMX"
 
 
+def arm64_features(features: set[str]) -> str:
+    """What of arm64's register state the CPU has (cpuinfo's Features), in words."""
+    found = [next((name for flag, name in choices if flag in features), "")
+             for choices in ((("sve2", "SVE2"), ("sve", "SVE")), (("sme2", "SME2"), ("sme", "SME")),
+                             (("paca", "PAC"),), (("bti", "BTI"),))]
+    return ", ".join(name for name in found if name) or "FP/SIMD only"
+
+
 def machine() -> tuple[str, list[str]]:
     """This machine's subsection heading (its CPU) and the lines that describe it."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
-    found = re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M)
+    found = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", cpuinfo, re.M)
     flags = set(found.group(1).split()) if found else set()
-    wanted = sorted(flag for flag in flags if flag.startswith(("avx512", "amx", "xsave")))
+    arm64 = platform.machine() in ("aarch64", "arm64")
+    wide = ("sve", "sme", "pac", "bti") if arm64 else ("avx512", "amx", "xsave")
+    wanted = sorted(flag for flag in flags if flag.startswith(wide))
     probe = ("import json, importlib.util as u\nfound = {}\n"
              "if u.find_spec('torch'):\n    import torch\n"
              "    found['torch'] = torch.__version__ + ', CPU capability ' + "
              "torch.backends.cpu.get_cpu_capability()\n"
              "if u.find_spec('numpy'):\n    import numpy\n"
-             "    from numpy._core._multiarray_umath import __cpu_features__ as f\n"
+             "    try:\n        from numpy._core._multiarray_umath import __cpu_features__ as f\n"
+             "    except ImportError:\n"
+             "        from numpy.core._multiarray_umath import __cpu_features__ as f\n"
              "    found['numpy'] = numpy.__version__ + ', dispatches ' + (' '.join("
              "k for k, v in f.items() if v and k.startswith('AVX512')) or 'no AVX512')\n"
              "print(json.dumps(found))\n")
@@ -788,9 +800,10 @@ def machine() -> tuple[str, list[str]]:
                           timeout=120, check=False)
     versions = json.loads(done.stdout or "{}") if done.returncode == 0 else {}
     name = model.group(1) if model else platform.processor() or platform.machine()
-    return (f"{MACHINE_HEADING}{name}, {instruction_sets(flags)}",
+    sets = arm64_features(flags) if arm64 else instruction_sets(flags)
+    return (f"{MACHINE_HEADING}{name}, {sets}",
             [f"CPU: {name}, {os.cpu_count()} CPUs; flags: "
-             f"{' '.join(wanted) or 'none of avx512*, amx*, xsave*'}.",
+             f"{' '.join(wanted) or 'none of ' + ', '.join(f'{flag}*' for flag in wide)}.",
              f"Linux {platform.release()}, Python {platform.python_version()} "
              f"({platform.machine()})" + "".join(f"; {name} {text}"
                                                  for name, text in versions.items()) + "."])

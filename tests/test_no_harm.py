@@ -105,6 +105,11 @@ def test_the_instruction_sets_name_what_the_register_state_holds() -> None:
             == "AMX and AVX-512 with BF16 and FP16")
     heading, described = no_harm.machine()
     assert heading.startswith(no_harm.MACHINE_HEADING) and described[0].startswith("CPU: ")
+    # arm64's, from cpuinfo's Features: the widest vectors, then PAC and BTI
+    arm64 = no_harm.arm64_features
+    assert arm64({"fp", "asimd", "sve", "sve2", "paca", "pacg", "bti"}) == "SVE2, PAC, BTI"
+    assert arm64({"sve", "sme", "sme2", "paca"}) == "SVE, SME2, PAC"
+    assert arm64({"fp", "asimd"}) == "FP/SIMD only"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
