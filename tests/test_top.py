@@ -181,10 +181,9 @@ def test_top_url_opens_a_daemons_targets_table_and_one_job_on_enter(
     terminals.append(terminal)
     wait_for(lambda: "2 targets" in terminal.screen(), "the targets table")
     chosen = sorted(job.pid for job in jobs)[1]
-    terminal.keys("Down")
-    terminal.keys("Enter")
-    screen = wait_for(lambda: (screen := terminal.screen()) and f"pid {chosen}" in screen
-                      and "cpu and memory" in screen and screen, "the chosen job's screen")
+    terminal.keys("Down", "Enter")  # one write: top reads both keys at once
+    screen = terminal.wait_showing(f"pid {chosen}", "cpu and memory",
+                                   what="the chosen job's screen")
     assert "no probe in this process" in screen  # the daemon was told --no-probe
     terminal.keys("q")
     wait_for(lambda: "top-exited-0" in terminal.screen(), "top's exit")

@@ -15,7 +15,15 @@ from rich.console import Console
 
 from dlprof_agent.agent.core import AgentOptions
 from dlprof_agent.agent.serve import make_agent
-from dlprof_agent.agent.top_frame import FindingRow, Frame, LayerRow, build_frame, target_pids
+from dlprof_agent.agent.top_frame import (
+    FindingRow,
+    Frame,
+    LayerRow,
+    TargetRow,
+    build_frame,
+    target_pids,
+)
+from dlprof_agent.agent.top_screen import TopScreen, split_keys
 from dlprof_agent.agent.top_view import ViewState, render, sparkline, split_bar
 from dlprof_agent.cli.main import main
 from dlprof_agent.collectors.target import Target
@@ -149,3 +157,22 @@ def test_a_gpu_jobs_frame_has_its_kernels_and_its_gpu_from_a_real_h100_scrape() 
     assert "kernels and copies" in screen and "NVIDIA H100 80GB HBM3" in screen
     assert "at::native::vectorized_elementwise_kernel" in screen
     assert all(len(line) <= 100 for line in lines)
+
+
+def test_keys_read_together_are_split_and_a_sequence_cut_short_waits_for_its_end() -> None:
+    assert split_keys("\x1b[B\r") == (["\x1b[B", "\r"], "")
+    assert split_keys("jj\x1bOAq") == (["j", "j", "\x1bOA", "q"], "")
+    assert split_keys("\x1b[1;5B\x1b") == (["\x1b[1;5B", "\x1b"], "")  # ESC alone is a key
+    assert split_keys("t\x1b[") == (["t"], "\x1b[")
+
+
+def test_down_and_enter_in_one_read_open_the_second_target() -> None:
+    rows = tuple(TargetRow(pid, "job", "", True, None, None) for pid in (101, 202, 303))
+    screen = TopScreen(None, lambda: None)
+    screen.targets = rows
+    assert screen._key("\x1b[B\r") and screen.pid == 202 and not screen.choosing
+    assert screen._key("t") and screen.choosing
+    assert not screen._key("\x1b[")  # the rest of the arrow comes in the next read
+    assert screen._key("B") and screen.chosen == 2
+    assert screen._key("\x1bOA\n") and screen.pid == 202
+    assert not screen.quit.is_set() and screen._key("q") and screen.quit.is_set()

@@ -49,10 +49,31 @@ class _ScreenLog(logging.Handler):
         self._screen.say(record.getMessage())
 
 
-UP_KEYS = ("\x1b[A", "k")
-DOWN_KEYS = ("\x1b[B", "j")
+UP_KEYS = ("\x1b[A", "\x1bOA", "k")  # ESC O: the arrows in application cursor mode
+DOWN_KEYS = ("\x1b[B", "\x1bOB", "j")
 ENTER_KEYS = ("\r", "\n")
 BACK_KEYS = ("t",)
+
+
+def split_keys(pressed: str) -> tuple[list[str], str]:
+    """The keys of one read of the terminal, each escape sequence (an arrow's
+    ESC [ B) one key, and an escape sequence the read cut short, to go before the
+    next read: keys typed fast, or a busy agent, come in one read."""
+    keys: list[str] = []
+    at = 0
+    while at < len(pressed):
+        end = at + 1
+        if pressed[at] == "\x1b" and pressed[at + 1:at + 2] in ("[", "O"):
+            end = at + 2
+            # Parameters and intermediates up to a final byte in @..~ (ECMA-48).
+            while end < len(pressed) and not "@" <= pressed[end] <= "~":
+                end += 1
+            if end == len(pressed):
+                return keys, pressed[at:]
+            end += 1
+        keys.append(pressed[at:end])
+        at = end
+    return keys, ""
 
 
 class TopScreen:
@@ -89,6 +110,7 @@ class TopScreen:
         self._saved_tty: list[object] | None = None
         self._saved_handlers: list[logging.Handler] | None = None
         self._lock = threading.Lock()
+        self._cut_short = ""  # an escape sequence split between two reads
 
     # The sampler's side (attach's LiveStatus has the same two).
     def show(self, snapshot: object = None) -> None:
@@ -184,33 +206,40 @@ class TopScreen:
                 fresh = False
 
     def _key(self, pressed: str) -> bool:
-        """Act on the keys pressed; True when the screen changes."""
-        if self.choosing:
-            return self._choose(pressed)
-        if self.can_choose and pressed in BACK_KEYS:
-            self.choosing = True
-            return True
+        """Act on the keys pressed, in order; True when the screen changes."""
         changed = False
-        for key in pressed:
-            if key == "q":
-                self.quit.set()
-            elif key == "?":
-                self.state.help, changed = not self.state.help, True
-            elif key == "s":
-                self.state.sort = SORTS[(SORTS.index(self.state.sort) + 1) % len(SORTS)]
-                self.state.message, changed = f"sorted by {self.state.sort}", True
-            elif key in self._keys:
-                self.state.message, changed = self._keys[key](), True
+        keys, self._cut_short = split_keys(self._cut_short + pressed)
+        for key in keys:
+            changed = self._one_key(key) or changed
         return changed
 
-    def _choose(self, pressed: str) -> bool:
-        if "q" in pressed:
+    def _one_key(self, key: str) -> bool:
+        if self.choosing:
+            return self._choose(key)
+        if self.can_choose and key in BACK_KEYS:
+            self.choosing = True
+            return True
+        if key == "q":
             self.quit.set()
-        elif pressed in UP_KEYS:
+        elif key == "?":
+            self.state.help = not self.state.help
+        elif key == "s":
+            self.state.sort = SORTS[(SORTS.index(self.state.sort) + 1) % len(SORTS)]
+            self.state.message = f"sorted by {self.state.sort}"
+        elif key in self._keys:
+            self.state.message = self._keys[key]()
+        else:
+            return False
+        return True
+
+    def _choose(self, key: str) -> bool:
+        if key == "q":
+            self.quit.set()
+        elif key in UP_KEYS:
             self.chosen = max(0, self.chosen - 1)
-        elif pressed in DOWN_KEYS:
+        elif key in DOWN_KEYS:
             self.chosen = min(len(self.targets) - 1, self.chosen + 1)
-        elif pressed in ENTER_KEYS and self.targets:
+        elif key in ENTER_KEYS and self.targets:
             pid = self.targets[min(self.chosen, len(self.targets) - 1)].pid
             if pid != self.pid:
                 self.pid, self.frame, self.state = pid, None, ViewState()
