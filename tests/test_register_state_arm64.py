@@ -21,10 +21,18 @@ from pathlib import Path
 
 import pytest
 
+from dlprof_agent.collectors.target import Target
+from dlprof_agent.errors import InjectionUnsafe
+from dlprof_agent.reach.inject import inject
+from tests.helpers import wait_until
+from tests.test_inject_kill import status
 from tests.test_register_state import (
     borrowed_in_a_read,
     borrowed_while_spinning,
+    finish,
     put_back_by_the_agent,
+    stop,
+    write_marker,
 )
 from tests.test_register_state import start_job as start_holding_job
 
@@ -209,6 +217,30 @@ HOLD_ZA = bytes.fromhex(
     "eb0303aae80780d2220080d2010000d4ed0300aaea030baa0c008052400120e14a01098b8c0500119f0109eb"
     "81ffff54abd03bd54b0100f9bfd01bd57f4403d5e0030daac0035fd6")
 
+SPIN_STREAMING_ASSEMBLY = r"""
+    .arch armv9-a+sme
+// long hold(int fd, char *byte, const char *values, char *found, char *flag, long sve):
+// in SME streaming mode, sets flag[1] and spins until flag[0] is set (returns 1), or
+// 2**36 turns (returns 0); leaves streaming mode before it returns
+    smstart sm
+    mov w10, #1
+    strb w10, [x4, #1]
+    movz x11, #0x10, lsl #32
+1:  ldrb w10, [x4]
+    cbnz w10, 2f
+    subs x11, x11, #1
+    b.ne 1b
+    mov x0, #0
+    b 3f
+2:  mov x0, #1
+3:  smstop sm
+    ret
+"""
+# SPIN_STREAMING_ASSEMBLY as GNU as (binutils 2.40) assembles it
+SPIN_STREAMING = bytes.fromhex(
+    "7f4303d52a0080528a0400390b02c0d28a004039aa0000356b0500f1a1ffff54000080d202000014200080d2"
+    "7f4203d5c0035fd6")
+
 
 def held_values(vl: int | None) -> bytes:
     """What the job holds: bytes of a fixed seed in V0-V31; with ``vl``, in Z0-Z31 and
@@ -315,9 +347,36 @@ def test_a_thread_borrowed_in_a_read_with_za_on_keeps_za_and_tpidr2(
     assert not fixed, f"the frame lost state that the agent put back: {fixed}"
 
 
+@needs_arm64_injector
+@needs_sme
+def test_a_busy_thread_in_streaming_mode_is_refused_in_one_line_and_runs_on(
+        tmp_path: Path) -> None:
+    """SME streaming mode: the called functions cannot run in it (much of A64's SIMD
+    is illegal there), so such a thread is not borrowed. The refusal is one line,
+    nothing runs in the job, and it goes on: stopped for the read of its state and
+    let go, never left stopped or traced."""
+    marker = tmp_path / "ran"
+    flag = tmp_path / "flag"
+    job = start_holding_job(tmp_path, "spin", bytes(8), code=SPIN_STREAMING)
+    try:
+        wait_until(lambda: flag.read_bytes()[1] == 1, 30, what="the job's spin in streaming mode")
+        with pytest.raises(InjectionUnsafe) as refused:
+            inject(Target.of(job.pid), write_marker(marker))
+        said = str(refused.value)
+        assert "SME streaming mode" in said and "\n" not in said, said
+        assert status(job.pid, "TracerPid") == "0", "the job is left traced"
+        with flag.open("r+b") as shared:
+            shared.write(b"\1")
+        assert finish(job) == "1", "the spin gave up before the flag was set"
+        assert not marker.exists(), "code ran in a thread that was refused"
+    finally:
+        stop(job)
+
+
 @pytest.mark.parametrize(("assembly", "code"), [(HOLD_ASSEMBLY, HOLD),
-                                                 (HOLD_ZA_ASSEMBLY, HOLD_ZA)],
-                         ids=["hold", "hold_za"])
+                                                 (HOLD_ZA_ASSEMBLY, HOLD_ZA),
+                                                 (SPIN_STREAMING_ASSEMBLY, SPIN_STREAMING)],
+                         ids=["hold", "hold_za", "spin_streaming"])
 def test_the_machine_code_is_its_assembly(tmp_path: Path, assembly: str, code: bytes) -> None:
     prefix = "" if platform.machine() == "aarch64" else "aarch64-linux-gnu-"
     tools = [shutil.which(prefix + name) for name in ("as", "objcopy")]
