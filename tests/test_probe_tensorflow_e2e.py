@@ -3,12 +3,15 @@ custom tf.function loop that gets the probe by injection."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import REPO, agent_env, free_port, wait_for
@@ -29,6 +32,18 @@ def starts(log: Path) -> list[float]:
             if "start" in record]
 
 
+def main_thread_cpu_seconds(launcher: subprocess.Popen[bytes]) -> float:
+    """CPU of the main thread of ``launcher``'s child (the job), in whole seconds: a job
+    importing TensorFlow on a loaded machine spends it, a stuck one does not (its
+    probe's and the agent's threads, which tick on their own, are not counted)."""
+    with contextlib.suppress(psutil.Error, OSError, IndexError, ValueError):
+        job = psutil.Process(launcher.pid).children()[0]
+        fields = Path(f"/proc/{job.pid}/task/{job.pid}/stat").read_text().rsplit(")", 1)[1]
+        user, system = fields.split()[11:13]
+        return (int(user) + int(system)) // os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
 def test_run_times_model_fit_steps_like_the_jobs_own_callback(
         processes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
     log = tmp_path / "job.jsonl"
@@ -39,8 +54,14 @@ def test_run_times_model_fit_steps_like_the_jobs_own_callback(
          sys.executable, JOB, "--log", str(log), "--steps", "120", "--linger", "3"],
         env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     processes.append(run)
-    wait_while_progressing(lambda: log.exists() and '"done"' in log.read_text(),
-                           lambda: len(starts(log)), 180, what="the job to finish fitting")
+    try:
+        wait_while_progressing(lambda: log.exists() and '"done"' in log.read_text(),
+                               lambda: (len(starts(log)), main_thread_cpu_seconds(run)), 180,
+                               what="the job to finish fitting")
+    except AssertionError as error:
+        run.kill()
+        said = run.communicate(timeout=30)[1].decode(errors="replace")[-2000:]
+        raise AssertionError(f"{error}; the agent said: {said}") from None
     time.sleep(1.0)  # five sampling intervals: the agent has read the final totals
     values = metrics(port)
     steady = int(values["dlprof_steps_total{phase=steady}"])
