@@ -127,6 +127,19 @@ def test_a_port_in_use_is_exit_5(target: int) -> None:
     assert f"port {port} on 127.0.0.1 is already in use" in line
 
 
+def test_run_on_a_port_in_use_is_exit_5_and_never_starts_the_job(tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = agent("run", "--port", str(port), "--quiet", "--", sys.executable, "-c",
+                       f"open({str(started)!r}, 'w')")
+    line = assert_one_line_error(result, 5)
+    assert f"port {port} on 127.0.0.1 is already in use" in line
+    assert not started.exists(), "the job was started, then stopped for the agent's port"
+
+
 def test_another_users_process_without_cap_sys_ptrace_is_exit_4(
         spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> None:
     setpriv = shutil.which("setpriv")

@@ -11,7 +11,13 @@ import socket
 from collections.abc import Callable
 
 from dlprof_agent.agent.loop import Health
-from dlprof_agent.errors import MissingLibrary, PortUnavailable, UsageError, WebConfigError
+from dlprof_agent.errors import (
+    DlprofError,
+    MissingLibrary,
+    PortUnavailable,
+    UsageError,
+    WebConfigError,
+)
 from dlprof_agent.exporters.admission import MAX_REQUESTS
 from dlprof_agent.exporters.http import MetricsServer
 from dlprof_agent.exporters.prometheus import NodeCollector, registry_of
@@ -45,6 +51,34 @@ def _loopback(listen: str) -> bool:
         return False
 
 
+def _cannot_listen(listen: str, port: int, error: OSError) -> DlprofError:
+    """The one-line error for a listening socket that could not be had."""
+    if isinstance(error, socket.gaierror):
+        return UsageError(f"cannot listen on {listen!r}: not an address of this machine",
+                          "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0")
+    where = f"{listen}:{port}"
+    if error.errno == errno.EADDRINUSE:
+        return PortUnavailable(f"port {port} on {listen} is already in use",
+                               f"pick another with --port, e.g. --port {port + 1}")
+    if error.errno == errno.EACCES:
+        return PortUnavailable(f"no permission to listen on {where}",
+                               f"ports below 1024 need root; use e.g. --port {DEFAULT_PORT}")
+    return UsageError(f"cannot listen on {where}: {error.strerror}", "check --listen and --port")
+
+
+def check_can_listen(listen: str, port: int) -> None:
+    """Raise the error serving would meet on ``listen``:``port``, before anything is
+    started (`run` checks before it starts the job, so a busy port costs the job
+    nothing). Port 0 (any free one) always works."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in listen else socket.AF_INET
+    try:
+        socket.create_server((listen, port), family=family).close()
+    except OSError as error:
+        raise _cannot_listen(listen, port, error) from None
+
+
 def start_metrics_server(collector: NodeCollector, health: Health,
                          listen: str, port: int, *,
                          version: Callable[[], object] | None = None,
@@ -57,21 +91,8 @@ def start_metrics_server(collector: NodeCollector, health: Health,
         server = MetricsServer(registry_of(collector), host=listen, port=port, health=health,
                                version=version, web_config=web_config,
                                max_requests=max_requests)
-    except socket.gaierror:
-        raise UsageError(f"cannot listen on {listen!r}: not an address of this "
-                         "machine", "use e.g. --listen 127.0.0.1 or --listen 0.0.0.0") from None
     except OSError as error:
-        where = f"{listen}:{port}"
-        if error.errno == errno.EADDRINUSE:
-            raise PortUnavailable(f"port {port} on {listen} is already in use",
-                                  f"pick another with --port, e.g. --port {port + 1}"
-                                  ) from None
-        if error.errno == errno.EACCES:
-            raise PortUnavailable(f"no permission to listen on {where}",
-                                  "ports below 1024 need root; use e.g. --port "
-                                  f"{DEFAULT_PORT}") from None
-        raise UsageError(f"cannot listen on {where}: {error.strerror}",
-                         "check --listen and --port") from None
+        raise _cannot_listen(listen, port, error) from None
     if web_config is None and not _loopback(listen):
         log.warning("serving /metrics on %s without TLS or authentication: anyone who can "
                     "reach this port reads it (see --web.config.file)", listen)

@@ -38,8 +38,11 @@ def run_command(command_line: list[str], options: ServeOptions, *,
     if not command_line:
         raise UsageError("no command to run", "put it after --, e.g. "
                          "dlprof-agent run -- python train.py")
+    from dlprof_agent.agent.endpoint import check_can_listen
     from dlprof_agent.probe.bootstrap import preload_environment
 
+    if options.serve_metrics:
+        check_can_listen(options.listen, options.port)  # a busy port stops nothing started
     try:
         job = subprocess.Popen(command_line, env=preload_environment(dict(os.environ)),
                                stdout=stdout)
