@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -36,11 +35,10 @@ def main_thread_cpu_seconds(launcher: subprocess.Popen[bytes]) -> float:
     """CPU of the main thread of ``launcher``'s child (the job), in whole seconds: a job
     importing TensorFlow on a loaded machine spends it, a stuck one does not (its
     probe's and the agent's threads, which tick on their own, are not counted)."""
-    with contextlib.suppress(psutil.Error, OSError, IndexError, ValueError):
+    with contextlib.suppress(psutil.Error, IndexError, StopIteration):
         job = psutil.Process(launcher.pid).children()[0]
-        fields = Path(f"/proc/{job.pid}/task/{job.pid}/stat").read_text().rsplit(")", 1)[1]
-        user, system = fields.split()[11:13]
-        return (int(user) + int(system)) // os.sysconf("SC_CLK_TCK")
+        main = next(thread for thread in job.threads() if thread.id == job.pid)
+        return float(int(main.user_time + main.system_time))
     return 0.0
 
 
